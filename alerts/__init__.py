@@ -1,0 +1,1 @@
+"""Prometheus alert and recording rules, generated from the catalog and thresholds."""

@@ -1,0 +1,1 @@
+"""Grafana dashboards (grafanalib), generated into JSON with their provisioning files."""

@@ -1,0 +1,1 @@
+"""The per-node exporter: collectors, pressure levels and the /metrics server."""

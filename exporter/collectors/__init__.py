@@ -1,0 +1,1 @@
+"""One module per source: NVML, dcgm-exporter, vLLM, allocator hand-off, cgroup."""

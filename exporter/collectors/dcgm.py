@@ -1,0 +1,159 @@
+"""GPU memory from dcgm-exporter, for clusters that already run it instead of giving NVML to us.
+
+dcgm-exporter reports framebuffer fields in MiB; oomguard converts them to bytes. Rules that keep
+the numbers honest:
+- both hostname spellings (`Hostname` up to 4.5.x, `hostname` later) map to `Hostname`;
+- MIG series (GPU_I_ID set) are instances of their own; they are never added up into the parent;
+- with per-pod GPU sharing a device has a device-level series plus one per pod: the device value
+  comes from the series without pod labels (or, where every series carries pod labels, from the
+  largest one, since they repeat the device value), and pod series are exported separately,
+  never summed;
+- blank sentinels (DCGM's "no value" markers, 2**31-16 and up for 32-bit fields, 2**47 and up
+  for doubles, 2**63-16 and up for 64-bit fields) are treated as missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
+from oomguard.exporter.render import FamilyBuilder
+from oomguard.exporter.textparse import Sample, fetch_text, is_openmetrics, parse
+
+from oomguard.errors import CollectorError
+
+MIB = 1024 * 1024
+_BLANK_INT32 = 2**31 - 16
+
+FB_FIELDS = {
+    "DCGM_FI_DEV_FB_TOTAL": "total",
+    "DCGM_FI_DEV_FB_USED": "used",
+    "DCGM_FI_DEV_FB_FREE": "free",
+    "DCGM_FI_DEV_FB_RESERVED": "reserved",
+}
+XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
+WANTED = (*FB_FIELDS, XID_FIELD)
+
+
+def is_blank(value: float) -> bool:
+    # Every DCGM blank sentinel is at least 2**31-16; no MiB figure or XID code gets there.
+    return value >= _BLANK_INT32
+
+
+def _identity(labels: dict[str, str], hostname_fallback: str) -> GpuIdentity:
+    return GpuIdentity(
+        gpu=labels.get("gpu", ""),
+        uuid=labels.get("UUID", ""),
+        pci_bus_id=labels.get("pci_bus_id", ""),
+        device=labels.get("device", ""),
+        model_name=labels.get("modelName", ""),
+        hostname=labels.get("Hostname") or labels.get("hostname") or hostname_fallback,
+        gpu_instance_id=labels.get("GPU_I_ID", ""),
+        gpu_instance_profile=labels.get("GPU_I_PROFILE", ""),
+    )
+
+
+def _pod(labels: dict[str, str]) -> tuple[str, str, str] | None:
+    if labels.get("pod"):
+        return labels.get("namespace", ""), labels["pod"], labels.get("container", "")
+    return None
+
+
+@dataclass
+class _Fields:
+    identity: GpuIdentity
+    device: dict[str, float] = field(default_factory=dict)  # series without pod labels
+    pod_max: dict[str, float] = field(default_factory=dict)  # largest pod-labelled value
+
+
+class DcgmCollector:
+    name = "dcgm"
+
+    def __init__(
+        self,
+        hostname: str,
+        url: str | None = None,
+        file: str | None = None,
+        timeout: float = 2.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        if bool(url) == bool(file):
+            raise ValueError("dcgm collector needs exactly one of url or file")
+        self.url, self.file = url, file
+        self.target = url or file or ""
+        self.hostname = hostname
+        self.timeout = timeout
+        self._client = client or httpx.Client()
+
+    def _read_text(self) -> tuple[str, bool]:
+        if self.file:
+            try:
+                return Path(self.file).read_text(), False
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CollectorError("not_found", f"cannot read {self.file}: {exc}") from exc
+        assert self.url
+        text, content_type = fetch_text(self._client, self.url, self.timeout)
+        return text, is_openmetrics(content_type)
+
+    def collect(self) -> GpuReading:
+        text, openmetrics = self._read_text()
+        parsed = parse(text, WANTED, openmetrics=openmetrics)
+        reading = GpuReading()
+        reading.invalid.update(parsed.dropped)
+        per_gpu: dict[tuple[str, str], _Fields] = {}
+        for metric, key in FB_FIELDS.items():
+            for s in parsed.get(metric):
+                if not self._valid(s, reading):
+                    continue
+                identity = _identity(s.labels, self.hostname)
+                fields = per_gpu.setdefault(identity.key, _Fields(identity))
+                pod = _pod(s.labels)
+                if pod is None:
+                    fields.device[key] = s.value * MIB
+                    fields.identity = identity  # prefer the device series' labels
+                else:
+                    fields.pod_max[key] = max(fields.pod_max.get(key, 0.0), s.value * MIB)
+                    if key == "used":
+                        reading.pods.append((identity, *pod, s.value * MIB))
+        for fields in per_gpu.values():
+            values = {**fields.pod_max, **fields.device}
+            used, free, reserved = values.get("used"), values.get("free"), values.get("reserved")
+            total = values.get("total")
+            if total is None and used is not None and free is not None:
+                total = used + free + (reserved or 0.0)
+            reading.gpus.append(GpuMemory(fields.identity, total, used, free, reserved))
+        seen_xid: set[tuple[str, str]] = set()
+        for s in parsed.get(XID_FIELD):
+            if not self._valid(s, reading):
+                continue
+            identity = _identity(s.labels, self.hostname)
+            if identity.key not in seen_xid:  # pod-mapped duplicates repeat the device's value
+                seen_xid.add(identity.key)
+                reading.last_xid.append((identity, s.value))
+        if not reading.gpus:
+            raise CollectorError(
+                "no_data", "no DCGM_FI_DEV_FB_* series in the dcgm-exporter output"
+            )
+        return reading
+
+    @staticmethod
+    def _valid(s: Sample, reading: GpuReading) -> bool:
+        if is_blank(s.value):
+            reading.invalid["blank_sentinel"] += 1
+            return False
+        if s.value < 0:
+            reading.invalid["negative"] += 1
+            return False
+        return True
+
+    def families(self, reading: GpuReading, out: FamilyBuilder) -> None:
+        for identity, namespace, pod, container, used in reading.pods:
+            out.add(
+                "oomguard_gpu_pod_memory_used_bytes",
+                (*identity.labels(), namespace, pod, container),
+                used,
+            )
+        for identity, code in reading.last_xid:
+            out.add("oomguard_gpu_last_xid", identity.labels(), code)

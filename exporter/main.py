@@ -1,0 +1,102 @@
+"""Wiring: build collectors from the configuration, run the poller and the HTTP server."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+import httpx
+from oomguard.exporter.collectors.allocator import AllocatorCollector
+from oomguard.exporter.collectors.base import Collector
+from oomguard.exporter.collectors.cgroup import CgroupCollector
+from oomguard.exporter.collectors.dcgm import DcgmCollector
+from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.collectors.vllm import VllmCollector
+from oomguard.exporter.config import ExporterConfig
+from oomguard.exporter.poller import Poller
+from oomguard.exporter.server import MetricsServer
+
+log = logging.getLogger("oomguard.exporter")
+
+
+def build_collectors(
+    config: ExporterConfig, client: httpx.Client | None = None, nvml_backend: object = None
+) -> list[Collector]:
+    client = client or httpx.Client(limits=httpx.Limits(max_connections=64))
+    host = config.hostname
+    collectors: list[Collector] = []
+    if config.nvml.enabled:
+        collectors.append(
+            NvmlCollector(
+                host, nvml_backend, config.nvml.process_metrics, config.nvml.timeout_seconds
+            )
+        )
+    if config.dcgm.enabled:
+        collectors.append(
+            DcgmCollector(
+                host, config.dcgm.url, config.dcgm.file, config.dcgm.timeout_seconds, client
+            )
+        )
+    for t in config.vllm:
+        collectors.append(VllmCollector(t.name, t.url, t.timeout_seconds, client))
+    if config.allocator.enabled:
+        collectors.append(
+            AllocatorCollector(
+                config.allocator.directory, host, config.allocator.stale_after_seconds
+            )
+        )
+    for cg in config.cgroups:
+        collectors.append(CgroupCollector(cg.name, cg.path, host))
+    return collectors
+
+
+class Exporter:
+    """The exporter process: poller plus HTTP server, started and stopped together."""
+
+    def __init__(self, config: ExporterConfig, nvml_backend: object = None) -> None:
+        self.config = config
+        self.poller = Poller(
+            build_collectors(config, nvml_backend=nvml_backend),
+            interval=config.interval_seconds,
+            thresholds=config.pressure,
+            engine_gpus={t.name: t.gpus for t in config.vllm},
+        )
+        self.server = MetricsServer(
+            config.listen_address,
+            lambda: self.poller.latest,
+            max_snapshot_age=max(10.0, 5 * config.interval_seconds),
+        )
+
+    def start(self) -> None:
+        self.poller.start()
+        self.server.start()
+        host, port = self.server.server_address[:2]
+        log.info(
+            "serving on http://%s:%s/metrics, polling every %ss with %d collectors",
+            host,
+            port,
+            self.config.interval_seconds,
+            len(self.poller.states),
+        )
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.poller.stop()
+
+
+def run(config: ExporterConfig) -> int:
+    exporter = Exporter(config)
+    done = threading.Event()
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        done.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    exporter.start()
+    done.wait()
+    exporter.stop()
+    return 0

@@ -1,0 +1,135 @@
+"""Metric families and their rendering to the Prometheus exposition formats.
+
+A snapshot is rendered once, when it is collected, and the bytes are served to every scrape.
+The text renderer caches each series' `name{labels}` prefix across snapshots, since label sets
+rarely change between polls: that is what makes rendering cheap enough to poll every 100 ms.
+OpenMetrics is rendered on demand through prometheus_client, from the same families.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.utils import floatToGoString
+
+from oomguard.catalog import MetricSpec, spec
+
+
+class Family:
+    """Samples of one catalogued metric, with label values in the catalog's label order."""
+
+    __slots__ = ("samples", "spec")
+
+    def __init__(self, name: str) -> None:
+        self.spec: MetricSpec = spec(name)
+        self.samples: list[tuple[tuple[str, ...], float]] = []
+
+    def add(self, labels: tuple[str, ...], value: float) -> None:
+        if len(labels) != len(self.spec.labels):
+            raise ValueError(
+                f"{self.spec.name}: expected labels {self.spec.labels}, got {len(labels)} values"
+            )
+        self.samples.append((labels, float(value)))
+
+
+class FamilyBuilder:
+    """Collects families by name so that several sources can add to the same metric."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Family] = {}
+
+    def add(self, name: str, labels: tuple[str, ...], value: float | None) -> None:
+        if value is None:
+            return
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = Family(name)
+        family.add(labels, value)
+
+    def families(self) -> list[Family]:
+        return list(self._families.values())
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+class TextRenderer:
+    """Renders families to the text format 0.0.4, caching series prefixes between calls."""
+
+    CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self, max_cached_series: int = 200_000) -> None:
+        self._prefixes: dict[tuple[str, tuple[str, ...]], str] = {}
+        self._headers: dict[str, str] = {}
+        self._max = max_cached_series
+
+    def _prefix(self, spec: MetricSpec, labels: tuple[str, ...]) -> str:
+        key = (spec.name, labels)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            if len(self._prefixes) >= self._max:
+                # Label churn (short-lived PIDs) must not grow memory without bound.
+                self._prefixes.clear()
+            pairs = ",".join(
+                f'{n}="{_escape_label(v)}"' for n, v in zip(spec.labels, labels, strict=True) if v
+            )
+            prefix = f"{spec.name}{{{pairs}}} " if pairs else f"{spec.name} "
+            self._prefixes[key] = prefix
+        return prefix
+
+    def _header(self, spec: MetricSpec) -> str:
+        header = self._headers.get(spec.name)
+        if header is None:
+            header = (
+                f"# HELP {spec.name} {_escape_help(spec.help)}\n# TYPE {spec.name} {spec.type}\n"
+            )
+            self._headers[spec.name] = header
+        return header
+
+    def render(self, families: Iterable[Family]) -> bytes:
+        parts: list[str] = []
+        for family in families:
+            if not family.samples:
+                continue
+            parts.append(self._header(family.spec))
+            prefix = self._prefix
+            fam_spec = family.spec
+            for labels, value in family.samples:
+                parts.append(prefix(fam_spec, labels))
+                parts.append(floatToGoString(value))
+                parts.append("\n")
+        return "".join(parts).encode()
+
+
+class _FamiliesCollector:
+    def __init__(self, families: Iterable[Family]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            s = family.spec
+            if s.type == "counter":
+                base = s.name[: -len("_total")] if s.name.endswith("_total") else s.name
+                metric: Metric = CounterMetricFamily(base, s.help, labels=s.labels)
+            else:
+                metric = GaugeMetricFamily(s.name, s.help, labels=s.labels)
+            for labels, value in family.samples:
+                if s.type == "counter" and (math.isnan(value) or value < 0):
+                    continue
+                metric.add_metric(list(labels), value)
+            yield metric
+
+
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def render_openmetrics(families: Iterable[Family]) -> bytes:
+    return openmetrics_latest(_FamiliesCollector(families))  # type: ignore[arg-type]

@@ -1,0 +1,5 @@
+import sys
+
+from oomguard.cli import main
+
+sys.exit(main())

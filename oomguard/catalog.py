@@ -1,0 +1,415 @@
+"""The metric catalog: every metric oomguard exports, in one place.
+
+The exporter builds its families from these specs, the alert rules and dashboards take their
+names from here, and a test fails when a rule or a panel names a metric that nothing exports.
+Names follow Prometheus conventions: an `oomguard_` prefix, base units (bytes, seconds, ratios
+0-1) in the name, `_total` on counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MetricType = Literal["gauge", "counter"]
+Component = Literal["exporter", "remediator"]
+
+# Identity labels of a GPU, spelled as dcgm-exporter spells them so that oomguard's series join
+# with dcgm-exporter's. MIG instances fill GPU_I_ID/GPU_I_PROFILE; whole GPUs leave them empty
+# (an empty label is an absent label in Prometheus).
+GPU_LABELS: tuple[str, ...] = (
+    "gpu",
+    "UUID",
+    "pci_bus_id",
+    "device",
+    "modelName",
+    "Hostname",
+    "GPU_I_ID",
+    "GPU_I_PROFILE",
+)
+# One vLLM engine: `target` is the name given to the vLLM endpoint in the exporter's config (and
+# the remediator's allowlist key); `engine` is vLLM's own engine index (data parallel rank).
+ENGINE_LABELS: tuple[str, ...] = ("target", "model_name", "engine")
+# One PyTorch process (rank) inside vLLM, as published by the oomguard vLLM plugin.
+ALLOCATOR_LABELS: tuple[str, ...] = ("Hostname", "gpu", "UUID", "target", "engine", "rank", "pid")
+HOST_LABELS: tuple[str, ...] = ("Hostname", "cgroup")
+COLLECTOR_LABELS: tuple[str, ...] = ("collector", "target")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    type: MetricType
+    help: str
+    unit: str
+    labels: tuple[str, ...]
+    component: Component = "exporter"
+
+
+def _gauge(name: str, help: str, unit: str, labels: tuple[str, ...], **kw: str) -> MetricSpec:
+    return MetricSpec(name, "gauge", help, unit, labels, **kw)  # type: ignore[arg-type]
+
+
+def _counter(name: str, help: str, unit: str, labels: tuple[str, ...], **kw: str) -> MetricSpec:
+    return MetricSpec(name, "counter", help, unit, labels, **kw)  # type: ignore[arg-type]
+
+
+_SPECS: tuple[MetricSpec, ...] = (
+    # --- GPU memory (NVML or dcgm-exporter) -------------------------------------------------
+    _gauge(
+        "oomguard_gpu_memory_total_bytes",
+        "Total device memory of the GPU or MIG instance.",
+        "bytes",
+        GPU_LABELS,
+    ),
+    _gauge(
+        "oomguard_gpu_memory_used_bytes",
+        "Device memory in use by processes (excludes driver-reserved memory).",
+        "bytes",
+        GPU_LABELS,
+    ),
+    _gauge(
+        "oomguard_gpu_memory_free_bytes",
+        "Device memory free for new allocations.",
+        "bytes",
+        GPU_LABELS,
+    ),
+    _gauge(
+        "oomguard_gpu_memory_reserved_bytes",
+        "Device memory reserved by the driver and firmware.",
+        "bytes",
+        GPU_LABELS,
+    ),
+    _gauge(
+        "oomguard_gpu_info",
+        "Constant 1 for each GPU seen; `source` tells which collector reported it.",
+        "",
+        (*GPU_LABELS, "source"),
+    ),
+    _gauge(
+        "oomguard_gpu_process_memory_used_bytes",
+        "Device memory used by one process (host PID), from NVML.",
+        "bytes",
+        (*GPU_LABELS, "pid"),
+    ),
+    _gauge(
+        "oomguard_gpu_pod_memory_used_bytes",
+        "Device memory used by one Kubernetes pod, from dcgm-exporter's pod mapping. "
+        "Never sum with the device series.",
+        "bytes",
+        (*GPU_LABELS, "namespace", "pod", "container"),
+    ),
+    _gauge(
+        "oomguard_gpu_last_xid",
+        "Code of the last XID error the GPU reported (a code, not a count), from dcgm-exporter.",
+        "",
+        GPU_LABELS,
+    ),
+    _gauge(
+        "oomguard_gpu_free_floor_bytes",
+        "Free device memory below which oomguard calls the GPU critical (pressure level 3).",
+        "bytes",
+        GPU_LABELS,
+    ),
+    _gauge(
+        "oomguard_gpu_pressure_level",
+        "Danger of a CUDA out-of-memory error on this GPU: 0 ok, 1 caution, 2 pressure, "
+        "3 critical; `reason` names the signal that set the level.",
+        "",
+        (*GPU_LABELS, "reason"),
+    ),
+    # --- PyTorch caching allocator, per rank (vLLM plugin hand-off) -------------------------
+    _gauge(
+        "oomguard_allocator_allocated_bytes",
+        "Bytes held by live tensors in the PyTorch caching allocator.",
+        "bytes",
+        ALLOCATOR_LABELS,
+    ),
+    _gauge(
+        "oomguard_allocator_reserved_bytes",
+        "Bytes the PyTorch caching allocator holds from the device (allocated plus cached).",
+        "bytes",
+        ALLOCATOR_LABELS,
+    ),
+    _gauge(
+        "oomguard_allocator_allocated_peak_bytes",
+        "Peak of allocated bytes since the process started or the peak was reset.",
+        "bytes",
+        ALLOCATOR_LABELS,
+    ),
+    _gauge(
+        "oomguard_allocator_reserved_peak_bytes",
+        "Peak of reserved bytes since the process started or the peak was reset.",
+        "bytes",
+        ALLOCATOR_LABELS,
+    ),
+    _gauge(
+        "oomguard_allocator_inactive_split_bytes",
+        "Bytes in inactive, split cached blocks: a measure of fragmentation.",
+        "bytes",
+        ALLOCATOR_LABELS,
+    ),
+    _counter(
+        "oomguard_allocator_alloc_retries_total",
+        "Allocations that failed once and succeeded after the allocator freed its cache.",
+        "",
+        ALLOCATOR_LABELS,
+    ),
+    _counter(
+        "oomguard_allocator_ooms_total",
+        "CUDA out-of-memory errors raised by the PyTorch allocator.",
+        "",
+        ALLOCATOR_LABELS,
+    ),
+    _gauge(
+        "oomguard_allocator_free_after_gc_bytes",
+        "Free device memory measured right after the plugin emptied the allocator cache.",
+        "bytes",
+        ALLOCATOR_LABELS,
+    ),
+    _gauge(
+        "oomguard_allocator_report_timestamp_seconds",
+        "Unix time at which the rank last published its allocator statistics.",
+        "seconds",
+        ALLOCATOR_LABELS,
+    ),
+    # --- vLLM engines (scraped from vLLM's /metrics) ----------------------------------------
+    _gauge(
+        "oomguard_vllm_up",
+        "1 when the last scrape of the vLLM endpoint succeeded.",
+        "",
+        ("target",),
+    ),
+    _gauge(
+        "oomguard_vllm_scrape_duration_seconds",
+        "Time the last scrape of the vLLM endpoint took.",
+        "seconds",
+        ("target",),
+    ),
+    _gauge(
+        "oomguard_vllm_kv_cache_usage_ratio",
+        "Fraction of the KV-cache pool in use (0-1). Near 1 under load is normal for vLLM.",
+        "ratio",
+        ENGINE_LABELS,
+    ),
+    _gauge(
+        "oomguard_vllm_requests_running",
+        "Requests in the engine's running batch.",
+        "",
+        ENGINE_LABELS,
+    ),
+    _gauge(
+        "oomguard_vllm_requests_waiting",
+        "Requests queued in the engine, not yet running.",
+        "",
+        ENGINE_LABELS,
+    ),
+    _counter(
+        "oomguard_vllm_preemptions_total",
+        "Running requests the scheduler evicted back to the queue (recompute).",
+        "",
+        ENGINE_LABELS,
+    ),
+    _counter(
+        "oomguard_vllm_requests_finished_total",
+        "Requests the engine finished, by vLLM's finished_reason.",
+        "",
+        (*ENGINE_LABELS, "finished_reason"),
+    ),
+    _counter(
+        "oomguard_vllm_prompt_tokens_total", "Prompt (prefill) tokens processed.", "", ENGINE_LABELS
+    ),
+    _counter(
+        "oomguard_vllm_generation_tokens_total", "Generated (decode) tokens.", "", ENGINE_LABELS
+    ),
+    _gauge(
+        "oomguard_vllm_kv_cache_blocks",
+        "KV-cache blocks in the engine's GPU pool.",
+        "",
+        ENGINE_LABELS,
+    ),
+    _gauge(
+        "oomguard_vllm_kv_cache_block_size_tokens", "Tokens per KV-cache block.", "", ENGINE_LABELS
+    ),
+    _gauge(
+        "oomguard_vllm_kv_cache_capacity_tokens",
+        "Tokens the KV-cache pool can hold.",
+        "",
+        ENGINE_LABELS,
+    ),
+    _gauge(
+        "oomguard_vllm_gpu_memory_utilization_ratio",
+        "The engine's --gpu-memory-utilization (share of device memory vLLM may use).",
+        "ratio",
+        ENGINE_LABELS,
+    ),
+    _gauge(
+        "oomguard_vllm_preemption_ratio",
+        "Preemptions per finished request over the exporter's rate window.",
+        "ratio",
+        ENGINE_LABELS,
+    ),
+    _gauge(
+        "oomguard_vllm_kv_projected_demand_ratio",
+        "Projected KV demand of running and waiting requests (average prompt plus output "
+        "tokens each, with a safety margin) over the pool's capacity. Can exceed 1.",
+        "ratio",
+        ENGINE_LABELS,
+    ),
+    _gauge(
+        "oomguard_engine_pressure_level",
+        "Danger of a CUDA out-of-memory error for this engine (its own signals and its "
+        "GPUs'): 0 ok, 1 caution, 2 pressure, 3 critical; `reason` names the signal.",
+        "",
+        (*ENGINE_LABELS, "reason"),
+    ),
+    # --- Host memory (cgroup) ---------------------------------------------------------------
+    _gauge(
+        "oomguard_host_memory_used_bytes",
+        "Memory charged to the cgroup (memory.current).",
+        "bytes",
+        HOST_LABELS,
+    ),
+    _gauge(
+        "oomguard_host_memory_limit_bytes",
+        "Memory limit of the cgroup (memory.max); the host's MemTotal when unlimited.",
+        "bytes",
+        HOST_LABELS,
+    ),
+    _counter(
+        "oomguard_host_oom_kills_total",
+        "Processes the kernel OOM killer killed in the cgroup (memory.events oom_kill): "
+        "the exit-137 class of OOM.",
+        "",
+        HOST_LABELS,
+    ),
+    # --- The exporter itself ----------------------------------------------------------------
+    _gauge(
+        "oomguard_exporter_build_info",
+        "Constant 1, labelled with the oomguard version.",
+        "",
+        ("version",),
+    ),
+    _gauge(
+        "oomguard_exporter_collector_up",
+        "1 when the collector's last poll succeeded, 0 when it failed or timed out.",
+        "",
+        COLLECTOR_LABELS,
+    ),
+    _gauge(
+        "oomguard_exporter_collector_duration_seconds",
+        "Time the collector's last poll took.",
+        "seconds",
+        COLLECTOR_LABELS,
+    ),
+    _counter(
+        "oomguard_exporter_collector_errors_total",
+        "Failed polls of a collector, by reason.",
+        "",
+        (*COLLECTOR_LABELS, "reason"),
+    ),
+    _counter(
+        "oomguard_exporter_invalid_samples_total",
+        "Samples a collector read and dropped (NaN, blank sentinels, out of range).",
+        "",
+        (*COLLECTOR_LABELS, "reason"),
+    ),
+    _gauge(
+        "oomguard_exporter_collector_last_success_timestamp_seconds",
+        "Unix time of the collector's last successful poll.",
+        "seconds",
+        COLLECTOR_LABELS,
+    ),
+    _gauge(
+        "oomguard_exporter_snapshot_timestamp_seconds",
+        "Unix time at which the snapshot being served was collected.",
+        "seconds",
+        (),
+    ),
+    _counter("oomguard_exporter_polls_total", "Poll cycles completed.", "", ()),
+    _gauge(
+        "oomguard_exporter_render_duration_seconds",
+        "Time spent rendering the last snapshot to the exposition format.",
+        "seconds",
+        (),
+    ),
+    # --- The remediator (names reserved here; the remediator exports them) ------------------
+    _counter(
+        "oomguard_remediator_actions_total",
+        "Actions the remediator took or decided, by kind and result.",
+        "",
+        ("target", "action", "result"),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_admission_cap",
+        "Admission cap (live max_num_seqs in effect) the remediator observes on the engine.",
+        "",
+        ("target",),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_startup_max_num_seqs",
+        "The engine's startup max_num_seqs: the ceiling of every cap.",
+        "",
+        ("target",),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_target_mode",
+        "1 for the mode the target is in (serving, capped, draining, readmitting, held).",
+        "",
+        ("target", "mode"),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_readmission_stage",
+        "Staged re-admission progress: the current stage's cap (0 when not re-admitting).",
+        "",
+        ("target",),
+        component="remediator",
+    ),
+    _counter(
+        "oomguard_remediator_webhook_requests_total",
+        "Alertmanager webhook requests received, by outcome.",
+        "",
+        ("outcome",),
+        component="remediator",
+    ),
+    _counter(
+        "oomguard_remediator_reconcile_errors_total",
+        "Reconcile passes that could not read or converge a target.",
+        "",
+        ("target",),
+        component="remediator",
+    ),
+    _counter(
+        "oomguard_remediator_safety_limited_total",
+        "Actions withheld by a safety limit (cooldown, rate limit, disruption budget, pause).",
+        "",
+        ("target", "limit"),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_paused",
+        "1 while the global pause switch is on.",
+        "",
+        (),
+        component="remediator",
+    ),
+)
+
+CATALOG: dict[str, MetricSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def spec(name: str) -> MetricSpec:
+    """Return the spec of a catalogued metric; a KeyError names the unknown metric."""
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise KeyError(f"metric {name!r} is not in the oomguard catalog") from None
+
+
+def exported_names(component: Component | None = None) -> set[str]:
+    """Every series name a component exposes (counters keep their `_total` name)."""
+    return {s.name for s in _SPECS if component is None or s.component == component}

@@ -1,0 +1,310 @@
+"""The `oomguard` command: one entry point, a subcommand per component.
+
+Imports of each component happen inside its subcommand, so `oomguard budget` does not load the
+exporter and nothing does work at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from oomguard import __version__
+from oomguard.errors import BudgetError, ConfigError
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+# -- exporter -----------------------------------------------------------------------------------
+def _add_exporter(sub: Any) -> None:
+    p = sub.add_parser(
+        "exporter",
+        help="run the per-node metrics exporter",
+        description="Poll GPU memory (NVML or dcgm-exporter), vLLM engines, allocator statistics "
+        "and cgroup memory in the background, compute pressure levels, and serve them on "
+        "/metrics. Flags override the YAML config file.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config (docs/configuration.md)")
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="address to serve /metrics and /healthz on (default 0.0.0.0:9848)",
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        metavar="SECONDS",
+        help="poll interval, 0.1 to 60 seconds (default 1)",
+    )
+    p.add_argument("--hostname", help="Hostname label value (default $NODE_NAME or host name)")
+    p.add_argument(
+        "--vllm",
+        action="append",
+        type=_key_value,
+        metavar="NAME=URL",
+        default=[],
+        help="a vLLM /metrics endpoint to scrape, e.g. llama=http://127.0.0.1:8000"
+        "/metrics; repeat for several engines",
+    )
+    p.add_argument("--dcgm-url", metavar="URL", help="read GPU memory from dcgm-exporter")
+    p.add_argument("--dcgm-file", metavar="FILE", help="read dcgm-exporter output from a file")
+    p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
+    p.add_argument(
+        "--allocator-dir",
+        metavar="DIR",
+        help="hand-off directory where the vLLM plugin publishes allocator stats "
+        "(default /run/oomguard/allocator)",
+    )
+    p.add_argument(
+        "--cgroup",
+        action="append",
+        type=_key_value,
+        metavar="NAME=PATH",
+        default=[],
+        help="a cgroup to report host memory for (default self=/sys/fs/cgroup); repeat for several",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(func=_run_exporter)
+
+
+def exporter_config_from_args(args: argparse.Namespace) -> Any:
+    from oomguard.config import load_yaml, validate
+    from oomguard.exporter.config import ExporterConfig
+
+    data: dict[str, Any] = load_yaml(args.config) if args.config else {}
+    if args.listen:
+        data["listen"] = args.listen
+    if args.interval is not None:
+        data["interval_seconds"] = args.interval
+    if args.hostname:
+        data["hostname"] = args.hostname
+    if args.vllm:
+        data["vllm"] = [*data.get("vllm", []), *({"name": n, "url": u} for n, u in args.vllm)]
+    if args.dcgm_url or args.dcgm_file:
+        data["dcgm"] = {**data.get("dcgm", {}), "url": args.dcgm_url, "file": args.dcgm_file}
+    if args.no_nvml:
+        data["nvml"] = {**data.get("nvml", {}), "enabled": False}
+    if args.allocator_dir:
+        data["allocator"] = {**data.get("allocator", {}), "directory": args.allocator_dir}
+    if args.cgroup:
+        data["cgroups"] = [{"name": n, "path": p} for n, p in args.cgroup]
+    return validate(ExporterConfig, data, args.config or "command-line flags")
+
+
+def _run_exporter(args: argparse.Namespace) -> int:
+    from oomguard.exporter.main import run
+
+    config = exporter_config_from_args(args)
+    try:
+        return run(config)
+    except OSError as exc:  # the port is taken, or the address is not ours
+        raise ConfigError(f"cannot listen on {config.listen}: {exc.strerror or exc}") from exc
+
+
+# -- budget -------------------------------------------------------------------------------------
+def _add_budget(sub: Any) -> None:
+    from oomguard.budget import GPU_MEMORY_MIB
+
+    p = sub.add_parser(
+        "budget",
+        help="size weights, KV cache and max_num_seqs for a model on a GPU",
+        description="From a Hugging Face config.json, the GPU's memory and vLLM's flags: "
+        "weights, KV bytes per token, KV pool, concurrency at a context length, and a "
+        "recommended max_num_seqs at 70-80 %% of what memory allows, with warnings.",
+    )
+    p.add_argument(
+        "model_config", metavar="CONFIG_JSON", help="path to the model's config.json, or its folder"
+    )
+    gpu = p.add_mutually_exclusive_group(required=True)
+    gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_MIB), help="a known GPU's memory")
+    gpu.add_argument("--gpu-memory", metavar="SIZE", help="device memory, e.g. 80GiB or 24GB")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="vLLM's --gpu-memory-utilization (default 0.9)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="vLLM's --max-model-len (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, help="vLLM's --max-num-seqs (default 256)"
+    )
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's --tensor-parallel-size (default 1)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="vLLM's --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2 (default auto)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="largest prefill chunk, drives the activation estimate (default 8192)",
+    )
+    p.add_argument(
+        "--context-len",
+        type=int,
+        help="context length for the concurrency figure (default max-model-len)",
+    )
+    p.add_argument(
+        "--weights-bytes",
+        metavar="SIZE",
+        help="weights per model, overriding the estimate (quantized checkpoints)",
+    )
+    p.add_argument(
+        "--overhead-bytes",
+        metavar="SIZE",
+        help="activation + non-torch memory per GPU, overriding the estimate",
+    )
+    p.add_argument(
+        "--kv-pool-bytes",
+        metavar="SIZE",
+        help="KV pool per GPU from vLLM's 'Available KV cache memory' log line",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_run_budget)
+
+
+def _gib(value: float) -> str:
+    return f"{value / 1024**3:,.2f} GiB"
+
+
+def _run_budget(args: argparse.Namespace) -> int:
+    from oomguard.budget import (
+        GPU_MEMORY_MIB,
+        BudgetInputs,
+        compute,
+        parse_size,
+        shape_from_hf_config,
+    )
+
+    path = Path(args.model_config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise BudgetError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise BudgetError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise BudgetError(f"{path} is not a JSON object")
+    try:
+        memory = GPU_MEMORY_MIB[args.gpu] * 2**20 if args.gpu else parse_size(args.gpu_memory)
+        size = lambda v: parse_size(v) if v else None  # noqa: E731
+        inputs = BudgetInputs(
+            gpu_memory_bytes=memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            tensor_parallel_size=args.tensor_parallel_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            context_len=args.context_len,
+            weights_bytes=size(args.weights_bytes),
+            overhead_bytes=size(args.overhead_bytes),
+            kv_pool_bytes=size(args.kv_pool_bytes),
+        )
+    except ValueError as exc:
+        raise BudgetError(str(exc)) from exc
+    budget = compute(shape_from_hf_config(config), inputs)
+    if args.json:
+        print(json.dumps(budget.to_dict(), indent=2))
+        return 0
+    rows = [
+        ("device memory", _gib(memory)),
+        ("gpu_memory_utilization", f"{inputs.gpu_memory_utilization:.2f}"),
+        ("weights per GPU", _gib(budget.weights_bytes_per_gpu)),
+        ("activation + non-torch per GPU", _gib(budget.overhead_bytes_per_gpu)),
+        ("KV pool per GPU", _gib(budget.kv_pool_bytes_per_gpu)),
+        ("KV bytes per token (model)", f"{budget.kv_bytes_per_token:,} B"),
+        ("KV bytes per token (per GPU)", f"{budget.kv_bytes_per_token_per_gpu:,} B"),
+        ("KV tokens in the pool", f"{budget.kv_pool_tokens:,}"),
+        ("max_model_len", f"{budget.max_model_len:,}"),
+        (f"concurrency at {budget.context_len:,} tokens", f"{budget.concurrency_at_context:,.1f}"),
+        ("max_num_seqs (given)", f"{budget.max_num_seqs}"),
+        (
+            "recommended max_num_seqs",
+            f"{budget.recommended_max_num_seqs} "
+            f"(70-80 %: {budget.recommended_range[0]}-{budget.recommended_range[1]})",
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    for w in budget.warnings:
+        print(f"warning: {w}")
+    return 0
+
+
+# -- generate -----------------------------------------------------------------------------------
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="write the alert rules, dashboards and Alertmanager/Prometheus configs",
+        description="Regenerate every generated file from the metric catalog and thresholds. "
+        "With --check, write nothing and exit 1 if a committed file differs.",
+    )
+    p.add_argument("--root", default=".", help="repository root to write into (default .)")
+    p.add_argument("--check", action="store_true", help="only report drift, exit 1 if any")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from oomguard.generate import generate_all
+
+    drift = generate_all(Path(args.root), check=args.check)
+    for path in drift:
+        print(f"{'differs' if args.check else 'wrote'}: {path}")
+    return 1 if args.check and drift else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oomguard",
+        description="Keep vLLM GPU serving out of out-of-memory crashes.",
+    )
+    parser.add_argument("--version", action="version", version=f"oomguard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_exporter(sub)
+    _add_budget(sub)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
+    try:
+        return int(args.func(args))
+    except (ConfigError, BudgetError) as exc:
+        print(f"oomguard {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
