@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 import httpx
 from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
-from oomguard.exporter.textparse import Parsed, fetch_text, is_openmetrics, parse
+from oomguard.exporter.textparse import (
+    DEFAULT_MAX_BYTES,
+    Parsed,
+    fetch_text,
+    is_openmetrics,
+    parse,
+)
 
 from oomguard.errors import CollectorError
 
@@ -105,15 +111,21 @@ class VllmCollector:
     name = "vllm"
 
     def __init__(
-        self, target: str, url: str, timeout: float = 2.0, client: httpx.Client | None = None
+        self,
+        target: str,
+        url: str,
+        timeout: float = 2.0,
+        client: httpx.Client | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
+        self.max_bytes = max_bytes
         self.target = target
         self.url = url
         self.timeout = timeout
         self._client = client or httpx.Client()
 
     def collect(self) -> VllmReading:
-        text, content_type = fetch_text(self._client, self.url, self.timeout)
+        text, content_type = fetch_text(self._client, self.url, self.timeout, self.max_bytes)
         parsed = parse(text, WANTED, openmetrics=is_openmetrics(content_type))
         return self.reading_from(parsed)
 

@@ -1,0 +1,138 @@
+"""Patch pynvml so that it reports fake GPUs through its real types and real error classes.
+
+Only the functions oomguard calls are replaced; structs are pynvml's own ctypes structures and
+errors are pynvml's own NVMLError subclasses, so `except pynvml.NVMLError_...` works as on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+import pytest
+
+GIB = 1024**3
+
+
+@dataclass
+class FakeMig:
+    instance_id: int
+    profile: str
+    total: int
+    used: int
+    free: int
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    name: str = "NVIDIA H100 80GB HBM3"
+    total: int = 80 * GIB
+    used: int = 60 * GIB
+    free: int = 19 * GIB
+    reserved: int = 1 * GIB
+    bus_id: str = "00000000:18:00.0"
+    minor: int = 0
+    processes: list[tuple[int, int | None]] = field(default_factory=list)
+    mig: list[FakeMig] = field(default_factory=list)
+    fail: type[pynvml.NVMLError] | None = None  # raised by memory reads of this GPU
+
+
+class FakeNvml:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGpu]) -> None:
+        self.gpus = gpus
+        self.init_error: type[pynvml.NVMLError] | None = None
+        self.v2_supported = True
+        self.process_error: type[pynvml.NVMLError] | None = None
+        self.init_calls = 0
+        for name in dir(self):
+            if name.startswith("nvml"):
+                monkeypatch.setattr(pynvml, name, getattr(self, name))
+
+    # handles are ("gpu", index) or ("mig", index, slot)
+    def nvmlInit(self) -> None:
+        self.init_calls += 1
+        if self.init_error:
+            raise self.init_error()
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        return ("gpu", index)
+
+    def _gpu(self, handle: Any) -> FakeGpu:
+        return self.gpus[handle[1]]
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> bytes:
+        return self._gpu(handle).uuid.encode()  # this pynvml returns bytes
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        gpu = self._gpu(handle)
+        if handle[0] == "mig":
+            return f"{gpu.name} MIG {gpu.mig[handle[2]].profile}"
+        return gpu.name
+
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        return self._gpu(handle).minor
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> pynvml.nvmlPciInfo_t:
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = self._gpu(handle).bus_id.encode()
+        return info
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        gpu = self._gpu(handle)
+        if gpu.fail:
+            raise gpu.fail()
+        if handle[0] == "mig":
+            m = gpu.mig[handle[2]]
+            total, used, free, reserved = m.total, m.used, m.free, 0
+        else:
+            total, used, free, reserved = gpu.total, gpu.used, gpu.free, gpu.reserved
+        if version is not None:
+            if not self.v2_supported:
+                raise pynvml.NVMLError_FunctionNotFound()
+            s = pynvml.c_nvmlMemory_v2_t()
+            s.version = version
+            s.total, s.used, s.free, s.reserved = total, used, free, reserved
+            return s
+        s1 = pynvml.c_nvmlMemory_t()
+        s1.total, s1.used, s1.free = total, used + reserved, free
+        return s1
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        if self.process_error:
+            raise self.process_error()
+        if handle[0] == "mig":
+            return []
+        out = []
+        for pid, used in self._gpu(handle).processes:
+            s = pynvml.c_nvmlProcessInfo_v2_t()
+            s.pid = pid
+            s.usedGpuMemory = used if used is not None else 0
+            obj = pynvml.nvmlStructToFriendlyObject(s)
+            if used is None:
+                obj.usedGpuMemory = None  # what pynvml does for NVML_VALUE_NOT_AVAILABLE
+            out.append(obj)
+        return out
+
+    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        enabled = bool(self._gpu(handle).mig)
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, slot: int) -> Any:
+        if slot >= len(self._gpu(handle).mig):
+            raise pynvml.NVMLError_NotFound()
+        return ("mig", handle[1], slot)
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
+        return self._gpu(handle).mig[handle[2]].instance_id

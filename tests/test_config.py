@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import pytest
+
+from oomguard.cli import build_parser, exporter_config_from_args
+from oomguard.errors import ConfigError
+
+
+def config_from(tmp_path, yaml_text: str | None, *flags: str):
+    argv = ["exporter"]
+    if yaml_text is not None:
+        path = tmp_path / "exporter.yaml"
+        path.write_text(yaml_text)
+        argv += ["--config", str(path)]
+    return exporter_config_from_args(build_parser().parse_args([*argv, *flags]))
+
+
+def test_defaults():
+    c = exporter_config_from_args(build_parser().parse_args(["exporter"]))
+    assert c.listen_address == ("0.0.0.0", 9848) and c.interval_seconds == 1.0
+    assert c.nvml.enabled and not c.dcgm.enabled and c.vllm == []
+    assert c.pressure.floor_bytes == 2 * 1024**3
+
+
+def test_yaml_then_flags(tmp_path):
+    c = config_from(
+        tmp_path,
+        """
+interval_seconds: 0.5
+vllm:
+  - {name: a, url: "http://127.0.0.1:8000/metrics", gpus: ["0"]}
+pressure: {floor_bytes: 1073741824}
+""",
+        "--interval",
+        "0.2",
+        "--vllm",
+        "b=http://127.0.0.1:8001/metrics",
+        "--no-nvml",
+    )
+    assert c.interval_seconds == 0.2
+    assert [t.name for t in c.vllm] == ["a", "b"] and c.vllm[0].gpus == ["0"]
+    assert not c.nvml.enabled and c.pressure.floor_bytes == 1024**3
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "flags", "message"),
+    [
+        ("intervall_seconds: 1\n", (), "intervall_seconds: Extra inputs are not permitted"),
+        ("interval_seconds: 0.01\n", (), "interval_seconds"),
+        ("listen: nowhere\n", (), "listen"),
+        ("vllm: [{name: a, url: 'ftp://x'}]\n", (), "vllm.0.url"),
+        ("vllm: [{name: 'a b', url: 'http://x'}]\n", (), "vllm.0.name"),
+        (None, ("--vllm", "a=http://x", "--vllm", "a=http://y"), "duplicate vllm names"),
+        ("[1, 2]\n", (), "top level must be a mapping"),
+        ("a: [unclosed\n", (), "not valid YAML"),
+        ("pressure: {caution_multiple: 1.5}\n", (), "caution_multiple"),
+        ("dcgm: {url: 'http://x', file: '/f'}\n", (), "not both"),
+    ],
+)
+def test_wrong_config_is_a_clear_error(tmp_path, yaml_text, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from(tmp_path, yaml_text, *flags)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        exporter_config_from_args(
+            build_parser().parse_args(["exporter", "--config", str(tmp_path / "absent.yaml")])
+        )

@@ -1,0 +1,200 @@
+from __future__ import annotations
+
+import threading
+
+from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
+from oomguard.exporter.collectors.dcgm import DcgmCollector
+from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.collectors.vllm import VllmCollector
+from oomguard.exporter.poller import Poller
+from oomguard.exporter.render import FamilyBuilder
+from prometheus_client.parser import text_string_to_metric_families
+
+from oomguard.catalog import CATALOG
+from oomguard.errors import CollectorError
+from tests.conftest import DCGM_K8S, VLLM_FIXTURE
+from tests.fake_nvml import GIB, FakeGpu, FakeNvml
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Scripted:
+    """A collector whose behaviour the test sets: a reading, an error, or a block."""
+
+    def __init__(self, name="scripted", target="", timeout=1.0):
+        self.name, self.target, self.timeout = name, target, timeout
+        self.reading = GpuReading(
+            gpus=[
+                GpuMemory(
+                    GpuIdentity("0", "GPU-s", "", "", "", "h"), 80 * GIB, 1 * GIB, 78 * GIB, 1 * GIB
+                )
+            ]
+        )
+        self.error: Exception | None = None
+        self.gate: threading.Event | None = None
+
+    def collect(self):
+        if self.gate is not None:
+            self.gate.wait(5)
+        if self.error:
+            raise self.error
+        return self.reading
+
+    def families(self, reading, out: FamilyBuilder) -> None:
+        pass
+
+
+def series(text: bytes) -> dict[tuple[str, frozenset], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(text: bytes, name: str, **labels) -> float | None:
+    for (n, ls), v in series(text).items():
+        if n == name and all((k, val) in ls for k, val in labels.items()):
+            return v
+    return None
+
+
+def test_stale_results_are_not_served_as_fresh():
+    clock = Clock()
+    c = Scripted()
+    poller = Poller([c], interval=1.0, clock=clock)
+    poller.poll(poller.states[0])
+    text = poller.render().text
+    assert value(text, "oomguard_gpu_memory_free_bytes") == 78 * GIB
+    assert value(text, "oomguard_exporter_collector_up", collector="scripted") == 1
+    clock.now += 10  # no new poll for 10 intervals
+    text = poller.render().text
+    assert value(text, "oomguard_gpu_memory_free_bytes") is None
+    assert value(text, "oomguard_exporter_collector_up", collector="scripted") == 0
+
+
+def test_a_failing_collector_reports_itself_and_the_others_keep_serving():
+    clock = Clock()
+    good, bad = Scripted("good"), Scripted("bad")
+    bad.error = CollectorError("parse_error", "garbage")
+    poller = Poller([good, bad], clock=clock)
+    for _ in range(3):
+        for s in poller.states:
+            poller.poll(s)
+    text = poller.render().text
+    assert value(text, "oomguard_exporter_collector_up", collector="good") == 1
+    assert value(text, "oomguard_exporter_collector_up", collector="bad") == 0
+    assert (
+        value(
+            text, "oomguard_exporter_collector_errors_total", collector="bad", reason="parse_error"
+        )
+        == 3
+    )
+
+
+def test_unexpected_exceptions_never_escape():
+    c = Scripted()
+    c.error = ZeroDivisionError("bug")
+    poller = Poller([c])
+    result = poller.poll(poller.states[0])
+    assert result.error == "unexpected"
+
+
+def test_a_stuck_collector_is_reported_as_timeout_while_it_hangs():
+    clock = Clock()
+    c = Scripted(timeout=2.0)
+    poller = Poller([c], interval=1.0, clock=clock)
+    poller.poll(poller.states[0])
+    c.gate = threading.Event()
+    t = threading.Thread(target=poller.poll, args=(poller.states[0],))
+    t.start()
+    try:
+        clock.now += 3  # hanging for longer than its timeout
+        for _ in range(10):
+            if poller.states[0].running_since is not None:
+                break
+            threading.Event().wait(0.01)
+        text = poller.render().text
+        assert value(text, "oomguard_exporter_collector_up", collector="scripted") == 0
+        assert value(text, "oomguard_exporter_collector_errors_total", reason="timeout") == 1
+        poller.render()  # counted once per hang, not once per render
+        assert poller.states[0].errors["timeout"] == 1
+    finally:
+        c.gate.set()
+        t.join(5)
+
+
+def test_nvml_is_preferred_over_dcgm_for_the_same_gpu(monkeypatch):
+    # the same UUID from both sources: NVML's numbers win, no duplicate series
+    FakeNvml(monkeypatch, [FakeGpu("GPU-3f7c1a2e-5b1d-4c0e-9a7f-2d6b8e4c1a90", free=11 * GIB)])
+    poller = Poller([DcgmCollector("h", file=str(DCGM_K8S)), NvmlCollector("h")])
+    for s in poller.states:
+        poller.poll(s)
+    text = poller.render().text
+    frees = {
+        dict(ls)["UUID"]: v
+        for (n, ls), v in series(text).items()
+        if n == "oomguard_gpu_memory_free_bytes"
+    }
+    assert frees["GPU-3f7c1a2e-5b1d-4c0e-9a7f-2d6b8e4c1a90"] == 11 * GIB
+    assert len(frees) == 2  # the other GPU still comes from dcgm
+    sources = {
+        dict(ls)["gpu"] + dict(ls)["source"]
+        for (n, ls), _ in series(text).items()
+        if n == "oomguard_gpu_info"
+    }
+    assert sources == {"0nvml", "1dcgm"}
+
+
+def test_everything_rendered_is_in_the_catalog_with_its_labels(local_server, monkeypatch, tmp_path):
+    FakeNvml(monkeypatch, [FakeGpu("GPU-a", processes=[(1, GIB)])])
+    server = local_server(VLLM_FIXTURE.read_text())
+    poller = Poller(
+        [
+            NvmlCollector("h"),
+            DcgmCollector("h", file=str(DCGM_K8S)),
+            VllmCollector("llama", server.url),
+        ]
+    )
+    for s in poller.states:
+        poller.poll(s)
+    snapshot = poller.render()
+    names = set()
+    for fam in text_string_to_metric_families(snapshot.text.decode()):
+        for s in fam.samples:
+            spec = CATALOG[s.name]
+            assert set(s.labels) <= set(spec.labels), (s.name, s.labels)
+            names.add(s.name)
+    assert "oomguard_engine_pressure_level" in names and "oomguard_gpu_pressure_level" in names
+    assert b"oomguard_vllm_kv_projected_demand_ratio" in snapshot.text
+    # OpenMetrics form of the same snapshot parses and ends with # EOF
+    assert snapshot.openmetrics.rstrip().endswith(b"# EOF")
+
+
+def test_pressure_follows_new_results_only(local_server):
+    """Counters are observed once per new scrape, so re-rendering does not fake a rate."""
+    server = local_server(VLLM_FIXTURE.read_text())
+    poller = Poller([VllmCollector("llama", server.url)])
+    poller.poll(poller.states[0])
+    for _ in range(5):
+        poller.render()
+    history = poller.pressure._history[("llama", "meta-llama/Llama-3.1-8B-Instruct", "0")]
+    assert len(history) == 1
+
+
+def test_threads_start_and_stop_cleanly():
+    c = Scripted()
+    poller = Poller([c], interval=0.1)
+    poller.start()
+    try:
+        threading.Event().wait(0.35)
+        assert poller.latest.text and poller.polls >= 2
+    finally:
+        poller.stop()
+    assert all(not t.is_alive() for t in poller._threads)

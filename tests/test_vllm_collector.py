@@ -1,0 +1,162 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+from oomguard.exporter.collectors.vllm import WANTED, VllmCollector
+from oomguard.exporter.render import FamilyBuilder
+from oomguard.exporter.textparse import parse
+
+from oomguard.errors import CollectorError
+from tests.conftest import VLLM_FIXTURE
+
+M = 'model_name="m"'
+
+
+def test_fixture_engines_and_numbers(local_server):
+    server = local_server(VLLM_FIXTURE.read_text())
+    reading = VllmCollector("llama", server.url).collect()
+    e0, e1 = reading.engines
+    assert (e0.engine, e1.engine) == ("0", "1")
+    assert e0.model_name == "meta-llama/Llama-3.1-8B-Instruct"
+    assert (e0.kv_usage, e0.running, e0.waiting, e0.preemptions) == (0.9731, 61, 33, 36)
+    assert e0.finished == {"stop": 2124, "length": 349, "abort": 27, "error": 0, "repetition": 0}
+    assert e0.finished_total == 2500
+    assert (e0.kv_blocks, e0.block_size, e0.kv_capacity_tokens) == (54912, 16, 878592)
+    assert e0.gpu_memory_utilization == 0.92
+    assert (e0.prompt_sum, e0.prompt_count) == (4921271, 2500)
+
+
+def test_families_use_the_target_label(local_server):
+    server = local_server(VLLM_FIXTURE.read_text())
+    collector = VllmCollector("llama", server.url)
+    out = FamilyBuilder()
+    collector.families(collector.collect(), out)
+    fams = {f.spec.name: f for f in out.families()}
+    labels, value = fams["oomguard_vllm_kv_cache_usage_ratio"].samples[0]
+    assert labels == ("llama", "meta-llama/Llama-3.1-8B-Instruct", "0") and value == 0.9731
+    assert len(fams["oomguard_vllm_requests_finished_total"].samples) == 10
+
+
+def reading_of(text: str):
+    return VllmCollector.reading_from(parse(text, WANTED))
+
+
+def test_legacy_gpu_cache_usage_is_used_when_kv_cache_usage_is_absent():
+    reading = reading_of(f'vllm:gpu_cache_usage_perc{{{M},engine="0"}} 0.5\n')
+    assert reading.engines[0].kv_usage == 0.5
+    both = reading_of(
+        f'vllm:gpu_cache_usage_perc{{{M},engine="0"}} 0.5\n'
+        f'vllm:kv_cache_usage_perc{{{M},engine="0"}} 0.25\n'
+    )
+    assert both.engines[0].kv_usage == 0.25
+
+
+def test_multiprocess_pid_series_sum_counters_and_take_max_of_gauges():
+    text = f"""# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{{{M},engine="0",pid="1"}} 3
+vllm:num_preemptions_total{{{M},engine="0",pid="2"}} 4
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{{M},engine="0",pid="1"}} 7
+vllm:num_requests_running{{{M},engine="0",pid="2"}} 5
+"""
+    (e,) = reading_of(text).engines
+    assert e.preemptions == 7 and e.running == 7
+
+
+def test_nan_values_are_dropped_and_counted():
+    reading = reading_of(
+        f'vllm:kv_cache_usage_perc{{{M},engine="0"}} NaN\nvllm:num_requests_running{{{M},engine="0"}} 2\n'
+    )
+    assert reading.engines[0].kv_usage is None and reading.invalid["nan"] == 1
+
+
+def test_out_of_range_kv_usage_is_dropped():
+    reading = reading_of(f'vllm:kv_cache_usage_perc{{{M},engine="0"}} 7\n')
+    assert reading.engines[0].kv_usage is None and reading.invalid["out_of_range"] == 1
+
+
+def test_cache_config_none_values_are_missing():
+    reading = reading_of(
+        'vllm:cache_config_info{engine="0",num_gpu_blocks="None",block_size="16",'
+        'kv_cache_size_tokens="None",gpu_memory_utilization="garbage"} 1\n'
+    )
+    (e,) = reading.engines
+    assert e.kv_blocks is None and e.block_size == 16 and e.kv_capacity_tokens is None
+    assert e.gpu_memory_utilization is None
+
+
+def test_openmetrics_response_is_parsed(local_server):
+    text = f"""# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{{{M},engine="0"}} 9.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{{M},engine="0"}} 0.5
+# EOF
+"""
+    server = local_server()
+    server.serve_text(text, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+    (e,) = VllmCollector("t", server.url).collect().engines
+    assert e.preemptions == 9 and e.kv_usage == 0.5
+
+
+@pytest.mark.parametrize(
+    ("body", "ctype", "reason"),
+    [
+        ('vllm:num_requests_running{engine="0" 1\n', "text/plain", "parse_error"),
+        ("# HELP x y\nnot a metric line at all {{{\n", "text/plain", "no_data"),
+        ("", "text/plain", "no_data"),
+        # truncated OpenMetrics (no # EOF) must not be served as a complete page
+        (
+            'vllm:kv_cache_usage_perc{engine="0"} 0.5\n',
+            "application/openmetrics-text",
+            "parse_error",
+        ),
+        ("\udcff", "text/plain", "parse_error"),
+    ],
+)
+def test_garbage_is_a_collector_error(local_server, body, ctype, reason):
+    server = local_server()
+    raw = body.encode("utf-8", "surrogateescape")
+    server.responder = lambda _h: (200, raw, ctype)
+    with pytest.raises(CollectorError) as exc:
+        VllmCollector("t", server.url).collect()
+    assert exc.value.reason == reason
+
+
+def test_huge_response_is_refused(local_server):
+    server = local_server(VLLM_FIXTURE.read_text() * 3)
+    with pytest.raises(CollectorError) as exc:
+        VllmCollector("t", server.url, max_bytes=100_000).collect()
+    assert exc.value.reason == "too_large"
+    assert VllmCollector("t", server.url, max_bytes=1_000_000).collect().engines
+
+
+def test_http_error_status(local_server):
+    server = local_server()
+    server.responder = lambda _h: (500, b"boom", "text/plain")
+    with pytest.raises(CollectorError) as exc:
+        VllmCollector("t", server.url).collect()
+    assert exc.value.reason == "http_status"
+
+
+def test_unreachable_engine():
+    from tests.conftest import free_port
+
+    with pytest.raises(CollectorError) as exc:
+        VllmCollector("t", f"http://127.0.0.1:{free_port()}/metrics", timeout=1).collect()
+    assert exc.value.reason == "unreachable"
+
+
+def test_slow_engine_times_out(local_server):
+    server = local_server()
+
+    def slow(_h):
+        time.sleep(1.5)
+        return 200, VLLM_FIXTURE.read_bytes(), "text/plain"
+
+    server.responder = slow
+    t0 = time.monotonic()
+    with pytest.raises(CollectorError) as exc:
+        VllmCollector("t", server.url, timeout=0.3).collect()
+    assert exc.value.reason == "timeout"
+    assert time.monotonic() - t0 < 1.4
