@@ -92,7 +92,13 @@ class PressureEvaluator:
         history = self._history.setdefault(key, deque())
         if history and (e.preemptions < history[-1][1] or e.finished_total < history[-1][2]):
             history.clear()  # counter reset: the engine restarted
-        history.append((now, e.preemptions, e.finished_total))
+        sample = (now, e.preemptions, e.finished_total)
+        # At most ~120 samples per window however short the poll interval: a sample closer than
+        # window/120 to the one before the newest replaces the newest instead of adding one.
+        if len(history) >= 2 and now - history[-2][0] < self.t.rate_window_seconds / 120:
+            history[-1] = sample
+        else:
+            history.append(sample)
         horizon = now - self.t.rate_window_seconds
         # Keep one sample at or before the window's start so the window is fully covered.
         while len(history) > 2 and history[1][0] <= horizon:

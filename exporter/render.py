@@ -13,7 +13,6 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
-from prometheus_client.utils import floatToGoString
 
 from oomguard.catalog import MetricSpec, spec
 
@@ -51,6 +50,21 @@ class FamilyBuilder:
 
     def families(self) -> list[Family]:
         return list(self._families.values())
+
+
+_INF, _NINF = float("inf"), float("-inf")
+
+
+def format_value(value: float) -> str:
+    """Exposition value: Python's shortest repr parses identically in Prometheus (Go's
+    ParseFloat); only the special values need their Prometheus spelling."""
+    if value != value:
+        return "NaN"
+    if value == _INF:
+        return "+Inf"
+    if value == _NINF:
+        return "-Inf"
+    return repr(value)
 
 
 def _escape_label(value: str) -> str:
@@ -102,10 +116,11 @@ class TextRenderer:
             parts.append(self._header(family.spec))
             prefix = self._prefix
             fam_spec = family.spec
+            append = parts.append
             for labels, value in family.samples:
-                parts.append(prefix(fam_spec, labels))
-                parts.append(floatToGoString(value))
-                parts.append("\n")
+                append(prefix(fam_spec, labels))
+                append(format_value(value))
+                append("\n")
         return "".join(parts).encode()
 
 

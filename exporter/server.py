@@ -6,6 +6,7 @@ A scrape never waits on hardware or on an engine: it reads one reference and wri
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,12 @@ _INDEX = b"""<html><head><title>oomguard exporter</title></head><body>
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection
     server: MetricsServer
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in separate writes; without TCP_NODELAY a keep-alive client
+        # waits out the peer's delayed ACK (40 ms) on every scrape.
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s " + format, self.address_string(), *args)

@@ -160,3 +160,12 @@ def test_projected_kv_demand_ratio():
 def test_threshold_order_is_validated():
     with pytest.raises(ValueError, match="caution_multiple"):
         PressureThresholds(pressure_multiple=3, caution_multiple=2)
+
+
+def test_history_stays_bounded_at_any_poll_rate():
+    ev = PressureEvaluator(PressureThresholds(rate_window_seconds=60))
+    for i in range(10_000):  # 10,000 scrapes 1 ms apart
+        ev.observe_engine("t", engine(i, 10 * i), now=i / 1000)
+    (history,) = ev._history.values()
+    assert len(history) <= 125
+    assert history[-1][1] == 9_999  # the newest counters are always kept

@@ -54,3 +54,12 @@ def test_wrong_label_count_is_refused():
 
     with pytest.raises(ValueError, match="expected labels"):
         Family("oomguard_vllm_up").add(("a", "b"), 1)
+
+
+def test_values_round_trip_including_special_ones():
+    from oomguard.exporter.render import format_value
+
+    for v in (0.0, 1.0, 61.0, 0.9731, 1.5e10, 8.5520809984e10, 1e-9, -3.25, 2.0**63):
+        assert float(format_value(v)) == v
+    assert format_value(float("nan")) == "NaN"
+    assert format_value(float("inf")) == "+Inf" and format_value(float("-inf")) == "-Inf"

@@ -66,7 +66,8 @@ vllm:num_requests_running{{{M},engine="0",pid="2"}} 5
 
 def test_nan_values_are_dropped_and_counted():
     reading = reading_of(
-        f'vllm:kv_cache_usage_perc{{{M},engine="0"}} NaN\nvllm:num_requests_running{{{M},engine="0"}} 2\n'
+        f'vllm:kv_cache_usage_perc{{{M},engine="0"}} NaN\n'
+        f'vllm:num_requests_running{{{M},engine="0"}} 2\n'
     )
     assert reading.engines[0].kv_usage is None and reading.invalid["nan"] == 1
 

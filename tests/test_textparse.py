@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import pytest
+from oomguard.exporter.textparse import parse
+from prometheus_client.parser import text_string_to_metric_families
+
+from oomguard.errors import CollectorError
+from tests.conftest import VLLM_FIXTURE
+
+
+def test_agrees_with_prometheus_client_on_the_vllm_fixture():
+    text = VLLM_FIXTURE.read_text()
+    ours = parse(text)
+    reference: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            reference.setdefault(s.name, []).append((s.labels, s.value))
+    assert {k: [(s.labels, s.value) for s in v] for k, v in ours.samples.items()} == reference
+
+
+def test_wanted_filter_keeps_only_named_samples():
+    text = VLLM_FIXTURE.read_text()
+    p = parse(text, ["vllm:num_preemptions_total", "vllm:request_prompt_tokens_sum"])
+    assert set(p.samples) == {"vllm:num_preemptions_total", "vllm:request_prompt_tokens_sum"}
+    assert len(p.get("vllm:num_preemptions_total")) == 2
+
+
+def test_escapes_timestamps_and_special_values():
+    text = (
+        'a{x="q\\"uote",y="back\\\\slash",z="new\\nline"} 1.5e+06 1700000000000\n'
+        "b 2\n"
+        "c{} +Inf\n"
+        'd{l="v",} -3\n'
+    )
+    p = parse(text)
+    assert p.get("a")[0].labels == {"x": 'q"uote', "y": "back\\slash", "z": "new\nline"}
+    assert p.get("a")[0].value == 1.5e6 and p.get("b")[0].value == 2
+    assert p.get("c") == [] and p.dropped == {"nan": 1}
+    assert p.get("d")[0].labels == {"l": "v"} and p.get("d")[0].value == -3
+
+
+@pytest.mark.parametrize(
+    "line",
+    ['a{x="unterminated} 1', "a 1 2 3", 'a{x="1"} notanumber', 'a{9x="1"} 1', "a{x=1} 1"],
+)
+def test_malformed_lines_are_parse_errors(line):
+    with pytest.raises(CollectorError) as exc:
+        parse(line + "\n")
+    assert exc.value.reason == "parse_error"
+
+
+def test_typed_blocks_and_untyped_lines_are_both_found():
+    text = (
+        '# HELP x_total help\n# TYPE x_total counter\nx_total{a="1"} 1\nx_total{a="2"} 2\n'
+        '# TYPE h histogram\nh_bucket{le="1"} 1\nh_sum 5\nh_count 2\n'
+        "untyped_metric 7\n"
+        "x_totally_different 9\n"
+    )
+    p = parse(text, ["x_total", "h_sum", "h_count", "untyped_metric"])
+    assert [s.value for s in p.get("x_total")] == [1, 2]
+    assert p.get("h_sum")[0].value == 5 and p.get("h_count")[0].value == 2
+    assert p.get("untyped_metric")[0].value == 7
+    assert "x_totally_different" not in p.samples and "h_bucket" not in p.samples
+
+
+def test_filtered_parse_equals_full_parse_restricted_to_the_wanted_names():
+    from oomguard.exporter.collectors.vllm import WANTED
+
+    text = VLLM_FIXTURE.read_text()
+    full = parse(text)
+    filtered = parse(text, WANTED)
+    assert filtered.samples == {k: v for k, v in full.samples.items() if k in WANTED}
