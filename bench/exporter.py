@@ -192,7 +192,7 @@ def measure(args: argparse.Namespace) -> dict:
             # -- scrape over HTTP, side by side --------------------------------------------
             ours_srv = MetricsServer(("127.0.0.1", 0), lambda: snapshot, max_snapshot_age=1e9)
             ours_srv.start()
-            plain_srv, plain_thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+            plain_srv, _plain_thread = start_http_server(0, addr="127.0.0.1", registry=registry)
             n = 300 if args.quick else 3000
             scrape_latencies(ours_srv.port, 50)  # warm-up
             scrape_latencies(plain_srv.server_address[1], 50)
