@@ -267,13 +267,32 @@ def _add_generate(sub: Any) -> None:
     )
     p.add_argument("--root", default=".", help="repository root to write into (default .)")
     p.add_argument("--check", action="store_true", help="only report drift, exit 1 if any")
+    p.add_argument(
+        "--thresholds",
+        metavar="FILE",
+        help="YAML overriding alert thresholds (see oomguard/thresholds.py "
+        "AlertThresholds); the committed files use the defaults",
+    )
     p.set_defaults(func=_run_generate)
 
 
-def _run_generate(args: argparse.Namespace) -> int:
-    from oomguard.generate import generate_all
+def generated_files(thresholds: Any = None) -> dict[Path, str]:
+    """Every generated file and its content, from the alert and dashboard generators."""
+    from oomguard.alerts.generate import outputs as alert_outputs
+    from oomguard.dashboards.generate import outputs as dashboard_outputs
 
-    drift = generate_all(Path(args.root), check=args.check)
+    return {**alert_outputs(thresholds), **dashboard_outputs()}
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from oomguard.config import load_yaml, validate
+    from oomguard.generated import sync
+    from oomguard.thresholds import AlertThresholds
+
+    thresholds = None
+    if args.thresholds:
+        thresholds = validate(AlertThresholds, load_yaml(args.thresholds), args.thresholds)
+    drift = sync(Path(args.root), generated_files(thresholds), check=args.check)
     for path in drift:
         print(f"{'differs' if args.check else 'wrote'}: {path}")
     return 1 if args.check and drift else 0

@@ -59,3 +59,35 @@ class PressureThresholds(BaseModel):
 
     def floor_for(self, total_bytes: float) -> float:
         return min(float(self.floor_bytes), self.floor_ratio * total_bytes)
+
+
+_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
+
+
+class AlertThresholds(BaseModel):
+    """Thresholds and timings of the generated alert rules (`oomguard generate --thresholds`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    runbook_url_base: str = Field(
+        "https://oomguard.example/runbooks",
+        description="Where your team publishes runbooks/; each alert links <base>/<Alert>.md.",
+    )
+    exporter_job: str = Field("oomguard-exporter", description="Prometheus job of the exporters.")
+    kv_usage_high_ratio: float = Field(0.9, gt=0, le=1)
+    kv_usage_high_for: str = Field("15m", pattern=_DURATION)
+    preemption_ratio: float = Field(0.01, gt=0, description="Preemptions per finished request.")
+    preemption_for: str = Field("5m", pattern=_DURATION)
+    caution_for: str = Field("10m", pattern=_DURATION)
+    pressure_for: str = Field("30s", pattern=_DURATION)
+    critical_for: str = Field("0s", pattern=_DURATION)
+    keep_firing_for: str = Field(
+        "2m", pattern=_DURATION, description="Hysteresis on pressure and critical alerts."
+    )
+    fragmentation_growth_bytes: int = Field(2 * GIB, gt=0)
+    leak_growth_bytes: int = Field(1 * GIB, gt=0)
+    growth_window: str = Field("2h", pattern=_DURATION)
+    queueing_waiting: int = Field(10, ge=1, description="Waiting requests that count as a queue.")
+    engine_down_for: str = Field("1m", pattern=_DURATION)
+    collector_down_for: str = Field("5m", pattern=_DURATION)
+    stale_after_seconds: int = Field(30, gt=0)

@@ -75,3 +75,8 @@ def local_server() -> Iterator[Callable[[str], LocalServer]]:
     yield make
     for s in servers:
         s.close()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
