@@ -84,7 +84,6 @@ _GPU = "GPU {{ $labels.gpu }} ({{ $labels.UUID }}) on {{ $labels.Hostname }}"
 
 
 def alerts(t: AlertThresholds) -> list[Alert]:
-    gib = 1024**3
     return [
         Alert(
             "OomguardKVCacheUsageHigh",
@@ -187,7 +186,8 @@ def alerts(t: AlertThresholds) -> list[Alert]:
             "critical",
             "A vLLM worker hit a CUDA out-of-memory error.",
             "Rank {{ $labels.rank }} (pid {{ $labels.pid }}) of {{ $labels.target }} on "
-            "{{ $labels.Hostname }} raised {{ $value | humanize }} CUDA out-of-memory errors in 5 minutes.",
+            "{{ $labels.Hostname }} raised {{ $value | humanize }} CUDA out-of-memory errors in "
+            "5 minutes.",
             keep_firing_for="10m",
             action="restart",
         ),
@@ -261,8 +261,8 @@ def alerts(t: AlertThresholds) -> list[Alert]:
             "or increase(oomguard_remediator_reconcile_errors_total[10m]) > 2",
             "critical",
             "The oomguard remediator fails to act on an engine.",
-            "The remediator on {{ $labels.instance }} failed {{ $value | humanize }} times in 10 minutes "
-            "on target {{ $labels.target }}: the engine is not protected.",
+            "The remediator on {{ $labels.instance }} failed {{ $value | humanize }} times in 10 "
+            "minutes on target {{ $labels.target }}: the engine is not protected.",
         ),
         Alert(
             "OomguardRemediationLimited",
