@@ -327,15 +327,22 @@ def node() -> dict[str, Any]:
         ],
     )
     L.timeseries(
-        "GPU memory per process",
-        "Device memory of each process on the node's GPUs "
-        "(oomguard_gpu_process_memory_used_bytes).",
+        "GPU memory per process and pod",
+        "Device memory of the largest processes on the node's GPUs "
+        "(oomguard_gpu_process_memory_used_bytes, from NVML) and of each pod "
+        "(oomguard_gpu_pod_memory_used_bytes, from dcgm-exporter).",
         "bytes",
         [
             target(
                 f"topk(10, oomguard_gpu_process_memory_used_bytes{{{GPU}}})",
                 "GPU {{gpu}} pid {{pid}}",
-            )
+                "A",
+            ),
+            target(
+                f"oomguard_gpu_pod_memory_used_bytes{{{GPU}}}",
+                "GPU {{gpu}} {{namespace}}/{{pod}}",
+                "B",
+            ),
         ],
     )
     return _dashboard(
