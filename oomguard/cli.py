@@ -298,6 +298,56 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 1 if args.check and drift else 0
 
 
+# -- demo ---------------------------------------------------------------------------------------
+def _add_demo(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="replay a GPU memory incident on the real stack, no GPU needed",
+        description="Start two real vLLM servers (model-free executor) with the oomguard "
+        "plugin, simulated GPUs, the exporter, and Prometheus and Alertmanager with the "
+        "generated rules; replay a neighbour process eating GPU memory; show pressure, caps "
+        "and alerts live; write a report. Needs vLLM (make demo installs it).",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=75.0,
+        metavar="SECONDS",
+        help="length of the replay after start-up (default 75)",
+    )
+    p.add_argument(
+        "--report",
+        default="demo-report",
+        metavar="DIR",
+        help="folder for summary.md, timeline.csv and webhooks.json",
+    )
+    p.add_argument(
+        "--no-prometheus",
+        action="store_true",
+        help="skip Prometheus and Alertmanager even when installed",
+    )
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import shutil
+
+    from oomguard.twin.demo import Options, run
+
+    if args.duration < 10:
+        raise ConfigError("--duration must be at least 10 seconds")
+    if shutil.which("vllm", path=str(Path(sys.executable).parent)) is None:
+        raise ConfigError(
+            "vLLM is not installed in this environment: run `make demo`, which "
+            "installs vllm==0.33.0 for the CPU"
+        )
+    return run(
+        Options(
+            duration=args.duration, report_dir=Path(args.report), prometheus=not args.no_prometheus
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oomguard",
@@ -308,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_exporter(sub)
     _add_budget(sub)
     _add_generate(sub)
+    _add_demo(sub)
     return parser
 
 

@@ -1,22 +1,22 @@
-"""Real processes for live tests: Prometheus, the exporter, and a vLLM /metrics stand-in whose
-counters grow like a serving engine's. Every process binds 127.0.0.1 on a free port and is
-stopped by the fixture that started it."""
+"""Live-test helpers: the exporter as a process, and a vLLM /metrics stand-in whose counters grow
+like a serving engine's. Prometheus and Alertmanager come from oomguard.twin.processes."""
 
 from __future__ import annotations
 
 import re
-import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
+from oomguard.twin.processes import Prometheus
 
 from tests.conftest import LocalServer, free_port
+
+__all__ = ["Prometheus", "growing_metrics", "start_exporter", "stop"]
 
 _COUNTER_LINE = re.compile(r"^(\S+?(?:_total|_sum|_count|_bucket)(?:\{.*\})?) (\S+)$")
 
@@ -40,99 +40,8 @@ def growing_metrics(fixture_text: str) -> LocalServer:
     return LocalServer(respond)
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(
-                f"{proc.args[0]} exited: {proc.stdout.read() if proc.stdout else ''}"
-            )
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} not ready within {timeout}s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-class Prometheus:
-    """A real Prometheus with the shipped config, its targets pointed at this test's ports."""
-
-    def __init__(
-        self,
-        repo_root: Path,
-        workdir: Path,
-        targets: dict[str, list[str]],
-        alertmanager: str | None = None,
-    ) -> None:
-        config = yaml.safe_load((repo_root / "deploy/prometheus/prometheus.yml").read_text())
-        config["rule_files"] = [str(repo_root / "alerts/generated/oomguard.rules.yaml")]
-        config["global"]["scrape_interval"] = "1s"
-        jobs = []
-        for job in config["scrape_configs"]:
-            if targets.get(job["job_name"]):
-                job["static_configs"] = [{"targets": targets[job["job_name"]]}]
-                jobs.append(job)
-        config["scrape_configs"] = jobs
-        if alertmanager:
-            config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [alertmanager]}]
-        else:
-            config.pop("alerting")
-        workdir.mkdir(parents=True, exist_ok=True)
-        path = workdir / "prometheus.yml"
-        path.write_text(yaml.safe_dump(config))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [
-                shutil.which("prometheus") or "prometheus",
-                f"--config.file={path}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--web.enable-lifecycle",
-                "--log.level=warn",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        wait_http(f"{self.url}/-/ready", 30, self.proc)
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
-        body = r.json()
-        assert body["status"] == "success", (expr, body)
-        return body["data"]["result"]
-
-    def rules(self) -> list[dict[str, Any]]:
-        body = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()
-        return [rule for group in body["data"]["groups"] for rule in group["rules"]]
-
-    def wait_for(self, expr: str, timeout: float) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            result = self.query(expr)
-            if result:
-                return result
-            time.sleep(0.5)
-        raise AssertionError(f"{expr} returned no data within {timeout}s")
-
-    def close(self) -> None:
-        stop(self.proc)
-
-
 def start_exporter(*args: str) -> tuple[subprocess.Popen, str]:
+    """`oomguard exporter` as a process on a free port; returns it once /healthz answers."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "oomguard", "exporter", "--listen", f"127.0.0.1:{port}", *args],
@@ -140,5 +49,27 @@ def start_exporter(*args: str) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    wait_http(f"http://127.0.0.1:{port}/healthz", 20, proc)
-    return proc, f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"exporter exited early: {proc.stdout.read()}")  # type: ignore[union-attr]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc, f"127.0.0.1:{port}"
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("exporter did not become healthy in 20 s")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    """SIGTERM, as a service manager would; the exporter must exit 0. Returns its output."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError("exporter ignored SIGTERM") from None
+    assert proc.returncode == 0, out
+    return out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,42 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import DCGM_K8S, VLLM_FIXTURE, free_port
+from tests.stack import start_exporter, stop
 
 pytestmark = pytest.mark.slow
-
-
-def start_exporter(*args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "oomguard", "exporter", "--listen", f"127.0.0.1:{port}", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"exporter exited early: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("exporter did not become healthy in 20 s")
-
-
-def stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError("exporter ignored SIGTERM") from None
-    assert proc.returncode == 0, out
-    return out
 
 
 def samples(text: str) -> dict[str, list]:
@@ -63,7 +29,7 @@ def samples(text: str) -> dict[str, list]:
 def test_exporter_serves_all_sources_and_reports_failures(local_server, tmp_path):
     vllm = local_server(VLLM_FIXTURE.read_text())
     dead = f"http://127.0.0.1:{free_port()}/metrics"
-    proc, base = start_exporter(
+    proc, addr = start_exporter(
         "--interval",
         "0.2",
         "--vllm",
@@ -77,6 +43,7 @@ def test_exporter_serves_all_sources_and_reports_failures(local_server, tmp_path
         "--cgroup",
         f"missing={tmp_path / 'nope'}",
     )
+    base = f"http://{addr}"
     try:
         time.sleep(0.6)
         r = httpx.get(f"{base}/metrics", timeout=2)
@@ -125,7 +92,8 @@ def test_exporter_serves_all_sources_and_reports_failures(local_server, tmp_path
 
 
 def test_gzip_body_is_valid(local_server):
-    proc, base = start_exporter("--no-nvml", "--interval", "0.5")
+    proc, addr = start_exporter("--no-nvml", "--interval", "0.5")
+    base = f"http://{addr}"
     try:
         with httpx.Client() as c:
             r = c.get(f"{base}/metrics", headers={"Accept-Encoding": "gzip"})

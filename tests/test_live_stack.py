@@ -89,7 +89,6 @@ def stack(tmp_path_factory):
     )
     vllm_addr = vllm.url.removeprefix("http://").removesuffix("/metrics")
     prom = Prometheus(
-        repo_root,
         tmp / "prom",
         {
             "oomguard-exporter": [exporter_addr],
@@ -103,11 +102,22 @@ def stack(tmp_path_factory):
         prom.wait_for('ALERTS{alertname="Watchdog"}', 30)
         yield prom, repo_root
     finally:
-        prom.close()
+        prom.stop()
         stop(exporter)
         stop_writing.set()
         writer.join(5)
         vllm.close()
+
+
+def has_data(prom, expr: str, patience: float = 10.0) -> bool:
+    """A query has data now or within a few scrapes (a loaded machine can lag a second)."""
+    deadline = time.monotonic() + patience
+    while True:
+        if prom.query(expr):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1)
 
 
 @pytest.mark.parametrize("name", LIVE_DASHBOARDS)
@@ -116,7 +126,7 @@ def test_every_panel_query_returns_data(stack, name):
     dashboard = json.loads((repo_root / dashboard_path(name)).read_text())
     empty_panels, empty_queries = [], []
     for panel in dashboard["panels"]:
-        results = [bool(prom.query(substitute_grafana(t["expr"]))) for t in panel["targets"]]
+        results = [has_data(prom, substitute_grafana(t["expr"])) for t in panel["targets"]]
         if not any(results):
             empty_panels.append(panel["title"])
         empty_queries += [
@@ -142,7 +152,7 @@ def test_every_series_an_alert_reads_has_data(stack):
     for a in alerts(AlertThresholds()):
         names |= metric_names(a.expr)
     names -= REMEDIATOR_METRICS
-    missing = [n for n in sorted(names) if not prom.query(f"count({n})")]
+    missing = [n for n in sorted(names) if not has_data(prom, f"count({n})")]
     assert not missing
 
 

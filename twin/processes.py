@@ -1,0 +1,221 @@
+"""Launching the real parts on one machine: vLLM (model-free), Prometheus, Alertmanager.
+
+Used by `oomguard demo` and by the tests. Every process binds 127.0.0.1 on a port it is given,
+runs in its own process group, and is stopped whole (vLLM forks its EngineCore).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = Path(__file__).resolve().parent / "models" / "tiny-llama"
+EXECUTOR = "oomguard.twin.executor.ModelFreeExecutor"
+RULES = REPO / "alerts" / "generated" / "oomguard.rules.yaml"
+PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+ALERTMANAGER_CONFIG = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Process:
+    """A child process with a log file, started in its own session, stopped with its group."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **(env or {})},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def tail(self, n: int = 40) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_http(self, url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.tail()
+                self.stop()
+                raise RuntimeError(f"{self.proc.args[0]} exited:\n{tail}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        tail = self.tail()
+        self.stop()
+        raise RuntimeError(f"{url} not ready within {timeout}s:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            group = os.getpgid(self.proc.pid)
+            os.killpg(group, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(group, signal.SIGKILL)
+                self.proc.wait(10)
+        if not self.log.closed:
+            self.log.close()
+
+
+class VllmProcess(Process):
+    """`vllm serve` on the CPU with the model-free executor and the oomguard plugin."""
+
+    def __init__(
+        self,
+        *args: str,
+        log: Path,
+        token: str,
+        env: dict[str, str] | None = None,
+        model: Path = TINY_MODEL,
+        timeout: float = 180,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model)
+        vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
+        super().__init__(
+            [
+                vllm,
+                "serve",
+                self.model,
+                "--skip-tokenizer-init",
+                "--distributed-executor-backend",
+                EXECUTOR,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            log,
+            {
+                "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_PLUGINS": "oomguard",
+                "OOMGUARD_PLUGIN_TOKEN": token,
+                **(env or {}),
+            },
+        )
+        self.wait_http(f"{self.url}/health", timeout)
+
+
+class Prometheus(Process):
+    """Prometheus with the shipped config and rules; scrape targets set per job."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        targets: dict[str, list[str]],
+        alertmanager: str | None = None,
+        scrape_interval: str = "1s",
+    ) -> None:
+        config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+        config["rule_files"] = [str(RULES)]
+        config["global"]["scrape_interval"] = scrape_interval
+        config["scrape_configs"] = [
+            {**job, "static_configs": [{"targets": targets[job["job_name"]]}]}
+            for job in config["scrape_configs"]
+            if targets.get(job["job_name"])
+        ]
+        if alertmanager:
+            config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [alertmanager]}]
+        else:
+            config.pop("alerting")
+        workdir.mkdir(parents=True, exist_ok=True)
+        path = workdir / "prometheus.yml"
+        path.write_text(yaml.safe_dump(config))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(
+            [
+                shutil.which("prometheus") or "prometheus",
+                f"--config.file={path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            workdir / "prometheus.log",
+        )
+        self.wait_http(f"{self.url}/-/ready", 30)
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        body = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
+        if body["status"] != "success":
+            raise RuntimeError(f"query {expr!r} failed: {body}")
+        return body["data"]["result"]
+
+    def rules(self) -> list[dict[str, Any]]:
+        body = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()
+        return [rule for group in body["data"]["groups"] for rule in group["rules"]]
+
+    def wait_for(self, expr: str, timeout: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = self.query(expr)
+            if result:
+                return result
+            time.sleep(0.5)
+        raise RuntimeError(f"{expr} returned no data within {timeout}s")
+
+
+class Alertmanager(Process):
+    """Alertmanager with the shipped routes, every webhook pointed at `webhook_base`."""
+
+    def __init__(self, workdir: Path, webhook_base: str, token_file: Path) -> None:
+        config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+        for receiver in config["receivers"]:
+            for hook in receiver.get("webhook_configs", []):
+                hook["url"] = f"{webhook_base}/{receiver['name']}"
+                auth = hook.get("http_config", {}).get("authorization")
+                if auth:
+                    auth["credentials_file"] = str(token_file)
+        workdir.mkdir(parents=True, exist_ok=True)
+        path = workdir / "alertmanager.yml"
+        path.write_text(yaml.safe_dump(config))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+        super().__init__(
+            [
+                binary or "alertmanager",
+                f"--config.file={path}",
+                f"--storage.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--cluster.listen-address=",
+                "--log.level=warn",
+            ],
+            workdir / "alertmanager.log",
+        )
+        self.wait_http(f"{self.url}/-/ready", 30)
+
+
+def have_prometheus_stack() -> bool:
+    return bool(
+        shutil.which("prometheus")
+        and (shutil.which("prometheus-alertmanager") or shutil.which("alertmanager"))
+    )
