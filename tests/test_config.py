@@ -70,6 +70,9 @@ def test_missing_config_file(tmp_path):
 
 
 def test_shipped_example_config_is_valid(repo_root):
-    c = exporter_config_from_args(build_parser().parse_args(
-        ["exporter", "--config", str(repo_root / "deploy" / "exporter.example.yaml")]))
+    c = exporter_config_from_args(
+        build_parser().parse_args(
+            ["exporter", "--config", str(repo_root / "deploy" / "exporter.example.yaml")]
+        )
+    )
     assert [t.name for t in c.vllm] == ["llama-3-8b-0", "llama-3-8b-1"]
