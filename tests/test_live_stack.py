@@ -8,6 +8,7 @@ exist yet (it is its own issue), so nothing exports them on this stack.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -72,41 +73,36 @@ def stack(tmp_path_factory):
             )
             stop_writing.wait(1)
 
-    writer = threading.Thread(target=publish, daemon=True)
-    writer.start()
-    exporter, exporter_addr = start_exporter(
-        "--no-nvml",
-        "--interval",
-        "0.5",
-        "--dcgm-file",
-        str(DCGM_K8S),
-        "--vllm",
-        f"llama={vllm.url}",
-        "--allocator-dir",
-        str(tmp / "alloc"),
-        "--cgroup",
-        f"vllm={cgroup}",
-    )
-    vllm_addr = vllm.url.removeprefix("http://").removesuffix("/metrics")
-    prom = Prometheus(
-        tmp / "prom",
-        {
-            "oomguard-exporter": [exporter_addr],
-            "vllm": [vllm_addr],
-        },
-    )
-    try:
+    # Everything started is registered for shutdown at once, so a failure half-way through
+    # start-up leaves no process behind.
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(vllm.close)
+        writer = threading.Thread(target=publish, daemon=True)
+        writer.start()
+        cleanup.callback(writer.join, 5)
+        cleanup.callback(stop_writing.set)
+        exporter, exporter_addr = start_exporter(
+            "--no-nvml",
+            "--interval",
+            "0.5",
+            "--dcgm-file",
+            str(DCGM_K8S),
+            "--vllm",
+            f"llama={vllm.url}",
+            "--allocator-dir",
+            str(tmp / "alloc"),
+            "--cgroup",
+            f"vllm={cgroup}",
+        )
+        cleanup.callback(stop, exporter)
+        vllm_addr = vllm.url.removeprefix("http://").removesuffix("/metrics")
+        prom = Prometheus(tmp / "prom", {"oomguard-exporter": [exporter_addr], "vllm": [vllm_addr]})
+        cleanup.callback(prom.stop)
         # enough samples for rate() over the substituted 1m range and for the recording rules
         prom.wait_for("oomguard:engine_pressure_level:max", 30)
         prom.wait_for("count_over_time(oomguard_vllm_preemptions_total[1m]) >= 8", 30)
         prom.wait_for('ALERTS{alertname="Watchdog"}', 30)
         yield prom, repo_root
-    finally:
-        prom.stop()
-        stop(exporter)
-        stop_writing.set()
-        writer.join(5)
-        vllm.close()
 
 
 def has_data(prom, expr: str, patience: float = 10.0) -> bool:
