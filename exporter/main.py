@@ -7,7 +7,6 @@ import signal
 import threading
 from types import FrameType
 
-import httpx
 from oomguard.exporter.collectors.allocator import AllocatorCollector
 from oomguard.exporter.collectors.base import Collector
 from oomguard.exporter.collectors.cgroup import CgroupCollector
@@ -21,10 +20,7 @@ from oomguard.exporter.server import MetricsServer
 log = logging.getLogger("oomguard.exporter")
 
 
-def build_collectors(
-    config: ExporterConfig, client: httpx.Client | None = None, nvml_backend: object = None
-) -> list[Collector]:
-    client = client or httpx.Client(limits=httpx.Limits(max_connections=64))
+def build_collectors(config: ExporterConfig, nvml_backend: object = None) -> list[Collector]:
     host = config.hostname
     collectors: list[Collector] = []
     if config.nvml.enabled:
@@ -35,12 +31,10 @@ def build_collectors(
         )
     if config.dcgm.enabled:
         collectors.append(
-            DcgmCollector(
-                host, config.dcgm.url, config.dcgm.file, config.dcgm.timeout_seconds, client
-            )
+            DcgmCollector(host, config.dcgm.url, config.dcgm.file, config.dcgm.timeout_seconds)
         )
     for t in config.vllm:
-        collectors.append(VllmCollector(t.name, t.url, t.timeout_seconds, client))
+        collectors.append(VllmCollector(t.name, t.url, t.timeout_seconds))
     if config.allocator.enabled:
         collectors.append(
             AllocatorCollector(

@@ -13,14 +13,11 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import httpx
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 
 from oomguard.errors import CollectorError
-
-DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -40,34 +37,6 @@ class Parsed:
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
-
-
-def fetch_text(
-    client: httpx.Client, url: str, timeout: float, max_bytes: int = DEFAULT_MAX_BYTES
-) -> tuple[str, str]:
-    """GET a /metrics page; returns (text, content type). Raises CollectorError."""
-    # identity: on loopback compression only costs CPU at both ends
-    headers = {"Accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "Accept-Encoding": "identity"}
-    try:
-        with client.stream("GET", url, timeout=timeout, headers=headers) as response:
-            if response.status_code != 200:
-                raise CollectorError("http_status", f"{url} answered HTTP {response.status_code}")
-            chunks: list[bytes] = []
-            size = 0
-            for chunk in response.iter_bytes(1 << 20):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise CollectorError("too_large", f"{url} sent more than {max_bytes} bytes")
-                chunks.append(chunk)
-            content_type = response.headers.get("content-type", "")
-    except httpx.TimeoutException as exc:
-        raise CollectorError("timeout", f"{url} did not answer within {timeout}s") from exc
-    except httpx.HTTPError as exc:
-        raise CollectorError("unreachable", f"{url}: {exc.__class__.__name__}: {exc}") from exc
-    try:
-        return b"".join(chunks).decode("utf-8"), content_type
-    except UnicodeDecodeError as exc:
-        raise CollectorError("parse_error", f"{url} sent text that is not UTF-8") from exc
 
 
 _SAMPLE = re.compile(

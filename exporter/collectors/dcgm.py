@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
 from oomguard.exporter.render import FamilyBuilder
-from oomguard.exporter.textparse import Sample, fetch_text, is_openmetrics, parse
+from oomguard.exporter.scrape import Scraper
+from oomguard.exporter.textparse import Sample, is_openmetrics, parse
 
 from oomguard.errors import CollectorError
 
@@ -77,7 +77,6 @@ class DcgmCollector:
         url: str | None = None,
         file: str | None = None,
         timeout: float = 2.0,
-        client: httpx.Client | None = None,
     ) -> None:
         if bool(url) == bool(file):
             raise ValueError("dcgm collector needs exactly one of url or file")
@@ -85,7 +84,11 @@ class DcgmCollector:
         self.target = url or file or ""
         self.hostname = hostname
         self.timeout = timeout
-        self._client = client or httpx.Client()
+        self._scraper = Scraper(url, timeout) if url else None
+
+    def close(self) -> None:
+        if self._scraper is not None:
+            self._scraper.close()
 
     def _read_text(self) -> tuple[str, bool]:
         if self.file:
@@ -93,8 +96,8 @@ class DcgmCollector:
                 return Path(self.file).read_text(), False
             except (OSError, UnicodeDecodeError) as exc:
                 raise CollectorError("not_found", f"cannot read {self.file}: {exc}") from exc
-        assert self.url
-        text, content_type = fetch_text(self._client, self.url, self.timeout)
+        assert self._scraper is not None
+        text, content_type = self._scraper.get()
         return text, is_openmetrics(content_type)
 
     def collect(self) -> GpuReading:

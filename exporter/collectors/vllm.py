@@ -13,16 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import httpx
 from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
-from oomguard.exporter.textparse import (
-    DEFAULT_MAX_BYTES,
-    Parsed,
-    fetch_text,
-    is_openmetrics,
-    parse,
-)
+from oomguard.exporter.scrape import DEFAULT_MAX_BYTES, Scraper
+from oomguard.exporter.textparse import Parsed, is_openmetrics, parse
 
 from oomguard.errors import CollectorError
 
@@ -115,17 +109,19 @@ class VllmCollector:
         target: str,
         url: str,
         timeout: float = 2.0,
-        client: httpx.Client | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.max_bytes = max_bytes
         self.target = target
         self.url = url
         self.timeout = timeout
-        self._client = client or httpx.Client()
+        self._scraper = Scraper(url, timeout, max_bytes)
+
+    def close(self) -> None:
+        self._scraper.close()
 
     def collect(self) -> VllmReading:
-        text, content_type = fetch_text(self._client, self.url, self.timeout, self.max_bytes)
+        text, content_type = self._scraper.get()
         parsed = parse(text, WANTED, openmetrics=is_openmetrics(content_type))
         return self.reading_from(parsed)
 

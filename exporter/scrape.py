@@ -1,0 +1,98 @@
+"""GET one /metrics page over a kept-alive connection, bounded in time and size.
+
+The stdlib's http.client on a persistent connection: at a 100 ms poll interval over loopback its
+per-request work is less than half of a general-purpose client's, and each collector thread owns
+its own connection, so nothing is shared. The timeout bounds each socket operation; a collector
+whose poll still runs past its own timeout is reported stuck by the poller.
+"""
+
+from __future__ import annotations
+
+import http.client
+import zlib
+from urllib.parse import urlsplit
+
+from oomguard.errors import CollectorError
+
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+# identity: on loopback, compression only costs CPU at both ends
+HEADERS = {"Accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "Accept-Encoding": "identity"}
+
+
+class Scraper:
+    def __init__(self, url: str, timeout: float, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.url = url
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=self.timeout)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _exchange(self) -> tuple[int, str, str, bytes, bool]:
+        conn = self._connection()
+        conn.request("GET", self._path, headers=HEADERS)
+        resp = conn.getresponse()
+        body = resp.read(self.max_bytes + 1)
+        complete = resp.isclosed()  # False when more body is left unread: a dirty connection
+        if resp.will_close or not complete:
+            self.close()
+        return (
+            resp.status,
+            resp.getheader("Content-Type", ""),
+            resp.getheader("Content-Encoding", ""),
+            body,
+            complete,
+        )
+
+    def get(self) -> tuple[str, str]:
+        """Returns (text, content type). Raises CollectorError with a reason."""
+        for attempt in (1, 2):
+            try:
+                status, content_type, encoding, body, complete = self._exchange()
+                break
+            except TimeoutError as exc:
+                self.close()
+                raise CollectorError(
+                    "timeout", f"{self.url} did not answer within {self.timeout}s"
+                ) from exc
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+                self.close()  # a kept-alive connection the server closed: reconnect once
+                if attempt == 2:
+                    raise CollectorError("unreachable", f"{self.url}: {exc}") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                raise CollectorError(
+                    "unreachable", f"{self.url}: {type(exc).__name__}: {exc}"
+                ) from exc
+        if status != 200:
+            raise CollectorError("http_status", f"{self.url} answered HTTP {status}")
+        if len(body) > self.max_bytes or not complete:
+            raise CollectorError("too_large", f"{self.url} sent more than {self.max_bytes} bytes")
+        if encoding.lower() in ("gzip", "deflate"):
+            inflate = zlib.decompressobj(zlib.MAX_WBITS | 32)
+            try:
+                body = inflate.decompress(body, self.max_bytes + 1)
+            except zlib.error as exc:
+                raise CollectorError("parse_error", f"{self.url}: bad {encoding} body") from exc
+            if len(body) > self.max_bytes or inflate.unconsumed_tail:
+                raise CollectorError("too_large", f"{self.url} inflates past {self.max_bytes}")
+        try:
+            return body.decode("utf-8"), content_type
+        except UnicodeDecodeError as exc:
+            raise CollectorError("parse_error", f"{self.url} sent text that is not UTF-8") from exc

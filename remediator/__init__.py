@@ -1,0 +1,1 @@
+"""The remediator: Alertmanager webhooks to safe, automatic action on vLLM (being built)."""

@@ -1,0 +1,60 @@
+"""The alerts firing now, from webhook snapshots: the level the remediator reconciles toward.
+
+Idempotent and order-safe, because Alertmanager retries, HA peers send duplicates, and
+deliveries can arrive out of order. Each alert (fingerprint) has episodes identified by their
+`startsAt`. An episode fires until a `resolved` for it (or for a later episode) arrives; a
+`resolved` for an older episode never clears a newer one, and a replayed `firing` of an episode
+that already ended does not bring it back. So whatever the order or repetition of the same
+deliveries, the book ends in the same state: an alert fires exactly when its latest `firing`
+episode is newer than its latest `resolved` one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+from oomguard.remediator.webhook import Alert
+
+
+class AlertBook:
+    def __init__(self) -> None:
+        self._firing: dict[str, Alert] = {}
+        self._resolved: dict[str, datetime] = {}  # fingerprint -> latest resolved startsAt
+
+    def apply(self, alert: Alert) -> bool:
+        """Record one alert from a webhook; True when the set of firing alerts changed."""
+        fp = alert.fingerprint
+        if alert.status == "firing":
+            ended = self._resolved.get(fp)
+            if ended is not None and alert.starts_at <= ended:
+                return False  # a late copy of an episode that already resolved
+            current = self._firing.get(fp)
+            if current is not None and current.starts_at >= alert.starts_at:
+                return False  # already known (a duplicate), or an older episode
+            self._firing[fp] = alert
+            return True
+        ended = self._resolved.get(fp)
+        if ended is None or alert.starts_at > ended:
+            self._resolved[fp] = alert.starts_at
+        current = self._firing.get(fp)
+        if current is not None and current.starts_at <= alert.starts_at:
+            del self._firing[fp]
+            return True
+        return False
+
+    def apply_all(self, alerts: Iterable[Alert]) -> bool:
+        changed = False
+        for alert in alerts:
+            changed |= self.apply(alert)
+        return changed
+
+    def firing(self) -> list[Alert]:
+        return sorted(self._firing.values(), key=lambda a: (a.name, a.fingerprint))
+
+    def prune(self, now: datetime, keep: timedelta = timedelta(hours=24)) -> int:
+        """Forget resolutions older than `keep` (bounded memory); returns how many."""
+        old = [fp for fp, ended in self._resolved.items() if now - ended > keep]
+        for fp in old:
+            del self._resolved[fp]
+        return len(old)

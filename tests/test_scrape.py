@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import gzip
+import socket
+
+import pytest
+from oomguard.exporter.scrape import Scraper
+
+from oomguard.errors import CollectorError
+
+
+def test_keeps_the_connection_alive_and_reconnects_when_the_server_drops_it(local_server):
+    server = local_server("a 1\n")
+    scraper = Scraper(server.url, timeout=2)
+    assert scraper.get() == ("a 1\n", "text/plain; version=0.0.4")
+    conn = scraper._conn
+    assert scraper.get()[0] == "a 1\n" and scraper._conn is conn  # reused
+    conn.sock.shutdown(socket.SHUT_RDWR)  # as when the server drops an idle keep-alive
+    assert scraper.get()[0] == "a 1\n"
+
+
+def test_gzip_body_is_inflated_within_the_limit(local_server):
+    server = local_server()
+    payload = gzip.compress(b"b 2\n")
+
+    def respond(handler):
+        return 200, payload, "text/plain"
+
+    server.responder = respond
+    # the test server cannot set Content-Encoding through its helper: send it by hand
+    original = server.httpd.RequestHandlerClass.end_headers
+
+    def end_headers(self):
+        self.send_header("Content-Encoding", "gzip")
+        original(self)
+
+    server.httpd.RequestHandlerClass.end_headers = end_headers
+    assert Scraper(server.url, timeout=2).get()[0] == "b 2\n"
+    with pytest.raises(CollectorError) as exc:
+        server.responder = lambda _h: (200, gzip.compress(b"x" * 5000), "text/plain")
+        Scraper(server.url, timeout=2, max_bytes=1000).get()
+    assert exc.value.reason == "too_large"
+
+
+def test_oversized_body_closes_the_dirty_connection(local_server):
+    server = local_server("y" * 5000)
+    scraper = Scraper(server.url, timeout=2, max_bytes=1000)
+    with pytest.raises(CollectorError) as exc:
+        scraper.get()
+    assert exc.value.reason == "too_large" and scraper._conn is None
+
+
+def test_only_http_urls():
+    with pytest.raises(ValueError, match="http"):
+        Scraper("file:///etc/passwd", timeout=1)
