@@ -131,6 +131,18 @@ class ModelFreeWorker:
         return noop
 
 
+def _run(call: Callable[[], Any], non_block: bool) -> Any:
+    """The result, or with `non_block` a Future holding it (or the exception it raised)."""
+    if not non_block:
+        return call()
+    future: Future[Any] = Future()
+    try:
+        future.set_result(call())
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
+
+
 class ModelFreeExecutor(Executor):
     uses_ray = False
     supports_pp = False
@@ -146,39 +158,19 @@ class ModelFreeExecutor(Executor):
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
     ) -> Any:
+        # One worker: the result list has one entry. A callable gets the worker as `self`.
         fn = getattr(self.worker, method) if isinstance(method, str) else None
-        try:
+
+        def call() -> list[Any]:
             if fn is not None:
-                result = [fn(*args, **(kwargs or {}))]
-            else:
-                result = [method(self.worker, *args, **(kwargs or {}))]  # type: ignore[operator]
-        except Exception as exc:
-            if not non_block:
-                raise
-            failed: Future[Any] = Future()
-            failed.set_exception(exc)
-            return failed
-        if not non_block:
-            return result
-        done: Future[Any] = Future()
-        done.set_result(result)
-        return done
+                return [fn(*args, **(kwargs or {}))]
+            return [method(self.worker, *args, **(kwargs or {}))]  # type: ignore[operator]
+
+        return _run(call, non_block)
 
     def _single(self, method: str, arg: Any, non_block: bool) -> Any:
         # vLLM expects one result (not a list) from execute_model / sample_tokens.
-        try:
-            value = getattr(self.worker, method)(arg)
-        except Exception as exc:
-            if not non_block:
-                raise
-            failed: Future[Any] = Future()
-            failed.set_exception(exc)
-            return failed
-        if not non_block:
-            return value
-        done: Future[Any] = Future()
-        done.set_result(value)
-        return done
+        return _run(lambda: getattr(self.worker, method)(arg), non_block)
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
         return self._single("execute_model", scheduler_output, non_block)
