@@ -1,0 +1,144 @@
+"""The decision: from the alerts firing for an engine and the engine's own state, its desired state.
+
+A pure function, so the same inputs always give the same answer: retried webhooks, a restarted
+remediator and two replicas side by side all decide alike. It keeps no memory of its own; what
+pacing needs comes from the engine's state (the plugin reports how long ago the cap changed and
+what was admitted, finished and preempted since), so a restart in the middle of a staged
+re-admission simply carries on.
+
+Defaults from the field:
+- `lower_cap` (sustained preemptions, memory pressure): lower the cap by 20 % per step, one step
+  per `step_seconds`, never below `floor`;
+- `drain` (critical memory): stop admitting; running requests finish;
+- when nothing asks for action: resume if draining, then staged re-admission: cap 1, raise only
+  after `readmit_successes` admissions that finished with no preemption since the last change,
+  doubling per stage up to the engine's startup `max_num_seqs`.
+KV-cache usage alone never leads to an action.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from oomguard.remediator.webhook import Alert
+from pydantic import BaseModel, ConfigDict, Field
+
+Action = Literal["lower_cap", "drain", "restart"]
+ACTIONS: tuple[Action, ...] = ("drain", "lower_cap", "restart")  # in order of precedence
+# Alerts that never act, whatever a label or the policy says: KV near 100 % is normal for vLLM.
+NEVER_ACT = frozenset({"OomguardKVCacheUsageHigh", "OomguardMemoryCaution", "Watchdog"})
+
+
+class PolicyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step_factor: float = Field(0.8, gt=0, lt=1, description="Cap multiplier per lowering step.")
+    step_seconds: float = Field(30.0, ge=0, description="Least time between two lowering steps.")
+    floor: int = Field(1, ge=1, description="Never lower the cap below this.")
+    readmit_start: int = Field(1, ge=1, description="First cap of a staged re-admission.")
+    readmit_successes: int = Field(
+        5, ge=1, description="Clean admissions needed before the next re-admission stage."
+    )
+    readmit_growth: float = Field(2.0, gt=1, description="Cap multiplier per re-admission stage.")
+    actions: dict[str, Action] = Field(
+        default_factory=dict,
+        description="Alert name -> action; overrides the alert's oomguard_action label.",
+    )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """An engine's state as the plugin reports it (GET /oomguard/v1/state)."""
+
+    startup_max_num_seqs: int
+    admission_cap: int
+    draining: bool
+    seconds_since_cap_change: float
+    admitted_since_cap_change: int
+    finished_since_cap_change: int
+    preemptions_since_cap_change: int
+
+    @classmethod
+    def from_state(cls, state: dict[str, object]) -> Observed:
+        since = state["since_cap_change"]
+        assert isinstance(since, dict)
+        return cls(
+            startup_max_num_seqs=int(state["startup_max_num_seqs"]),  # type: ignore[arg-type]
+            admission_cap=int(state["admission_cap"]),  # type: ignore[arg-type]
+            draining=state["mode"] == "draining",
+            seconds_since_cap_change=float(since["seconds"]),
+            admitted_since_cap_change=int(since["admitted"]),
+            finished_since_cap_change=int(since["finished"]),
+            preemptions_since_cap_change=int(since["preemptions"]),
+        )
+
+
+Phase = Literal["serving", "capped", "draining", "readmitting"]
+
+
+@dataclass(frozen=True)
+class Desired:
+    draining: bool
+    cap: int
+    phase: Phase
+    reason: str
+
+
+def actions_for(alerts: Iterable[Alert], policy: PolicyConfig) -> set[Action]:
+    """The action classes that the firing alerts of one engine ask for."""
+    wanted: set[Action] = set()
+    for alert in alerts:
+        if alert.status != "firing" or alert.name in NEVER_ACT:
+            continue
+        action = policy.actions.get(alert.name) or alert.labels.get("oomguard_action")
+        if action in ACTIONS:
+            wanted.add(action)  # type: ignore[arg-type]
+    return wanted
+
+
+def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> Desired:
+    startup = max(1, observed.startup_max_num_seqs)
+    current = observed.admission_cap
+
+    def clamp(cap: float) -> int:
+        return max(1, min(startup, int(cap)))
+
+    if "drain" in actions:
+        return Desired(True, clamp(current), "draining", "critical memory: drain")
+    if "lower_cap" in actions or "restart" in actions:
+        # (restart is the restart actuator's; until it exists, treat it as pressure)
+        if observed.draining:
+            # leaving a drain under pressure: resume at the re-admission start, not at full cap
+            return Desired(
+                False,
+                clamp(min(current, policy.readmit_start)),
+                "capped",
+                "pressure after a drain: resume capped",
+            )
+        if observed.seconds_since_cap_change < policy.step_seconds:
+            return Desired(False, clamp(current), "capped", "pressure: waiting for the next step")
+        lowered = max(policy.floor, math.floor(current * policy.step_factor))
+        return Desired(False, clamp(min(lowered, current)), "capped", "pressure: lower the cap")
+    if observed.draining:
+        return Desired(
+            False,
+            clamp(policy.readmit_start),
+            "readmitting",
+            "alerts resolved: resume at the first re-admission stage",
+        )
+    if current >= startup:
+        return Desired(False, startup, "serving", "no alerts: full admission")
+    clean = (
+        observed.preemptions_since_cap_change == 0
+        and observed.admitted_since_cap_change >= policy.readmit_successes
+        and observed.finished_since_cap_change >= policy.readmit_successes
+    )
+    if clean:
+        grown = max(current + 1, math.ceil(current * policy.readmit_growth))
+        return Desired(False, clamp(grown), "readmitting", "clean stage: raise the cap")
+    return Desired(
+        False, clamp(current), "readmitting", "re-admitting: waiting for clean admissions"
+    )

@@ -1,0 +1,142 @@
+"""The remediator's decision: bounded, deterministic, and never moved by KV usage alone."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oomguard.remediator.policy import (
+    Observed,
+    PolicyConfig,
+    actions_for,
+    decide,
+)
+from oomguard.remediator.webhook import Alert
+
+T0 = datetime(2026, 11, 29, tzinfo=UTC)
+POLICY = PolicyConfig()
+
+
+def alert(name: str, action: str | None = None, status: str = "firing") -> Alert:
+    labels = {"alertname": name, "target": "llama"}
+    if action:
+        labels["oomguard_action"] = action
+    return Alert(f"fp-{name}", status, labels, T0, None)
+
+
+def obs(cap=64, startup=64, draining=False, seconds=60.0, admitted=0, finished=0, preempted=0):
+    return Observed(startup, cap, draining, seconds, admitted, finished, preempted)
+
+
+def test_actions_come_from_labels_and_the_policy_and_kv_never_acts():
+    firing = [
+        alert("OomguardMemoryPressure", "lower_cap"),
+        alert("OomguardKVCacheUsageHigh", "drain"),  # even if mislabelled
+        alert("OomguardMemoryCritical", "drain", status="resolved"),
+    ]
+    assert actions_for(firing, POLICY) == {"lower_cap"}
+    override = PolicyConfig(actions={"OomguardMemoryPressure": "drain"})
+    assert actions_for(firing, override) == {"drain"}
+    assert actions_for([alert("OomguardEngineDown")], POLICY) == set()
+
+
+def test_pressure_lowers_by_twenty_percent_per_step_and_waits_between_steps():
+    assert decide({"lower_cap"}, obs(cap=64), POLICY).cap == 51
+    assert decide({"lower_cap"}, obs(cap=51, seconds=5), POLICY).cap == 51  # too soon
+    assert decide({"lower_cap"}, obs(cap=1), POLICY).cap == 1  # never below 1
+    assert decide({"lower_cap"}, obs(cap=10), PolicyConfig(floor=9)).cap == 9
+
+
+def test_critical_drains_and_resolution_resumes_at_the_first_stage():
+    d = decide({"drain", "lower_cap"}, obs(cap=40), POLICY)
+    assert d.draining and d.phase == "draining" and d.cap == 40
+    resumed = decide(set(), obs(cap=40, draining=True), POLICY)
+    assert not resumed.draining and resumed.cap == 1 and resumed.phase == "readmitting"
+
+
+def test_staged_readmission_doubles_after_clean_admissions_up_to_startup():
+    waiting = decide(set(), obs(cap=1, admitted=4, finished=4), POLICY)
+    assert waiting.cap == 1  # 4 of 5
+    preempted = decide(set(), obs(cap=1, admitted=9, finished=9, preempted=1), POLICY)
+    assert preempted.cap == 1  # not clean
+    caps = [1]
+    while caps[-1] < 64:
+        caps.append(decide(set(), obs(cap=caps[-1], admitted=5, finished=5), POLICY).cap)
+    assert caps == [1, 2, 4, 8, 16, 32, 64]
+    assert decide(set(), obs(cap=64), POLICY).phase == "serving"
+
+
+def test_a_restarted_remediator_continues_a_readmission_where_the_engine_is():
+    # nothing but the engine's own state is needed to pick up at stage 8
+    assert decide(set(), obs(cap=8, admitted=6, finished=5), POLICY).cap == 16
+
+
+observed = st.builds(
+    lambda startup, cap, draining, seconds, a, f, p: Observed(
+        startup, min(cap, startup), draining, seconds, a, f, p
+    ),
+    st.integers(1, 1024),
+    st.integers(1, 1024),
+    st.booleans(),
+    st.floats(0, 3600, allow_nan=False),
+    st.integers(0, 100),
+    st.integers(0, 100),
+    st.integers(0, 10),
+)
+action_sets = st.sets(st.sampled_from(["lower_cap", "drain", "restart"]))
+policies = st.builds(
+    PolicyConfig,
+    step_factor=st.floats(0.05, 0.95),
+    floor=st.integers(1, 64),
+    readmit_start=st.integers(1, 64),
+    readmit_successes=st.integers(1, 10),
+    readmit_growth=st.floats(1.1, 4),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(action_sets, observed, policies)
+def test_the_cap_always_stays_within_one_and_startup(actions, o, policy):
+    d = decide(actions, o, policy)
+    assert 1 <= d.cap <= o.startup_max_num_seqs
+    if actions & {"lower_cap", "restart"} and "drain" not in actions:
+        assert d.cap <= o.admission_cap  # pressure never raises the cap
+        assert not d.draining
+    assert d.draining == ("drain" in actions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                ("OomguardMemoryPressure", "lower_cap"),
+                ("OomguardMemoryCritical", "drain"),
+                ("OomguardKVCacheUsageHigh", None),
+                ("OomguardPreemptionRateHigh", "lower_cap"),
+                ("OomguardEngineDown", None),
+            ]
+        ),
+        max_size=8,
+    ),
+    observed,
+    st.randoms(use_true_random=False),
+)
+def test_the_same_alert_set_always_gives_the_same_desired_state(pairs, o, rnd):
+    alerts = [alert(n, a) for n, a in pairs]
+    shuffled = alerts + alerts
+    rnd.shuffle(shuffled)
+    assert decide(actions_for(alerts, POLICY), o, POLICY) == decide(
+        actions_for(shuffled, POLICY), o, POLICY
+    )
+
+
+def test_observed_from_the_plugins_state_document():
+    state = {
+        "startup_max_num_seqs": 64,
+        "admission_cap": 8,
+        "mode": "draining",
+        "since_cap_change": {"seconds": 3.5, "admitted": 2, "finished": 1, "preemptions": 0},
+    }
+    assert Observed.from_state(state) == Observed(64, 8, True, 3.5, 2, 1, 0)
