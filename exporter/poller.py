@@ -167,10 +167,12 @@ class Poller:
                 log.exception("render failed; serving the previous snapshot")
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
-    def start(self) -> None:
-        for state in self.states:
-            self.poll(state)  # first results before the first scrape can arrive
-        self.render()
+    def start(self, first_results_within: float = 5.0) -> None:
+        """Start every collector's thread, wait (bounded) for first results, render once.
+
+        A collector that hangs on its first poll (a wedged driver) delays start-up by at most
+        `first_results_within` seconds and is then reported stuck, like at any other time.
+        """
         for state in self.states:
             t = threading.Thread(
                 target=self._collector_loop,
@@ -180,6 +182,10 @@ class Poller:
             )
             t.start()
             self._threads.append(t)
+        deadline = time.monotonic() + first_results_within
+        while time.monotonic() < deadline and any(s.result is None for s in self.states):
+            time.sleep(0.01)
+        self.render()
         t = threading.Thread(target=self._render_loop, name="render", daemon=True)
         t.start()
         self._threads.append(t)

@@ -198,3 +198,22 @@ def test_threads_start_and_stop_cleanly():
     finally:
         poller.stop()
     assert all(not t.is_alive() for t in poller._threads)
+
+
+def test_a_collector_hung_at_start_up_does_not_hold_the_others_back():
+    import time
+
+    good, hung = Scripted("good"), Scripted("hung", timeout=0.2)
+    hung.gate = threading.Event()  # never set during start-up: a wedged driver
+    poller = Poller([good, hung], interval=0.1)
+    t0 = time.monotonic()
+    try:
+        poller.start(first_results_within=0.5)
+        assert time.monotonic() - t0 < 2.0
+        text = poller.latest.text
+        assert value(text, "oomguard_exporter_collector_up", collector="good") == 1
+        assert value(text, "oomguard_exporter_collector_up", collector="hung") == 0
+        assert value(text, "oomguard_gpu_memory_free_bytes") == 78 * GIB
+    finally:
+        hung.gate.set()
+        poller.stop()
