@@ -1,0 +1,90 @@
+"""The plugin actuator against the real vLLM server, and its error handling against stand-ins."""
+
+from __future__ import annotations
+
+import pytest
+from oomguard.remediator.actuator import ActuatorError, DryRunActuator, PluginActuator, Target
+from oomguard.remediator.policy import Observed
+
+from tests.conftest import free_port
+from tests.vllm_server import TOKEN, VllmServer, require_vllm
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    require_vllm()
+    server = VllmServer(
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        "2048",
+        log=tmp_path_factory.mktemp("vllm") / "vllm.log",
+    )
+    yield Target("llama", server.url, TOKEN, model="tiny")
+    server.stop()
+
+
+@pytest.mark.slow
+def test_reads_and_changes_a_real_engine(engine):
+    act = PluginActuator()
+    observed = Observed.from_state(act.state(engine))
+    assert (observed.startup_max_num_seqs, observed.admission_cap) == (16, 16)
+    assert act.set_cap(engine, 5)["admission_cap"] == 5
+    assert act.drain(engine)["mode"] == "draining"
+    assert act.drain(engine)["mode"] == "draining"  # idempotent
+    assert act.resume(engine)["mode"] == "serving"
+    assert act.set_cap(engine, 16)["admission_cap"] == 16
+
+
+@pytest.mark.slow
+def test_dry_run_reads_but_never_writes(engine):
+    dry = DryRunActuator(PluginActuator())
+    dry.set_cap(engine, 2)
+    dry.drain(engine)
+    state = PluginActuator().state(engine)
+    assert state["admission_cap"] == 16 and state["mode"] == "serving"
+    assert dry.intended == [("llama", "set_cap", 2), ("llama", "drain", None)]
+
+
+@pytest.mark.slow
+def test_a_wrong_token_is_an_auth_error_at_once(engine):
+    with pytest.raises(ActuatorError) as exc:
+        PluginActuator().set_cap(Target("llama", engine.url, "wrong"), 3)
+    assert exc.value.reason == "auth"
+
+
+def test_server_errors_are_retried_and_client_errors_are_not(local_server):
+    server = local_server()
+    calls = []
+
+    def respond(handler):
+        calls.append(handler.path)
+        if len(calls) < 3:
+            return 503, b"engine call failed", "text/plain"
+        return 200, b'{"mode": "serving"}', "application/json"
+
+    server.responder = respond
+    target = Target("t", server.url.removesuffix("/metrics"), "x")
+    assert PluginActuator(backoff=0.01).state(target) == {"mode": "serving"}
+    assert len(calls) == 3 and calls[0] == "/oomguard/v1/state"
+
+    calls.clear()
+    server.responder = lambda h: calls.append(h.path) or (400, b"bad", "text/plain")
+    with pytest.raises(ActuatorError) as exc:
+        PluginActuator(backoff=0.01).state(target)
+    assert exc.value.reason == "rejected" and len(calls) == 1
+
+
+def test_unreachable_after_the_retries():
+    target = Target("t", f"http://127.0.0.1:{free_port()}", "x")
+    with pytest.raises(ActuatorError) as exc:
+        PluginActuator(attempts=2, backoff=0.01, timeout=1).state(target)
+    assert exc.value.reason == "unreachable"
+
+
+def test_a_non_json_answer_is_a_bad_response(local_server):
+    server = local_server("<html>proxy error</html>")
+    target = Target("t", server.url.removesuffix("/metrics"))
+    with pytest.raises(ActuatorError) as exc:
+        PluginActuator().state(target)
+    assert exc.value.reason == "bad_response"
