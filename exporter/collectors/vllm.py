@@ -152,13 +152,11 @@ class VllmCollector:
                 setattr(e, attr, (getattr(e, attr) or 0.0) + s.value)
 
         gauge(KV_USAGE, "kv_usage")
+        # the legacy gauge counts only for engines that do not report the current one
+        current = {id(engine_of(s.labels)) for s in parsed.get(KV_USAGE)}
         for s in parsed.get(KV_USAGE_LEGACY):
             e = engine_of(s.labels)
-            if not any(
-                x.labels.get("engine", "0") == e.engine
-                and x.labels.get("model_name", "") == e.model_name
-                for x in parsed.get(KV_USAGE)
-            ):
+            if id(e) not in current:
                 e.kv_usage = s.value if e.kv_usage is None else max(e.kv_usage, s.value)
         gauge(RUNNING, "running")
         gauge(WAITING, "waiting")
