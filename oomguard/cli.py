@@ -348,6 +348,79 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
 
 
+# -- remediator ---------------------------------------------------------------------------------
+def _add_remediator(sub: Any) -> None:
+    p = sub.add_parser(
+        "remediator",
+        help="receive Alertmanager webhooks and act on vLLM engines (or explain a payload)",
+        description="Run the remediator: it receives Alertmanager webhooks (or, in standalone "
+        "mode, watches exporters' pressure levels) and converges each allowlisted engine toward "
+        "the state its firing alerts call for: lower the cap, drain, staged re-admission. "
+        "`oomguard remediator explain` prints what it would do for one payload and acts on "
+        "nothing.",
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="remediator YAML config")
+    p.add_argument("--dry-run", action="store_true", help="decide and record, act on nothing")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(func=_run_remediator)
+    rsub = p.add_subparsers(dest="remediator_command", metavar="SUBCOMMAND")
+    e = rsub.add_parser(
+        "explain",
+        help="print what the remediator would do for a webhook payload; changes nothing",
+    )
+    e.add_argument("payload", help="Alertmanager webhook JSON file, or - for stdin")
+    e.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        metavar="TARGET=FILE",
+        help="use this saved /oomguard/v1/state JSON instead of asking the engine (repeatable)",
+    )
+    e.set_defaults(func=_run_remediator_explain)
+
+
+def _load_remediator(args: argparse.Namespace) -> Any:
+    from oomguard.remediator.config import load
+
+    config = load(args.config)
+    if args.dry_run:
+        config = config.model_copy(update={"dry_run": True})
+    return config
+
+
+def _run_remediator(args: argparse.Namespace) -> int:
+    from oomguard.remediator.main import Remediator
+
+    return Remediator(_load_remediator(args)).serve()
+
+
+def _run_remediator_explain(args: argparse.Namespace) -> int:
+    import json
+
+    from oomguard.remediator.main import explain
+    from oomguard.remediator.webhook import PayloadError, parse
+
+    config = _load_remediator(args)
+    try:
+        body = sys.stdin.buffer.read() if args.payload == "-" else Path(args.payload).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.payload}: {exc.strerror or exc}") from exc
+    try:
+        webhook = parse(body)
+    except PayloadError as exc:
+        raise ConfigError(f"{args.payload}: {exc}") from exc
+    states = {}
+    for item in args.state:
+        try:
+            name, path = _key_value(item)
+            states[name] = json.loads(Path(path).read_text())
+        except (argparse.ArgumentTypeError, OSError, ValueError) as exc:
+            raise ConfigError(f"--state {item}: {exc}") from exc
+    for entry in explain(config, webhook, states or None):
+        print(json.dumps(entry, sort_keys=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oomguard",
@@ -359,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget(sub)
     _add_generate(sub)
     _add_demo(sub)
+    _add_remediator(sub)
     return parser
 
 

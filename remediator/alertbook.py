@@ -11,6 +11,7 @@ episode is newer than its latest `resolved` one.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 
@@ -21,6 +22,7 @@ class AlertBook:
     def __init__(self) -> None:
         self._firing: dict[str, Alert] = {}
         self._resolved: dict[str, datetime] = {}  # fingerprint -> latest resolved startsAt
+        self._learned: dict[str, float] = {}  # fingerprint -> when its firing episode arrived
 
     def apply(self, alert: Alert) -> bool:
         """Record one alert from a webhook; True when the set of firing alerts changed."""
@@ -33,6 +35,7 @@ class AlertBook:
             if current is not None and current.starts_at >= alert.starts_at:
                 return False  # already known (a duplicate), or an older episode
             self._firing[fp] = alert
+            self._learned[fp] = time.monotonic()
             return True
         ended = self._resolved.get(fp)
         if ended is None or alert.starts_at > ended:
@@ -40,6 +43,7 @@ class AlertBook:
         current = self._firing.get(fp)
         if current is not None and current.starts_at <= alert.starts_at:
             del self._firing[fp]
+            self._learned.pop(fp, None)
             return True
         return False
 
@@ -47,6 +51,23 @@ class AlertBook:
         changed = False
         for alert in alerts:
             changed |= self.apply(alert)
+        return changed
+
+    def sync(self, active: Iterable[Alert], as_of: float) -> bool:
+        """Reconcile with Alertmanager's list of active alerts, fetched at monotonic `as_of`.
+
+        Active alerts are applied as firing. An alert the book has as firing but Alertmanager no
+        longer lists has resolved (a lost `resolved` webhook must not pin a cap down forever),
+        unless its episode reached the book after the list was fetched.
+        """
+        active = list(active)
+        changed = self.apply_all(active)
+        listed = {a.fingerprint for a in active}
+        for fp, alert in list(self._firing.items()):
+            if fp not in listed and self._learned.get(fp, 0.0) < as_of:
+                changed |= self.apply(
+                    Alert(fp, "resolved", alert.labels, alert.starts_at, alert.ends_at)
+                )
         return changed
 
     def firing(self) -> list[Alert]:

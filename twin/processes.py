@@ -186,11 +186,15 @@ class Prometheus(Process):
 class Alertmanager(Process):
     """Alertmanager with the shipped routes, every webhook pointed at `webhook_base`."""
 
-    def __init__(self, workdir: Path, webhook_base: str, token_file: Path) -> None:
+    def __init__(
+        self, workdir: Path, webhook_base: str, token_file: Path, remediator: str | None = None
+    ) -> None:
         config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
         for receiver in config["receivers"]:
             for hook in receiver.get("webhook_configs", []):
                 hook["url"] = f"{webhook_base}/{receiver['name']}"
+                if remediator and receiver["name"] == "remediator":
+                    hook["url"] = f"{remediator}/v1/alertmanager"
                 auth = hook.get("http_config", {}).get("authorization")
                 if auth:
                     auth["credentials_file"] = str(token_file)
@@ -212,6 +216,40 @@ class Alertmanager(Process):
             workdir / "alertmanager.log",
         )
         self.wait_http(f"{self.url}/-/ready", 30)
+
+
+class RemediatorProcess(Process):
+    """`oomguard remediator` with a config written from `config` (listen filled in)."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], *extra: str) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        if "listen" not in config:
+            config = {**config, "listen": f"127.0.0.1:{free_port()}"}
+        self.config = config
+        self.url = f"http://{config['listen']}"
+        self.path = workdir / "remediator.yaml"
+        self.path.write_text(yaml.safe_dump(config))
+        super().__init__(
+            [
+                sys.executable,
+                "-m",
+                "oomguard.cli",
+                "remediator",
+                "--config",
+                str(self.path),
+                *extra,
+            ],
+            workdir / "remediator.log",
+        )
+        self.wait_http(f"{self.url}/healthz", 30)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or an OOM kill would end it (no clean shutdown)."""
+        if self.proc.poll() is None:
+            os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
+            self.proc.wait(10)
+        if not self.log.closed:
+            self.log.close()
 
 
 def have_prometheus_stack() -> bool:

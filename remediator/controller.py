@@ -1,0 +1,489 @@
+"""The reconcile loop: alerts firing now + each engine's observed state -> converge, safely.
+
+Level-triggered, like a Kubernetes controller. Webhooks only update the set of firing alerts (the
+AlertBook) and wake the loop; every pass then reads each allowlisted engine's state through the
+actuator, asks the policy for its desired state, and takes the steps between the two, each one
+through the safety limits and into the audit log. Nothing depends on which webhook arrived when,
+so retries, duplicates, restarts and a second replica all converge to the same place.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import httpx
+from oomguard.remediator.actuator import Actuator, ActuatorError, DryRunActuator, Target
+from oomguard.remediator.alertbook import AlertBook
+from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.config import RemediatorConfig, SecretFile, TargetConfig
+from oomguard.remediator.metrics import RemediatorMetrics
+from oomguard.remediator.policy import (
+    Desired,
+    Observed,
+    PolicyConfig,
+    actions_for,
+    decide,
+)
+from oomguard.remediator.safety import EngineView, Safety
+from oomguard.remediator.webhook import Alert, Webhook
+
+log = logging.getLogger("oomguard.remediator")
+
+DISRUPTIVE = frozenset({"drain", "lower_cap"})  # held to cooldown, rate limit and budget
+FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})  # drain refused: cap instead
+SEEN_LIMIT = 200_000  # dedup keys remembered (FIFO); far more than Alertmanager ever resends
+
+Step = tuple[str, int | None]  # (drain | resume | lower_cap | raise_cap, cap)
+
+
+def plan(observed: Observed, desired: Desired) -> list[Step]:
+    """The writes that take an engine from `observed` to `desired`, in a safe order."""
+    if desired.draining:
+        return [] if observed.draining else [("drain", None)]
+    steps: list[Step] = []
+    if desired.cap != observed.admission_cap:
+        kind = "lower_cap" if desired.cap < observed.admission_cap else "raise_cap"
+        steps.append((kind, desired.cap))
+    if observed.draining:
+        steps.append(("resume", None))  # after the cap: never resume at the old, higher cap
+    return steps
+
+
+def decide_for(alerts: Iterable[Alert], observed: Observed, policy: PolicyConfig) -> Desired:
+    return decide(actions_for(alerts, policy), observed, policy)
+
+
+def select(alert: Alert, targets: Iterable[TargetConfig]) -> list[str]:
+    """Names of the allowlisted targets whose selector labels the alert carries exactly."""
+    labels = alert.labels
+    return [t.name for t in targets if all(labels.get(k) == v for k, v in t.selector().items())]
+
+
+@dataclass
+class Receipt:
+    alerts: int
+    new: int
+    duplicates: int
+    ignored: dict[str, str]  # fingerprint -> why
+    changed: bool
+
+
+@dataclass
+class TargetStatus:
+    name: str
+    url: str
+    model: str
+    mode: str = "unknown"
+    reason: str = "not reconciled yet"
+    observed: dict[str, Any] | None = None
+    desired: dict[str, Any] | None = None
+    alerts: list[str] = field(default_factory=list)
+    error: str | None = None
+    last_action: dict[str, Any] | None = None
+    updated: float | None = None
+
+
+class Controller:
+    def __init__(
+        self,
+        config: RemediatorConfig,
+        actuator: Actuator,
+        audit: AuditLog,
+        metrics: RemediatorMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.dry_run = config.dry_run or isinstance(actuator, DryRunActuator)
+        self.actuator = actuator
+        self.audit = audit
+        self.metrics = metrics or RemediatorMetrics()
+        self.safety = Safety(config.safety, clock)
+        self.targets = {t.name: t for t in config.targets}
+        self._tokens = {t.name: SecretFile(t.token_file) for t in config.targets if t.token_file}
+        self.book = AlertBook()
+        self.status = {t.name: TargetStatus(t.name, t.url, t.model) for t in config.targets}
+        self.wake: Callable[[], None] = lambda: None  # the runner points this at its scheduler
+        self._book_lock = threading.Lock()
+        self._pass_lock = threading.Lock()
+        self._dirty = False
+        self._seen: OrderedDict[tuple[str, datetime, str], None] = OrderedDict()
+        self._noted: dict[tuple[str, str], Any] = {}  # (target, topic) -> last audited value
+        self._pool = ThreadPoolExecutor(max_workers=min(16, len(self.targets)))
+        self.metrics.paused.set(1 if config.safety.paused else 0)
+
+    # -- input ---------------------------------------------------------------------------------
+    def unroutable(self, alert: Alert) -> str | None:
+        """Why an alert selects no single target (None: it selects exactly one)."""
+        names = select(alert, self.targets.values())
+        if not names:
+            shown = {k: alert.labels.get(k, "") for k in ("target", "instance")}
+            return f"no allowlisted target matches {shown}"
+        if len(names) > 1:
+            return f"ambiguous: matches targets {', '.join(names)}"
+        return None
+
+    def receive(self, webhook: Webhook, source: str = "webhook") -> Receipt:
+        """Record a payload durably, then apply it. Raises OSError when the audit log cannot be
+        written: the caller answers 5xx and Alertmanager retries; nothing was applied."""
+        with self._book_lock:
+            new = [a for a in webhook.alerts if a.dedup_key not in self._seen]
+            ignored = {a.fingerprint: why for a in new if (why := self.unroutable(a))}
+            if new:
+                self.audit.record(
+                    "received",
+                    result="ignored" if len(ignored) == len(new) else "accepted",
+                    reason=f"{source} {webhook.group_key}".strip(),
+                    after={
+                        "firing": sorted(a.fingerprint for a in new if a.status == "firing"),
+                        "resolved": sorted(a.fingerprint for a in new if a.status == "resolved"),
+                        "ignored": ignored,
+                        "duplicates": len(webhook.alerts) - len(new),
+                    },
+                    fingerprints=[a.fingerprint for a in new],
+                )
+            changed = self.book.apply_all(a for a in new if a.fingerprint not in ignored)
+            for a in new:
+                self._seen[a.dedup_key] = None
+            while len(self._seen) > SEEN_LIMIT:
+                self._seen.popitem(last=False)
+        for fp, why in ignored.items():
+            log.warning("ignoring alert %s: %s", fp, why)
+        if changed:
+            self.request()
+        total = len(webhook.alerts)
+        return Receipt(total, len(new), total - len(new), ignored, changed)
+
+    def resync(self) -> bool:
+        """Rebuild the firing set from Alertmanager's API (at start and periodically). Raises
+        httpx.HTTPError or ValueError when Alertmanager cannot be read; the book is kept."""
+        source = self.config.alertmanager
+        if source is None:
+            return False
+        as_of = time.monotonic()
+        r = httpx.get(
+            f"{source.url.rstrip('/')}/api/v2/alerts",
+            params={
+                "active": "true",
+                "silenced": "false",
+                "inhibited": "false",
+                "receiver": f"^{re.escape(source.receiver)}$",
+            },
+            timeout=5.0,
+        )
+        r.raise_for_status()
+        active = [a for a in _am_alerts(r.json()) if self.unroutable(a) is None]
+        with self._book_lock:
+            before = {a.fingerprint for a in self.book.firing()}
+            changed = self.book.sync(active, as_of)
+            after = {a.fingerprint for a in self.book.firing()}
+        if changed:
+            self.audit.record(
+                "resynced",
+                reason=f"alertmanager {source.url}",
+                before=sorted(before),
+                after=sorted(after),
+                fingerprints=before ^ after,
+            )
+            self.request()
+        return changed
+
+    def set_paused(self, paused: bool, reason: str) -> None:
+        self.safety.config.paused = paused
+        self.metrics.paused.set(1 if paused else 0)
+        self.audit.record("paused" if paused else "unpaused", reason=reason)
+        log.warning("remediator %s: %s", "paused" if paused else "unpaused", reason)
+        self.request()
+
+    @property
+    def paused(self) -> bool:
+        return self.safety.config.paused
+
+    # -- the loop ------------------------------------------------------------------------------
+    def request(self) -> None:
+        """Ask for a pass as soon as possible (a pass in progress runs once more)."""
+        self._dirty = True
+        self.wake()
+
+    def reconcile(self) -> None:
+        if not self._pass_lock.acquire(blocking=False):
+            self._dirty = True
+            return
+        try:
+            while True:
+                self._dirty = False
+                self._pass()
+                if not self._dirty:
+                    break
+        finally:
+            self._pass_lock.release()
+
+    def target(self, name: str) -> Target:
+        cfg = self.targets[name]
+        secret = self._tokens.get(name)
+        return Target(name, cfg.url, secret.get() if secret else None, cfg.model)
+
+    def _read(self, name: str) -> dict[str, Any] | ActuatorError:
+        try:
+            return self.actuator.state(self.target(name))
+        except ActuatorError as exc:
+            return exc
+
+    def _pass(self) -> None:
+        with self._book_lock:
+            firing = self.book.firing()
+        routed: dict[str, list[Alert]] = {name: [] for name in self.targets}
+        for alert in firing:
+            names = select(alert, self.targets.values())
+            if len(names) == 1:
+                routed[names[0]].append(alert)
+        names = list(self.targets)
+        states = dict(zip(names, self._pool.map(self._read, names), strict=True))
+        fleet = {
+            name: EngineView(
+                self.targets[name].model,
+                draining=isinstance(s, dict) and s.get("mode") == "draining",
+                reachable=isinstance(s, dict),
+            )
+            for name, s in states.items()
+        }
+        for name in names:
+            try:
+                self._converge(name, routed[name], states[name], fleet)
+            except Exception as exc:  # one target's surprise never stops the others
+                log.exception("reconciling %s failed", name)
+                self._hold(name, "internal", f"{type(exc).__name__}: {exc}", routed[name])
+
+    def _note(self, target: str, topic: str, value: Any) -> bool:
+        """True when `value` differs from the last one noted (audit changes, not every pass)."""
+        key = (target, topic)
+        if self._noted.get(key) == value:
+            return False
+        self._noted[key] = value
+        return True
+
+    def _hold(self, name: str, reason: str, message: str, alerts: list[Alert]) -> None:
+        st = self.status[name]
+        st.mode, st.reason, st.error = "held", f"{reason}: {message}", message
+        st.updated = time.time()
+        self.metrics.reconcile_errors.labels(name).inc()
+        self.metrics.set_mode(name, "held")
+        if self._note(name, "held", reason):
+            self.audit.record(
+                "held",
+                target=name,
+                result=reason,
+                reason=f"no action while the engine cannot be read: {message}",
+                fingerprints=[a.fingerprint for a in alerts],
+            )
+            log.warning("holding %s: %s", name, message)
+
+    def _converge(
+        self,
+        name: str,
+        alerts: list[Alert],
+        state: dict[str, Any] | ActuatorError,
+        fleet: dict[str, EngineView],
+    ) -> None:
+        if isinstance(state, ActuatorError):
+            self._hold(name, state.reason, str(state), alerts)
+            return
+        try:
+            observed = Observed.from_state(state)
+        except (KeyError, TypeError, ValueError, AssertionError) as exc:
+            self._hold(name, "bad_state", f"unexpected state from the plugin: {exc!r}", alerts)
+            return
+        self._note(name, "held", None)
+        policy = self.config.policy
+        wanted = actions_for(alerts, policy)
+        desired = decide(wanted, observed, policy)
+        steps = plan(observed, desired)
+        if steps and steps[0][0] == "drain":
+            limit = self._limit(name, "drain", fleet)
+            if limit in FALLBACK_LIMITS:
+                # draining would take the model's last capacity: hold it at a lower cap instead
+                self._withheld(name, "drain", limit, alerts)
+                desired = decide((wanted - {"drain"}) | {"lower_cap"}, observed, policy)
+                desired = Desired(False, desired.cap, "capped", f"{limit}: capping, not draining")
+                steps = plan(observed, desired)
+        fps = [a.fingerprint for a in alerts]
+        decision = (desired.phase, desired.cap, desired.draining, desired.reason)
+        prev = self._noted.get((name, "decision"))
+        if self._note(name, "decision", decision) and (
+            steps or desired.phase != "serving" or (prev is not None and prev[0] != "serving")
+        ):  # a change worth explaining; not "full admission" for every target at start
+            self.audit.record(
+                "decided",
+                target=name,
+                before=_brief(observed),
+                after={"cap": desired.cap, "draining": desired.draining, "phase": desired.phase},
+                reason=desired.reason,
+                fingerprints=fps,
+            )
+        last = state
+        for kind, cap in steps:
+            limit = self._limit(name, kind, fleet)
+            if limit is not None:
+                self._withheld(name, kind, limit, alerts)
+                break
+            self._note(name, "withheld", None)
+            result = self._act(name, kind, cap, observed, desired, fps)
+            if result is None:
+                break
+            last = result
+            if kind == "drain":
+                fleet[name] = EngineView(fleet[name].model, draining=True, reachable=True)
+            elif kind == "resume":
+                fleet[name] = EngineView(fleet[name].model, draining=False, reachable=True)
+        self._publish(name, last, desired, alerts)
+
+    def _limit(self, name: str, kind: str, fleet: Mapping[str, EngineView]) -> str | None:
+        if kind in DISRUPTIVE:
+            return self.safety.check(name, kind, fleet)
+        return "pause" if self.paused else None  # restoring capacity is paced by the policy
+
+    def _withheld(self, name: str, kind: str, limit: str, alerts: list[Alert]) -> None:
+        if self._note(name, "withheld", (kind, limit)):
+            self.metrics.safety_limited.labels(name, limit).inc()
+            self.audit.record(
+                "withheld",
+                target=name,
+                action=kind,
+                result=limit,
+                reason=f"{kind} withheld by the {limit} limit",
+                fingerprints=[a.fingerprint for a in alerts],
+            )
+            log.warning("%s on %s withheld by the %s limit", kind, name, limit)
+
+    def _act(
+        self,
+        name: str,
+        kind: str,
+        cap: int | None,
+        observed: Observed,
+        desired: Desired,
+        fps: list[str],
+    ) -> dict[str, Any] | None:
+        if self.dry_run and not self._note(name, "dry_run", (kind, cap)):
+            return None  # the engine does not change in a dry run: say it once, not every pass
+        target = self.target(name)
+        try:
+            if kind == "drain":
+                response = self.actuator.drain(target)
+            elif kind == "resume":
+                response = self.actuator.resume(target)
+            else:
+                assert cap is not None
+                response = self.actuator.set_cap(target, cap)
+        except ActuatorError as exc:
+            self.metrics.actions.labels(name, kind, exc.reason).inc()
+            self.metrics.reconcile_errors.labels(name).inc()
+            self.status[name].error = str(exc)
+            self.audit.record(
+                "failed",
+                target=name,
+                action=kind,
+                before=_brief(observed),
+                after={"cap": cap} if cap is not None else None,
+                result=exc.reason,
+                reason=f"{desired.reason}: {exc}",
+                fingerprints=fps,
+            )
+            log.error("%s on %s failed: %s", kind, name, exc)
+            return None
+        state = response.get("state", response)
+        result = "dry_run" if self.dry_run else "ok"
+        if kind in DISRUPTIVE:
+            self.safety.record(name)
+        self.metrics.actions.labels(name, kind, result).inc()
+        entry = self.audit.record(
+            "acted",
+            target=name,
+            action=kind,
+            before=_brief(observed),
+            after={"cap": state.get("admission_cap"), "mode": state.get("mode")},
+            result=result,
+            reason=desired.reason,
+            fingerprints=fps,
+        )
+        self.status[name].last_action = entry
+        self.status[name].error = None
+        log.info("%s on %s (%s): %s", kind, name, result, desired.reason)
+        return state
+
+    def _publish(
+        self, name: str, state: dict[str, Any], desired: Desired, alerts: list[Alert]
+    ) -> None:
+        st = self.status[name]
+        # the mode the engine is in now (an action may have been withheld, failed or dry run)
+        cap, startup = state.get("admission_cap"), state.get("startup_max_num_seqs")
+        if state.get("mode") == "draining":
+            mode = "draining"
+        elif isinstance(cap, int) and isinstance(startup, int) and cap >= startup:
+            mode = "serving"
+        else:
+            mode = desired.phase if desired.phase in ("capped", "readmitting") else "capped"
+        st.mode, st.reason, st.updated = mode, desired.reason, time.time()
+        st.observed = {
+            k: state.get(k)
+            for k in ("admission_cap", "startup_max_num_seqs", "mode", "running", "waiting")
+        }
+        st.observed["kv_cache_usage"] = state.get("kv_cache_usage")
+        st.desired = {"cap": desired.cap, "draining": desired.draining, "phase": desired.phase}
+        st.alerts = [f"{a.name}/{a.fingerprint}" for a in alerts]
+        m = self.metrics
+        if isinstance(state.get("admission_cap"), int):
+            m.cap.labels(name).set(state["admission_cap"])
+        if isinstance(state.get("startup_max_num_seqs"), int):
+            m.startup.labels(name).set(state["startup_max_num_seqs"])
+        m.set_mode(name, mode)
+        m.stage.labels(name).set(cap if mode == "readmitting" and isinstance(cap, int) else 0)
+
+    # -- views ---------------------------------------------------------------------------------
+    def view(self) -> dict[str, Any]:
+        with self._book_lock:
+            firing = len(self.book.firing())
+        return {
+            "paused": self.paused,
+            "dry_run": self.dry_run,
+            "firing_alerts": firing,
+            "targets": {name: asdict(st) for name, st in self.status.items()},
+        }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _brief(observed: Observed) -> dict[str, Any]:
+    return {
+        "cap": observed.admission_cap,
+        "mode": "draining" if observed.draining else "serving",
+        "startup": observed.startup_max_num_seqs,
+    }
+
+
+def _am_alerts(body: Any) -> list[Alert]:
+    """Alerts from Alertmanager's GET /api/v2/alerts; entries it cannot read are skipped."""
+    if not isinstance(body, list):
+        raise ValueError("Alertmanager /api/v2/alerts did not return a list")
+    out = []
+    for raw in body:
+        try:
+            if raw.get("status", {}).get("state") != "active":
+                continue
+            labels = raw["labels"]
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+                continue
+            starts = datetime.fromisoformat(str(raw["startsAt"]).replace("Z", "+00:00"))
+            out.append(Alert(str(raw["fingerprint"]), "firing", labels, starts, None))
+        except (AttributeError, KeyError, TypeError, ValueError):
+            log.warning("skipping an alert Alertmanager listed that cannot be read: %r", raw)
+    return out

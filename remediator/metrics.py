@@ -1,0 +1,82 @@
+"""The remediator's own /metrics, under the names reserved in oomguard/catalog.py.
+
+A handful of series per target, so prometheus_client's own registry and exposition are the right
+tool here (the exporter renders its own text only because it serves hundreds of series a second).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from oomguard.catalog import spec
+
+MODES = ("serving", "capped", "draining", "readmitting", "held")
+WEBHOOK_OUTCOMES = ("accepted", "duplicate", "invalid", "unauthorized", "too_large", "error")
+
+
+def _help(name: str) -> str:
+    return spec(name).help
+
+
+class RemediatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        # prometheus_client appends `_total` to counters itself
+        self.actions = Counter(
+            "oomguard_remediator_actions",
+            _help("oomguard_remediator_actions_total"),
+            ("target", "action", "result"),
+            registry=r,
+        )
+        self.cap = Gauge(
+            "oomguard_remediator_admission_cap",
+            _help("oomguard_remediator_admission_cap"),
+            ("target",),
+            registry=r,
+        )
+        self.startup = Gauge(
+            "oomguard_remediator_startup_max_num_seqs",
+            _help("oomguard_remediator_startup_max_num_seqs"),
+            ("target",),
+            registry=r,
+        )
+        self.mode = Gauge(
+            "oomguard_remediator_target_mode",
+            _help("oomguard_remediator_target_mode"),
+            ("target", "mode"),
+            registry=r,
+        )
+        self.stage = Gauge(
+            "oomguard_remediator_readmission_stage",
+            _help("oomguard_remediator_readmission_stage"),
+            ("target",),
+            registry=r,
+        )
+        self.webhooks = Counter(
+            "oomguard_remediator_webhook_requests",
+            _help("oomguard_remediator_webhook_requests_total"),
+            ("outcome",),
+            registry=r,
+        )
+        self.reconcile_errors = Counter(
+            "oomguard_remediator_reconcile_errors",
+            _help("oomguard_remediator_reconcile_errors_total"),
+            ("target",),
+            registry=r,
+        )
+        self.safety_limited = Counter(
+            "oomguard_remediator_safety_limited",
+            _help("oomguard_remediator_safety_limited_total"),
+            ("target", "limit"),
+            registry=r,
+        )
+        self.paused = Gauge(
+            "oomguard_remediator_paused", _help("oomguard_remediator_paused"), registry=r
+        )
+        for outcome in WEBHOOK_OUTCOMES:  # present at 0 from the start, so rate() works
+            self.webhooks.labels(outcome)
+
+    def set_mode(self, target: str, mode: str) -> None:
+        for m in MODES:
+            self.mode.labels(target, m).set(1 if m == mode else 0)

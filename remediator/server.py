@@ -1,0 +1,174 @@
+"""The remediator's HTTP API (a small Starlette app, served by uvicorn).
+
+  POST /v1/alertmanager   Alertmanager webhook (v4). 200 once durably recorded; 400 malformed;
+                          401 unauthenticated; 413 too large; 503 when a retry would help.
+  GET  /v1/targets        every allowlisted target's desired and observed state (authenticated)
+  PUT  /v1/pause          {"paused": bool, "reason": str}: the global pause switch (authenticated)
+  GET  /metrics           the remediator's own metrics
+  GET  /healthz           liveness
+
+TLS: terminate it in front (ingress, service mesh, or a local proxy); Alertmanager's `http_config`
+carries the same credentials either way.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+from typing import Any
+
+from oomguard.remediator.config import AuthConfig, SecretFile
+from oomguard.remediator.controller import Controller
+from oomguard.remediator.webhook import PayloadError, parse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+log = logging.getLogger("oomguard.remediator.server")
+
+
+class TooLarge(Exception):
+    pass
+
+
+class Authenticator:
+    """Bearer token or basic auth, as Alertmanager's `http_config` sends them."""
+
+    def __init__(self, config: AuthConfig) -> None:
+        self.config = config
+        self.token = SecretFile(config.bearer_token_file) if config.bearer_token_file else None
+        self.password = SecretFile(config.basic.password_file) if config.basic else None
+
+    def allows(self, header: str) -> bool:
+        if self.config.allow_unauthenticated:
+            return True
+        scheme, _, value = header.partition(" ")
+        scheme, value = scheme.lower(), value.strip()
+        if scheme == "bearer" and self.token is not None:
+            token = self.token.get()
+            return token is not None and hmac.compare_digest(value.encode(), token.encode())
+        if scheme == "basic" and self.password is not None and self.config.basic is not None:
+            try:
+                user, _, given = base64.b64decode(value, validate=True).decode().partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                return False
+            password = self.password.get()
+            return (
+                password is not None
+                and hmac.compare_digest(user.encode(), self.config.basic.username.encode())
+                and hmac.compare_digest(given.encode(), password.encode())
+            )
+        return False
+
+    def challenge(self) -> str:
+        return "Basic" if self.config.basic and not self.config.bearer_token_file else "Bearer"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(controller: Controller, auth: AuthConfig, max_body_bytes: int) -> Starlette:
+    authn = Authenticator(auth)
+    webhooks = controller.metrics.webhooks
+
+    def refuse(status: int, outcome: str, message: str, **headers: str) -> JSONResponse:
+        webhooks.labels(outcome).inc()
+        return JSONResponse({"error": message}, status, headers=headers or None)
+
+    def unauthorized() -> JSONResponse:
+        return JSONResponse(
+            {"error": "missing or wrong credentials"},
+            401,
+            headers={"WWW-Authenticate": authn.challenge()},
+        )
+
+    async def alertmanager(request: Request) -> Response:
+        if not authn.allows(request.headers.get("authorization", "")):
+            webhooks.labels("unauthorized").inc()
+            return unauthorized()
+        try:
+            body = await read_body(request, max_body_bytes)
+        except TooLarge as exc:
+            return refuse(413, "too_large", str(exc))
+        try:
+            webhook = parse(body)
+        except PayloadError as exc:
+            log.warning("refused a webhook: %s", exc)
+            return refuse(400, "invalid", str(exc))
+        try:
+            receipt = await run_in_threadpool(controller.receive, webhook)
+        except OSError as exc:
+            # not recorded, so not applied: a retry will help once the disk is writable again
+            log.error("cannot record a webhook in the audit log: %s", exc)
+            return refuse(503, "error", f"audit log unavailable: {exc}", **{"Retry-After": "5"})
+        outcome = "duplicate" if receipt.alerts and not receipt.new else "accepted"
+        webhooks.labels(outcome).inc()
+        return JSONResponse(
+            {
+                "alerts": receipt.alerts,
+                "new": receipt.new,
+                "duplicates": receipt.duplicates,
+                "ignored": receipt.ignored,
+            }
+        )
+
+    async def targets(request: Request) -> Response:
+        if not authn.allows(request.headers.get("authorization", "")):
+            return unauthorized()
+        return JSONResponse(controller.view())
+
+    async def pause(request: Request) -> Response:
+        if not authn.allows(request.headers.get("authorization", "")):
+            return unauthorized()
+        try:
+            data: Any = json.loads(await read_body(request, 4096))
+        except (TooLarge, ValueError):
+            data = None
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("paused"), bool)
+            or not isinstance(data.get("reason", ""), str)
+        ):
+            return JSONResponse(
+                {"error": 'body must be {"paused": true|false, "reason": "..."}'}, 400
+            )
+        reason = data.get("reason") or "no reason given"
+        try:
+            await run_in_threadpool(controller.set_paused, data["paused"], f"API: {reason}")
+        except OSError as exc:
+            return JSONResponse({"error": f"audit log unavailable: {exc}"}, 503)
+        return JSONResponse({"paused": controller.paused})
+
+    async def metrics(_: Request) -> Response:
+        return Response(
+            generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
+
+    async def healthz(_: Request) -> Response:
+        return JSONResponse({"status": "ok", "paused": controller.paused})
+
+    return Starlette(
+        routes=[
+            Route("/v1/alertmanager", alertmanager, methods=["POST"]),
+            Route("/v1/targets", targets, methods=["GET"]),
+            Route("/v1/pause", pause, methods=["PUT"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+        ]
+    )

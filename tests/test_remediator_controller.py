@@ -1,0 +1,317 @@
+"""The reconcile loop: alerts -> decisions -> actions, with safety, audit and metrics."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.controller import Controller
+from oomguard.remediator.metrics import RemediatorMetrics
+from oomguard.remediator.webhook import parse
+
+from tests.remediator_helpers import Engines, alert, config, payload
+
+
+def make(tmp_path, engines: Engines, clock=None, **overrides) -> Controller:
+    cfg = config(tmp_path, *engines.engines, **overrides)
+    kwargs = {"clock": clock} if clock else {}
+    return Controller(cfg, engines, AuditLog(cfg.audit_log), RemediatorMetrics(), **kwargs)
+
+
+def send(c: Controller, *alerts) -> None:
+    c.receive(parse(payload(*alerts)))
+    c.reconcile()
+
+
+def sample(c: Controller, name: str, **labels) -> float | None:
+    return c.metrics.registry.get_sample_value(name, labels)
+
+
+def events(c: Controller, kind: str) -> list[dict]:
+    return [e for e in c.audit.entries() if e["event"] == kind]
+
+
+def test_pressure_lowers_the_cap_by_a_step_and_duplicates_do_nothing(tmp_path):
+    engines = Engines.of("a")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryPressure", "a"))
+    assert engines.engines["a"].cap == 80
+    # Alertmanager's retry and an HA peer's copy: no second step within step_seconds
+    send(c, alert("OomguardMemoryPressure", "a"))
+    send(c, alert("OomguardMemoryPressure", "a"))
+    assert engines.calls == [("a", "set_cap", 80)]
+    assert (
+        sample(c, "oomguard_remediator_actions_total", target="a", action="lower_cap", result="ok")
+        == 1
+    )
+    assert sample(c, "oomguard_remediator_admission_cap", target="a") == 80
+    assert sample(c, "oomguard_remediator_target_mode", target="a", mode="capped") == 1
+    # sustained pressure: one more step once the engine says step_seconds have passed
+    engines.serve("a", 0, seconds=31)
+    c.reconcile()
+    assert engines.engines["a"].cap == 64
+    acted = events(c, "acted")
+    assert [e["after"]["cap"] for e in acted] == [80, 64]
+    assert acted[0]["before"]["cap"] == 100 and acted[0]["fingerprints"]
+    assert acted[0]["reason"] == "pressure: lower the cap"
+
+
+def test_kv_usage_alone_never_acts(tmp_path):
+    engines = Engines.of("a")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardKVCacheUsageHigh", "a", oomguard_action="drain"))
+    assert engines.calls == []
+
+
+def test_critical_drains_then_staged_readmission_to_startup(tmp_path):
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryCritical", "a"))
+    assert engines.engines["a"].draining
+    send(c, alert("OomguardMemoryCritical", "a", status="resolved"))
+    # cap first, then resume: the engine never admits at its old cap
+    assert engines.calls[-2:] == [("a", "set_cap", 1), ("a", "resume", None)]
+    caps = [1]
+    for _ in range(12):
+        c.reconcile()  # without clean admissions nothing moves
+        assert engines.engines["a"].cap == caps[-1]
+        engines.serve("a", 5)
+        c.reconcile()
+        caps.append(engines.engines["a"].cap)
+        if caps[-1] == 100:
+            break
+    assert caps == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert sample(c, "oomguard_remediator_target_mode", target="a", mode="serving") == 1
+    assert sample(c, "oomguard_remediator_readmission_stage", target="a") == 0
+
+
+def test_a_preemption_during_readmission_holds_the_stage(tmp_path):
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryCritical", "a"))
+    send(c, alert("OomguardMemoryCritical", "a", status="resolved"))
+    engines.serve("a", 5)
+    engines.engines["a"].preemptions = 1
+    c.reconcile()
+    assert engines.engines["a"].cap == 1
+    assert sample(c, "oomguard_remediator_readmission_stage", target="a") == 1
+
+
+def test_targets_off_the_allowlist_are_recorded_and_ignored(tmp_path):
+    engines = Engines.of("a")
+    c = make(tmp_path, engines)
+    receipt = c.receive(parse(payload(alert("OomguardMemoryCritical", "evil-host"))))
+    c.reconcile()
+    assert engines.calls == []
+    assert list(receipt.ignored.values()) == [
+        "no allowlisted target matches {'target': 'evil-host', 'instance': 'node-1:9840'}"
+    ]
+    (received,) = events(c, "received")
+    assert received["result"] == "ignored" and received["after"]["ignored"]
+    assert c.book.firing() == []
+
+
+def test_label_selectors_route_by_instance_and_refuse_ambiguity(tmp_path):
+    engines = Engines.of("node1", "node2")
+    cfg = config(tmp_path, "node1", "node2")
+    targets = [
+        t.model_copy(update={"match": {"instance": f"{t.name}:9840", "target": "vllm"}})
+        for t in cfg.targets
+    ]
+    cfg = cfg.model_copy(update={"targets": targets})
+    c = Controller(cfg, engines, AuditLog(cfg.audit_log))
+    send(c, alert("OomguardMemoryPressure", "vllm", instance="node2:9840"))
+    assert engines.calls == [("node2", "set_cap", 80)]
+    ambiguous = targets[0].model_copy(update={"match": {"target": "vllm"}})
+    cfg2 = cfg.model_copy(update={"targets": [ambiguous, targets[1]]})
+    c2 = Controller(cfg2, engines, AuditLog(tmp_path / "b.jsonl"))
+    r = c2.receive(parse(payload(alert("OomguardMemoryCritical", "vllm", instance="node2:9840"))))
+    assert "ambiguous" in next(iter(r.ignored.values()))
+
+
+def test_an_unreachable_engine_is_held_and_reported_once(tmp_path):
+    engines = Engines.of("a")
+    engines.down.add("a")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryPressure", "a"))
+    c.reconcile()
+    c.reconcile()
+    assert engines.calls == []
+    assert c.status["a"].mode == "held"
+    assert sample(c, "oomguard_remediator_target_mode", target="a", mode="held") == 1
+    assert sample(c, "oomguard_remediator_reconcile_errors_total", target="a") == 3
+    assert len(events(c, "held")) == 1
+    engines.down.clear()
+    c.reconcile()
+    assert engines.engines["a"].cap == 80 and c.status["a"].mode == "capped"
+
+
+def test_the_disruption_budget_caps_instead_of_draining_the_last_replica(tmp_path):
+    engines = Engines.of("a", "b", "c")
+    c = make(tmp_path, engines)
+    send(
+        c,
+        *(alert("OomguardMemoryCritical", n) for n in ("a", "b", "c")),
+    )
+    draining = [n for n, e in engines.engines.items() if e.draining]
+    assert draining == ["a"]  # max_draining_per_model 1
+    for n in ("b", "c"):
+        assert engines.engines[n].cap == 80  # held at a lower cap instead
+    limited = {e["target"]: e["result"] for e in events(c, "withheld")}
+    assert limited == {"b": "disruption_budget", "c": "disruption_budget"}
+    assert (
+        sample(c, "oomguard_remediator_safety_limited_total", target="b", limit="disruption_budget")
+        == 1
+    )
+
+
+def test_never_drains_the_only_ready_engine_of_a_model(tmp_path):
+    engines = Engines.of("solo")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryCritical", "solo"))
+    assert not engines.engines["solo"].draining
+    assert engines.engines["solo"].cap == 80
+    assert events(c, "withheld")[0]["result"] == "last_ready"
+
+
+def test_pause_stops_every_change_until_unpaused(tmp_path):
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines)
+    c.set_paused(True, "maintenance")
+    send(c, alert("OomguardMemoryPressure", "a"))
+    assert engines.calls == []
+    assert sample(c, "oomguard_remediator_paused") == 1
+    assert events(c, "withheld")[0]["result"] == "pause"
+    c.set_paused(False, "done")
+    c.reconcile()
+    assert engines.engines["a"].cap == 80
+
+
+def test_dry_run_decides_and_records_once_and_changes_nothing(tmp_path):
+    from oomguard.remediator.actuator import DryRunActuator
+
+    engines = Engines.of("a", "b")
+    cfg = config(tmp_path, "a", "b", dry_run=True)
+    dry = DryRunActuator(engines)
+    c = Controller(cfg, dry, AuditLog(cfg.audit_log))
+    send(c, alert("OomguardMemoryCritical", "a"))
+    c.reconcile()
+    c.reconcile()
+    assert engines.calls == [] and not engines.engines["a"].draining
+    assert list(dry.intended) == [("a", "drain", None)]
+    (acted,) = events(c, "acted")
+    assert acted["result"] == "dry_run" and acted["action"] == "drain"
+
+
+def test_flapping_alert_is_bounded_by_cooldown_and_rate_limit(tmp_path):
+    now = [0.0]
+    engines = Engines.of("a")
+    c = make(
+        tmp_path,
+        engines,
+        clock=lambda: now[0],
+        safety={"cooldown_seconds": 10, "max_actions": 3, "window_seconds": 3600},
+        policy={"step_seconds": 0},
+    )
+    lowerings = []
+    for i in range(20):
+        now[0] += 2
+        status = "firing" if i % 2 == 0 else "resolved"
+        send(c, alert("OomguardMemoryPressure", "a", status=status, start=i // 2 * 10))
+        engines.serve("a", 5)
+        lowerings.append(sum(1 for call in engines.calls if call[2] and call[2] < 100))
+    downs = [call for call in engines.calls if call[1] == "set_cap"]
+    lowered = [b for a, b in itertools.pairwise([100] + [x[2] for x in downs]) if b < a]
+    assert len(lowered) == 3  # max_actions, then stop and report
+    assert {e["result"] for e in events(c, "withheld")} >= {"cooldown", "rate_limit"}
+
+
+def test_a_new_controller_carries_on_a_readmission_in_progress(tmp_path):
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryCritical", "a"))
+    send(c, alert("OomguardMemoryCritical", "a", status="resolved"))
+    engines.serve("a", 5)
+    c.reconcile()
+    assert engines.engines["a"].cap == 2
+    c.close()
+    # restarted: an empty book, the engine's own state says where the re-admission stands
+    c2 = make(tmp_path, engines)
+    c2.reconcile()
+    assert engines.engines["a"].cap == 2
+    engines.serve("a", 5)
+    c2.reconcile()
+    assert engines.engines["a"].cap == 4
+
+
+def test_nothing_is_applied_when_the_audit_log_cannot_be_written(tmp_path):
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines)
+    c.audit.path = tmp_path / "missing-dir" / "audit.jsonl"
+    with pytest.raises(OSError):
+        c.receive(parse(payload(alert("OomguardMemoryCritical", "a"))))
+    assert c.book.firing() == []
+    c.audit.path = tmp_path / "audit.jsonl"
+    c.receive(parse(payload(alert("OomguardMemoryCritical", "a"))))  # the retry is applied
+    assert len(c.book.firing()) == 1
+
+
+def test_a_resolved_that_arrives_first_wins_over_its_late_firing(tmp_path):
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryPressure", "a", status="resolved"))
+    send(c, alert("OomguardMemoryPressure", "a"))
+    assert engines.calls == []
+
+
+def test_the_audit_log_explains_each_action(tmp_path):
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryCritical", "a"))
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    kinds = [json.loads(line)["event"] for line in lines]
+    assert kinds == ["received", "decided", "acted"]
+    acted = json.loads(lines[-1])
+    assert set(acted) >= {"time", "fingerprints", "target", "action", "before", "after", "result"}
+    assert acted["after"] == {"cap": 100, "mode": "draining"}
+
+
+# -- properties ---------------------------------------------------------------------------------
+NAMES = ["OomguardMemoryPressure", "OomguardMemoryCritical", "OomguardPreemptionRateHigh"]
+deliveries = st.lists(
+    st.tuples(
+        st.sampled_from(NAMES), st.sampled_from(["a", "b", "zz"]), st.booleans(), st.integers(0, 3)
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(deliveries, st.randoms(use_true_random=False), st.integers(1, 300))
+def test_any_order_of_the_same_deliveries_gives_the_same_firing_set(
+    tmp_path_factory, batch, rnd, startup
+):
+    alerts = [
+        alert(n, t, status="firing" if firing else "resolved", start=ep * 100)
+        for n, t, firing, ep in batch
+    ]
+    shuffled = alerts + rnd.sample(alerts, len(alerts))  # replays and reorders
+    rnd.shuffle(shuffled)
+    results = []
+    for order in (alerts, shuffled):
+        engines = Engines.of("a", "b", startup=startup)
+        c = make(tmp_path_factory.mktemp("p"), engines)
+        for a in order:
+            c.receive(parse(payload(a)))
+            c.reconcile()
+            engines.serve("a", 3, seconds=15)
+            engines.serve("b", 3, seconds=15)
+            for e in engines.engines.values():
+                assert 1 <= e.cap <= startup
+        results.append(sorted(a.fingerprint for a in c.book.firing()))
+        c.close()
+    assert results[0] == results[1]

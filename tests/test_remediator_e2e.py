@@ -1,0 +1,180 @@
+"""The whole path with real parts: Alertmanager 0.25 with the shipped config -> `oomguard
+remediator` -> a real vLLM 0.33 server with the plugin (model-free executor), under load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from oomguard.catalog import exported_names
+from oomguard.twin.processes import Alertmanager, RemediatorProcess, free_port
+
+from tests.vllm_server import TOKEN, VllmServer, complete, require_vllm
+
+pytestmark = pytest.mark.slow
+
+REMEDIATOR_TOKEN = "am-to-remediator-7"
+LABELS = {
+    "alertname": "OomguardMemoryPressure",
+    "severity": "warning",
+    "oomguard_action": "lower_cap",
+    "instance": "node-1:9840",
+    "job": "oomguard-exporter",
+    "target": "llama",
+    "engine": "0",
+}
+
+
+class Load:
+    """Steady short completions from 6 clients; every response is kept to check none was lost."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.statuses: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self.thread.start()
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+
+            async def worker(k: int) -> None:
+                i = k
+                while not self.stop.is_set():
+                    r = await complete(client, self.url, i, 16, 4)
+                    self.statuses.append(r.status_code)
+                    i += 100
+
+            await asyncio.gather(*(worker(k) for k in range(6)))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(90)
+
+
+def fire(am: Alertmanager, resolved: bool = False) -> None:
+    now = datetime.now(UTC)
+    body = [
+        {
+            "labels": LABELS,
+            "annotations": {"summary": "test"},
+            "startsAt": (now - timedelta(seconds=5)).isoformat(),
+            "endsAt": (now if resolved else now + timedelta(minutes=30)).isoformat(),
+        }
+    ]
+    httpx.post(f"{am.url}/api/v2/alerts", json=body, timeout=10).raise_for_status()
+
+
+def wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what} did not happen within {timeout}s")
+
+
+def test_alerts_lower_the_cap_and_resolution_readmits_to_startup_across_restarts(tmp_path):
+    require_vllm()
+    engine = VllmServer(
+        "--max-num-seqs", "16", "--max-model-len", "2048", log=tmp_path / "vllm.log"
+    )
+    procs: list = [engine]
+    load = None
+    try:
+        (tmp_path / "rtoken").write_text(REMEDIATOR_TOKEN)
+        (tmp_path / "ptoken").write_text(TOKEN)
+        listen = f"127.0.0.1:{free_port()}"
+        am = Alertmanager(
+            tmp_path / "am",
+            f"http://127.0.0.1:{free_port()}",
+            tmp_path / "rtoken",
+            remediator=f"http://{listen}",
+        )
+        procs.append(am)
+        config = {
+            "listen": listen,
+            "auth": {"bearer_token_file": str(tmp_path / "rtoken")},
+            "targets": [
+                {
+                    "name": "llama",
+                    "url": engine.url,
+                    "model": "tiny",
+                    "token_file": str(tmp_path / "ptoken"),
+                }
+            ],
+            "policy": {"step_seconds": 2},
+            "safety": {"cooldown_seconds": 1},
+            "alertmanager": {"url": am.url, "resync_seconds": 5},
+            "audit_log": str(tmp_path / "audit.jsonl"),
+            "reconcile_seconds": 0.5,
+        }
+
+        def remediator() -> RemediatorProcess:
+            proc = RemediatorProcess(tmp_path / "rem", config)
+            procs.append(proc)
+            return proc
+
+        rem = remediator()
+        load = Load(engine.url)
+
+        def cap() -> int:
+            return engine.state()["admission_cap"]
+
+        # 1. fires: Alertmanager (group_wait 0s) -> webhook -> the cap drops, step by step
+        fire(am)
+        wait(lambda: cap() == 12, 20, "the first 20 % step (16 -> 12)")
+        wait(lambda: cap() <= 9, 20, "a second step while the alert keeps firing")
+
+        # 2. the remediator dies mid-incident; the new one rebuilds from Alertmanager's API
+        #    (no webhook is resent for minutes) and keeps stepping down
+        rem.kill()
+        before = cap()
+        rem = remediator()
+        wait(lambda: cap() < before, 20, "a step by the restarted remediator")
+        wait(lambda: cap() <= 3, 30, "the cap stepping down to 3")
+        floor = cap()
+
+        # 3. resolves -> staged re-admission; the remediator dies again half-way
+        fire(am, resolved=True)
+        wait(lambda: cap() > floor, 40, "re-admission to start")
+        wait(lambda: cap() >= 6, 20, "a second re-admission stage")
+        rem.kill()
+        held = cap()
+        time.sleep(1.5)
+        assert cap() == held  # nobody raises it while the remediator is down
+        rem = remediator()
+        wait(lambda: cap() == 16, 40, "re-admission to the startup cap")
+
+        view = httpx.get(
+            f"{rem.url}/v1/targets", headers={"Authorization": f"Bearer {REMEDIATOR_TOKEN}"}
+        ).json()["targets"]["llama"]
+        assert view["mode"] == "serving" and view["observed"]["admission_cap"] == 16
+
+        # nothing was lost: every request of the steady load completed
+        load.close()
+        assert load.statuses and set(load.statuses) == {200}, set(load.statuses)
+
+        audit = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        acted = [e for e in audit if e["event"] == "acted"]
+        caps = [e["after"]["cap"] for e in acted]
+        lowered = [e for e in acted if e["action"] == "lower_cap"]
+        raised = [e for e in acted if e["action"] == "raise_cap"]
+        assert lowered and raised and caps[-1] == 16
+        assert all(e["result"] == "ok" and e["fingerprints"] for e in lowered)
+        assert all(b > a for a, b in zip(caps[len(lowered) :], caps[len(lowered) + 1 :]))
+        assert any(e["event"] == "resynced" for e in audit)
+        metrics = httpx.get(f"{rem.url}/metrics").text
+        for name in exported_names("remediator"):
+            assert f"# HELP {name} " in metrics, name
+    finally:
+        if load:
+            load.close()
+        for proc in reversed(procs):
+            proc.stop()
