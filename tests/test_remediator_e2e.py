@@ -4,6 +4,7 @@ remediator` -> a real vLLM 0.33 server with the plugin (model-free executor), un
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -11,9 +12,9 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from oomguard.catalog import exported_names
 from oomguard.twin.processes import Alertmanager, RemediatorProcess, free_port
 
+from oomguard.catalog import exported_names
 from tests.vllm_server import TOKEN, VllmServer, complete, require_vllm
 
 pytestmark = pytest.mark.slow
@@ -168,7 +169,7 @@ def test_alerts_lower_the_cap_and_resolution_readmits_to_startup_across_restarts
         raised = [e for e in acted if e["action"] == "raise_cap"]
         assert lowered and raised and caps[-1] == 16
         assert all(e["result"] == "ok" and e["fingerprints"] for e in lowered)
-        assert all(b > a for a, b in zip(caps[len(lowered) :], caps[len(lowered) + 1 :]))
+        assert all(b > a for a, b in itertools.pairwise(caps[len(lowered) :]))
         assert any(e["event"] == "resynced" for e in audit)
         metrics = httpx.get(f"{rem.url}/metrics").text
         for name in exported_names("remediator"):

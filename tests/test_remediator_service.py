@@ -80,7 +80,7 @@ def test_duplicates_and_forged_targets(remediator):
     again = post(remediator, body).json()
     assert again["new"] == 0 and again["duplicates"] == 1
     forged = post(remediator, payload(alert("OomguardMemoryCritical", "not-ours"))).json()
-    assert list(forged["ignored"].values())[0].startswith("no allowlisted target")
+    assert next(iter(forged["ignored"].values())).startswith("no allowlisted target")
     view = httpx.get(f"{remediator.url}/v1/targets", headers=BEARER).json()
     assert set(view["targets"]) == {"a"}
     target = view["targets"]["a"]
