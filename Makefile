@@ -50,6 +50,7 @@ test: setup setup-vllm system-deps lint
 bench: setup setup-vllm system-deps
 	$(BIN)/python bench/exporter.py
 	$(BIN)/python bench/plugin.py
+	$(BIN)/python bench/remediator.py
 
 demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo

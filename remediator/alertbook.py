@@ -12,14 +12,17 @@ episode is newer than its latest `resolved` one.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 
 from oomguard.remediator.webhook import Alert
 
 
 class AlertBook:
-    def __init__(self) -> None:
+    def __init__(self, listener: Callable[[Alert, bool], None] | None = None) -> None:
+        # told (alert, True) when an alert starts firing and (alert, False) when it stops, so an
+        # index kept beside the book never has to scan it
+        self.listener = listener
         self._firing: dict[str, Alert] = {}
         self._resolved: dict[str, datetime] = {}  # fingerprint -> latest resolved startsAt
         self._learned: dict[str, float] = {}  # fingerprint -> when its firing episode arrived
@@ -34,8 +37,12 @@ class AlertBook:
             current = self._firing.get(fp)
             if current is not None and current.starts_at >= alert.starts_at:
                 return False  # already known (a duplicate), or an older episode
+            if current is not None and self.listener:
+                self.listener(current, False)
             self._firing[fp] = alert
             self._learned[fp] = time.monotonic()
+            if self.listener:
+                self.listener(alert, True)
             return True
         ended = self._resolved.get(fp)
         if ended is None or alert.starts_at > ended:
@@ -44,6 +51,8 @@ class AlertBook:
         if current is not None and current.starts_at <= alert.starts_at:
             del self._firing[fp]
             self._learned.pop(fp, None)
+            if self.listener:
+                self.listener(current, False)
             return True
         return False
 
@@ -70,12 +79,25 @@ class AlertBook:
                 )
         return changed
 
+    def current(self) -> list[Alert]:
+        """The firing alerts, unordered (cheap: the reconcile loop reads this every pass)."""
+        return list(self._firing.values())
+
+    def __len__(self) -> int:
+        return len(self._firing)
+
     def firing(self) -> list[Alert]:
         return sorted(self._firing.values(), key=lambda a: (a.name, a.fingerprint))
 
-    def prune(self, now: datetime, keep: timedelta = timedelta(hours=24)) -> int:
-        """Forget resolutions older than `keep` (bounded memory); returns how many."""
+    def prune(
+        self, now: datetime, keep: timedelta = timedelta(hours=24), most: int = 50_000
+    ) -> int:
+        """Forget resolutions older than `keep`, and beyond the `most` recent (bounded memory);
+        returns how many."""
         old = [fp for fp, ended in self._resolved.items() if now - ended > keep]
+        if len(self._resolved) - len(old) > most:
+            by_age = sorted(self._resolved, key=self._resolved.__getitem__)
+            old = list(set(old) | set(by_age[: len(self._resolved) - most]))
         for fp in old:
             del self._resolved[fp]
         return len(old)

@@ -13,11 +13,11 @@ import logging
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -40,7 +40,7 @@ log = logging.getLogger("oomguard.remediator")
 
 DISRUPTIVE = frozenset({"drain", "lower_cap"})  # held to cooldown, rate limit and budget
 FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})  # drain refused: cap instead
-SEEN_LIMIT = 200_000  # dedup keys remembered (FIFO); far more than Alertmanager ever resends
+SEEN_LIMIT = 20_000  # dedup keys remembered (FIFO): retries and HA copies come within minutes
 
 Step = tuple[str, int | None]  # (drain | resume | lower_cap | raise_cap, cap)
 
@@ -77,6 +77,15 @@ class Receipt:
     changed: bool
 
 
+@dataclass(frozen=True)
+class Firing:
+    """What one target's firing alerts amount to in a pass."""
+
+    actions: set[str]  # the action classes they ask for
+    fingerprints: list[str]
+    names: dict[str, int]  # alert name -> how many
+
+
 @dataclass
 class TargetStatus:
     name: str
@@ -86,7 +95,7 @@ class TargetStatus:
     reason: str = "not reconciled yet"
     observed: dict[str, Any] | None = None
     desired: dict[str, Any] | None = None
-    alerts: list[str] = field(default_factory=list)
+    alerts: dict[str, int] = field(default_factory=dict)  # firing alert name -> how many
     error: str | None = None
     last_action: dict[str, Any] | None = None
     updated: float | None = None
@@ -109,18 +118,38 @@ class Controller:
         self.safety = Safety(config.safety, clock)
         self.targets = {t.name: t for t in config.targets}
         self._tokens = {t.name: SecretFile(t.token_file) for t in config.targets if t.token_file}
-        self.book = AlertBook()
+        self.book = AlertBook(listener=self._indexed)
         self.status = {t.name: TargetStatus(t.name, t.url, t.model) for t in config.targets}
         self.wake: Callable[[], None] = lambda: None  # the runner points this at its scheduler
         self._book_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._dirty = False
         self._seen: OrderedDict[tuple[str, datetime, str], None] = OrderedDict()
+        self._routes: dict[str, str] = {}  # fingerprint -> target (an alert's labels are fixed)
+        # per target: its firing alerts, and how many ask for each action class / carry each name
+        self._index: dict[str, dict[str, Alert]] = {n: {} for n in self.targets}
+        self._actions: dict[str, Counter[str]] = {n: Counter() for n in self.targets}
+        self._names: dict[str, Counter[str]] = {n: Counter() for n in self.targets}
+        self._pruned = time.monotonic()
         self._noted: dict[tuple[str, str], Any] = {}  # (target, topic) -> last audited value
         self._pool = ThreadPoolExecutor(max_workers=min(16, len(self.targets)))
         self.metrics.paused.set(1 if config.safety.paused else 0)
 
     # -- input ---------------------------------------------------------------------------------
+    def _indexed(self, alert: Alert, firing: bool) -> None:
+        """The book's listener (called under the book lock): keep the per-target index."""
+        name = self._routes.get(alert.fingerprint)
+        if name is None:
+            return
+        sign = 1 if firing else -1
+        if firing:
+            self._index[name][alert.fingerprint] = alert
+        else:
+            self._index[name].pop(alert.fingerprint, None)
+        for action in actions_for([alert], self.config.policy):
+            self._actions[name][action] += sign
+        self._names[name][alert.name] += sign
+
     def unroutable(self, alert: Alert) -> str | None:
         """Why an alert selects no single target (None: it selects exactly one)."""
         names = select(alert, self.targets.values())
@@ -150,7 +179,10 @@ class Controller:
                     },
                     fingerprints=[a.fingerprint for a in new],
                 )
-            changed = self.book.apply_all(a for a in new if a.fingerprint not in ignored)
+            routable = [a for a in new if a.fingerprint not in ignored]
+            for a in routable:  # selectors are evaluated once per alert, not once per pass
+                self._routes[a.fingerprint] = select(a, self.targets.values())[0]
+            changed = self.book.apply_all(routable)
             for a in new:
                 self._seen[a.dedup_key] = None
             while len(self._seen) > SEEN_LIMIT:
@@ -182,9 +214,11 @@ class Controller:
         r.raise_for_status()
         active = [a for a in _am_alerts(r.json()) if self.unroutable(a) is None]
         with self._book_lock:
-            before = {a.fingerprint for a in self.book.firing()}
+            before = {a.fingerprint for a in self.book.current()}
             changed = self.book.sync(active, as_of)
-            after = {a.fingerprint for a in self.book.firing()}
+            after = {a.fingerprint for a in self.book.current()}
+            for a in active:
+                self._routes[a.fingerprint] = select(a, self.targets.values())[0]
         if changed:
             self.audit.record(
                 "resynced",
@@ -239,12 +273,19 @@ class Controller:
 
     def _pass(self) -> None:
         with self._book_lock:
-            firing = self.book.firing()
-        routed: dict[str, list[Alert]] = {name: [] for name in self.targets}
-        for alert in firing:
-            names = select(alert, self.targets.values())
-            if len(names) == 1:
-                routed[names[0]].append(alert)
+            firing = {
+                name: Firing(
+                    {a for a, n in self._actions[name].items() if n > 0},
+                    list(self._index[name]),
+                    {k: n for k, n in self._names[name].items() if n > 0},
+                )
+                for name in self.targets
+            }
+            if time.monotonic() - self._pruned > 60:
+                self.book.prune(datetime.now(UTC))
+                self._pruned = time.monotonic()
+            if len(self._routes) > 2 * len(self.book) + 1000:  # forget resolved alerts' routes
+                self._routes = {fp: n for n, idx in self._index.items() for fp in idx}
         names = list(self.targets)
         states = dict(zip(names, self._pool.map(self._read, names), strict=True))
         fleet = {
@@ -257,10 +298,10 @@ class Controller:
         }
         for name in names:
             try:
-                self._converge(name, routed[name], states[name], fleet)
+                self._converge(name, firing[name], states[name], fleet)
             except Exception as exc:  # one target's surprise never stops the others
                 log.exception("reconciling %s failed", name)
-                self._hold(name, "internal", f"{type(exc).__name__}: {exc}", routed[name])
+                self._hold(name, "internal", f"{type(exc).__name__}: {exc}", firing[name])
 
     def _note(self, target: str, topic: str, value: Any) -> bool:
         """True when `value` differs from the last one noted (audit changes, not every pass)."""
@@ -270,7 +311,7 @@ class Controller:
         self._noted[key] = value
         return True
 
-    def _hold(self, name: str, reason: str, message: str, alerts: list[Alert]) -> None:
+    def _hold(self, name: str, reason: str, message: str, firing: Firing) -> None:
         st = self.status[name]
         st.mode, st.reason, st.error = "held", f"{reason}: {message}", message
         st.updated = time.time()
@@ -282,39 +323,39 @@ class Controller:
                 target=name,
                 result=reason,
                 reason=f"no action while the engine cannot be read: {message}",
-                fingerprints=[a.fingerprint for a in alerts],
+                fingerprints=firing.fingerprints,
             )
             log.warning("holding %s: %s", name, message)
 
     def _converge(
         self,
         name: str,
-        alerts: list[Alert],
+        firing: Firing,
         state: dict[str, Any] | ActuatorError,
         fleet: dict[str, EngineView],
     ) -> None:
         if isinstance(state, ActuatorError):
-            self._hold(name, state.reason, str(state), alerts)
+            self._hold(name, state.reason, str(state), firing)
             return
         try:
             observed = Observed.from_state(state)
         except (KeyError, TypeError, ValueError, AssertionError) as exc:
-            self._hold(name, "bad_state", f"unexpected state from the plugin: {exc!r}", alerts)
+            self._hold(name, "bad_state", f"unexpected state from the plugin: {exc!r}", firing)
             return
         self._note(name, "held", None)
         policy = self.config.policy
-        wanted = actions_for(alerts, policy)
+        wanted = firing.actions
         desired = decide(wanted, observed, policy)
         steps = plan(observed, desired)
         if steps and steps[0][0] == "drain":
             limit = self._limit(name, "drain", fleet)
             if limit in FALLBACK_LIMITS:
                 # draining would take the model's last capacity: hold it at a lower cap instead
-                self._withheld(name, "drain", limit, alerts)
+                self._withheld(name, "drain", limit, firing)
                 desired = decide((wanted - {"drain"}) | {"lower_cap"}, observed, policy)
                 desired = Desired(False, desired.cap, "capped", f"{limit}: capping, not draining")
                 steps = plan(observed, desired)
-        fps = [a.fingerprint for a in alerts]
+        fps = firing.fingerprints
         decision = (desired.phase, desired.cap, desired.draining, desired.reason)
         prev = self._noted.get((name, "decision"))
         if self._note(name, "decision", decision) and (
@@ -332,7 +373,7 @@ class Controller:
         for kind, cap in steps:
             limit = self._limit(name, kind, fleet)
             if limit is not None:
-                self._withheld(name, kind, limit, alerts)
+                self._withheld(name, kind, limit, firing)
                 break
             self._note(name, "withheld", None)
             result = self._act(name, kind, cap, observed, desired, fps)
@@ -343,14 +384,14 @@ class Controller:
                 fleet[name] = EngineView(fleet[name].model, draining=True, reachable=True)
             elif kind == "resume":
                 fleet[name] = EngineView(fleet[name].model, draining=False, reachable=True)
-        self._publish(name, last, desired, alerts)
+        self._publish(name, last, desired, firing)
 
     def _limit(self, name: str, kind: str, fleet: Mapping[str, EngineView]) -> str | None:
         if kind in DISRUPTIVE:
             return self.safety.check(name, kind, fleet)
         return "pause" if self.paused else None  # restoring capacity is paced by the policy
 
-    def _withheld(self, name: str, kind: str, limit: str, alerts: list[Alert]) -> None:
+    def _withheld(self, name: str, kind: str, limit: str, firing: Firing) -> None:
         if self._note(name, "withheld", (kind, limit)):
             self.metrics.safety_limited.labels(name, limit).inc()
             self.audit.record(
@@ -359,7 +400,7 @@ class Controller:
                 action=kind,
                 result=limit,
                 reason=f"{kind} withheld by the {limit} limit",
-                fingerprints=[a.fingerprint for a in alerts],
+                fingerprints=firing.fingerprints,
             )
             log.warning("%s on %s withheld by the %s limit", kind, name, limit)
 
@@ -384,7 +425,7 @@ class Controller:
                 assert cap is not None
                 response = self.actuator.set_cap(target, cap)
         except ActuatorError as exc:
-            self.metrics.actions.labels(name, kind, exc.reason).inc()
+            self.metrics.actions.labels(name, kind, "failed").inc()  # why: the audit log
             self.metrics.reconcile_errors.labels(name).inc()
             self.status[name].error = str(exc)
             self.audit.record(
@@ -419,9 +460,7 @@ class Controller:
         log.info("%s on %s (%s): %s", kind, name, result, desired.reason)
         return state
 
-    def _publish(
-        self, name: str, state: dict[str, Any], desired: Desired, alerts: list[Alert]
-    ) -> None:
+    def _publish(self, name: str, state: dict[str, Any], desired: Desired, firing: Firing) -> None:
         st = self.status[name]
         # the mode the engine is in now (an action may have been withheld, failed or dry run)
         cap, startup = state.get("admission_cap"), state.get("startup_max_num_seqs")
@@ -438,7 +477,7 @@ class Controller:
         }
         st.observed["kv_cache_usage"] = state.get("kv_cache_usage")
         st.desired = {"cap": desired.cap, "draining": desired.draining, "phase": desired.phase}
-        st.alerts = [f"{a.name}/{a.fingerprint}" for a in alerts]
+        st.alerts = firing.names
         m = self.metrics
         if isinstance(state.get("admission_cap"), int):
             m.cap.labels(name).set(state["admission_cap"])
@@ -450,7 +489,7 @@ class Controller:
     # -- views ---------------------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
         with self._book_lock:
-            firing = len(self.book.firing())
+            firing = len(self.book)
         return {
             "paused": self.paused,
             "dry_run": self.dry_run,

@@ -7,8 +7,8 @@ what was admitted, finished and preempted since), so a restart in the middle of 
 re-admission simply carries on.
 
 Defaults from the field:
-- `lower_cap` (sustained preemptions, memory pressure): lower the cap by 20 % per step, one step
-  per `step_seconds`, never below `floor`;
+- `lower_cap` (sustained preemptions, memory pressure): lower the cap by 20 % per step, at once
+  from full admission, then one step per `step_seconds`, never below `floor`;
 - `drain` (critical memory): stop admitting; running requests finish;
 - when nothing asks for action: resume if draining, then staged re-admission: cap 1, raise only
   after `readmit_successes` admissions that finished with no preemption since the last change,
@@ -118,7 +118,9 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
                 "capped",
                 "pressure after a drain: resume capped",
             )
-        if observed.seconds_since_cap_change < policy.step_seconds:
+        # Pace consecutive steps; the first step from full admission goes at once (the last
+        # change may have been the re-admission that just reached the startup cap).
+        if current < startup and observed.seconds_since_cap_change < policy.step_seconds:
             return Desired(False, clamp(current), "capped", "pressure: waiting for the next step")
         lowered = max(policy.floor, math.floor(current * policy.step_factor))
         return Desired(False, clamp(min(lowered, current)), "capped", "pressure: lower the cap")

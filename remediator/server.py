@@ -18,6 +18,7 @@ import binascii
 import hmac
 import json
 import logging
+import time
 from typing import Any
 
 from oomguard.remediator.config import AuthConfig, SecretFile
@@ -99,6 +100,7 @@ def create_app(controller: Controller, auth: AuthConfig, max_body_bytes: int) ->
         )
 
     async def alertmanager(request: Request) -> Response:
+        started = time.perf_counter()
         if not authn.allows(request.headers.get("authorization", "")):
             webhooks.labels("unauthorized").inc()
             return unauthorized()
@@ -119,13 +121,16 @@ def create_app(controller: Controller, auth: AuthConfig, max_body_bytes: int) ->
             return refuse(503, "error", f"audit log unavailable: {exc}", **{"Retry-After": "5"})
         outcome = "duplicate" if receipt.alerts and not receipt.new else "accepted"
         webhooks.labels(outcome).inc()
+        took_ms = (time.perf_counter() - started) * 1e3
         return JSONResponse(
             {
                 "alerts": receipt.alerts,
                 "new": receipt.new,
                 "duplicates": receipt.duplicates,
                 "ignored": receipt.ignored,
-            }
+            },
+            # read, parse, record durably, apply: what handling this payload took here
+            headers={"Server-Timing": f"handle;dur={took_ms:.3f}"},
         )
 
     async def targets(request: Request) -> Response:

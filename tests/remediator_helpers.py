@@ -86,7 +86,8 @@ class Engines:
     is clamped to [1, startup], a change resets the since-change counters, writes are absolute."""
 
     engines: dict[str, Engine]
-    down: set[str] = field(default_factory=set)
+    down: set[str] = field(default_factory=set)  # neither read nor written
+    refusing: set[str] = field(default_factory=set)  # read, but every write fails with a 5xx
     calls: list[tuple[str, str, Any]] = field(default_factory=list)
 
     @classmethod
@@ -115,8 +116,13 @@ class Engines:
             },
         }
 
+    def _writable(self, target: Target) -> Engine:
+        if target.name in self.refusing:
+            raise ActuatorError("http_status", f"{target.url}: HTTP 500")
+        return self._engine(target)
+
     def set_cap(self, target: Target, cap: int) -> dict[str, Any]:
-        e = self._engine(target)
+        e = self._writable(target)
         self.calls.append((target.name, "set_cap", cap))
         applied = max(1, min(cap, e.startup))
         if applied != e.cap:
@@ -125,12 +131,12 @@ class Engines:
         return {"admission_cap": applied, "state": self.state(target)}
 
     def drain(self, target: Target) -> dict[str, Any]:
-        self._engine(target).draining = True
+        self._writable(target).draining = True
         self.calls.append((target.name, "drain", None))
         return self.state(target)
 
     def resume(self, target: Target) -> dict[str, Any]:
-        self._engine(target).draining = False
+        self._writable(target).draining = False
         self.calls.append((target.name, "resume", None))
         return self.state(target)
 

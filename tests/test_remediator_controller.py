@@ -313,5 +313,27 @@ def test_any_order_of_the_same_deliveries_gives_the_same_firing_set(
             for e in engines.engines.values():
                 assert 1 <= e.cap <= startup
         results.append(sorted(a.fingerprint for a in c.book.firing()))
+        # the per-target index the loop reads agrees with the book it shadows
+        assert sorted(fp for idx in c._index.values() for fp in idx) == results[-1]
+        assert all(n >= 0 for counts in c._actions.values() for n in counts.values())
         c.close()
     assert results[0] == results[1]
+
+
+def test_a_failed_write_is_counted_audited_and_retried_on_the_next_pass(tmp_path):
+    engines = Engines.of("a", "b")
+    engines.refusing.add("a")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryPressure", "a"))
+    assert engines.engines["a"].cap == 100
+    assert (
+        sample(
+            c, "oomguard_remediator_actions_total", target="a", action="lower_cap", result="failed"
+        )
+        == 1
+    )
+    (failed,) = events(c, "failed")
+    assert failed["result"] == "http_status" and "HTTP 500" in failed["reason"]
+    engines.refusing.clear()
+    c.reconcile()  # level-triggered: the same decision, tried again
+    assert engines.engines["a"].cap == 80

@@ -140,3 +140,12 @@ def test_observed_from_the_plugins_state_document():
         "since_cap_change": {"seconds": 3.5, "admitted": 2, "finished": 1, "preemptions": 0},
     }
     assert Observed.from_state(state) == Observed(64, 8, True, 3.5, 2, 1, 0)
+
+
+def test_the_first_step_from_full_admission_is_immediate_and_later_ones_are_paced():
+    # the cap just reached startup (a re-admission finished 2 s ago) and pressure returns
+    assert decide({"lower_cap"}, obs(cap=64, seconds=2), POLICY).cap == 51
+    # already capped and changed 2 s ago: wait for step_seconds
+    paced = decide({"lower_cap"}, obs(cap=51, seconds=2), POLICY)
+    assert (paced.cap, paced.reason) == (51, "pressure: waiting for the next step")
+    assert decide({"lower_cap"}, obs(cap=51, seconds=31), POLICY).cap == 40

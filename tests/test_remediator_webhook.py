@@ -116,6 +116,16 @@ def test_prune_forgets_old_resolutions_only():
     assert book.prune(T0 + timedelta(hours=30)) == 1
 
 
+def test_prune_keeps_at_most_the_newest_resolutions():
+    book = AlertBook()
+    for i in range(10):
+        book.apply(mk(f"fp{i}", "resolved", i))
+    assert book.prune(T0, most=4) == 6
+    book.apply(mk("fp9", "firing", 9))  # a late copy of a kept resolution stays out
+    book.apply(mk("fp0", "firing", 0))  # forgotten: it may come back (the resync heals it)
+    assert [a.fingerprint for a in book.firing()] == ["fp0"]
+
+
 events = st.lists(
     st.tuples(
         st.sampled_from(["a", "b", "c"]), st.sampled_from(["firing", "resolved"]), st.integers(0, 5)

@@ -1,0 +1,79 @@
+"""Standalone mode: exporters' pressure levels play the alerts, with `for` and hysteresis."""
+
+from __future__ import annotations
+
+from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.config import StandaloneConfig
+from oomguard.remediator.controller import Controller
+from oomguard.remediator.standalone import PressureWatcher
+
+from tests.remediator_helpers import Engines, config
+
+
+def levels(**by_target: int) -> str:
+    lines = ["# TYPE oomguard_engine_pressure_level gauge"]
+    for target, level in by_target.items():
+        lines.append(
+            f'oomguard_engine_pressure_level{{target="{target}",engine="0",model_name="m",'
+            f'reason="gpu_free"}} {level}'
+        )
+    return "\n".join(lines) + "\n"
+
+
+def test_levels_fire_after_their_hold_and_resolve_after_hysteresis(local_server, tmp_path):
+    server = local_server(levels(a=0, b=0))
+    now = [0.0]
+    watcher = PressureWatcher(
+        StandaloneConfig(
+            exporters=[server.url],
+            pressure_for_seconds=10,
+            critical_for_seconds=0,
+            keep_firing_seconds=20,
+        ),
+        clock=lambda: now[0],
+    )
+    engines = Engines.of("a", "b")
+    c = Controller(config(tmp_path, "a", "b"), engines, AuditLog(tmp_path / "audit.jsonl"))
+
+    def tick(seconds: float) -> list[tuple[str, str]]:
+        now[0] += seconds
+        hook = watcher.poll()
+        c.receive(hook, source="standalone")
+        c.reconcile()
+        return sorted((a.name, a.status) for a in hook.alerts)
+
+    assert tick(1) == []
+    server.serve_text(levels(a=2, b=0))
+    assert tick(1) == []  # pending: level 2 must hold 10 s
+    assert tick(5) == []
+    assert tick(6) == [("OomguardMemoryPressure", "firing")]
+    assert engines.engines["a"].cap == 80 and engines.engines["b"].cap == 100
+    server.serve_text(levels(a=3, b=0))
+    assert ("OomguardMemoryCritical", "firing") in tick(1)  # critical_for 0: at once
+    assert engines.engines["a"].draining  # b is ready: the budget allows it
+    server.serve_text(levels(a=0, b=0))
+    assert len(tick(10)) == 2  # still firing: keep_firing 20 s
+    assert engines.engines["a"].draining
+    assert sorted(tick(15)) == [
+        ("OomguardMemoryCritical", "resolved"),
+        ("OomguardMemoryPressure", "resolved"),
+    ]
+    assert not engines.engines["a"].draining and engines.engines["a"].cap == 1  # re-admission
+
+
+def test_an_exporter_that_cannot_be_read_holds_the_alerts(local_server):
+    server = local_server(levels(a=3))
+    now = [0.0]
+    watcher = PressureWatcher(
+        StandaloneConfig(exporters=[server.url], keep_firing_seconds=0), clock=lambda: now[0]
+    )
+    assert [a.name for a in watcher.poll().alerts] == ["OomguardMemoryCritical"]
+    server.responder = lambda _h: (500, b"boom", "text/plain")
+    now[0] += 60
+    assert watcher.poll().alerts == ()  # no resolve from missing data
+    assert server.url in watcher.errors
+    server.serve_text("garbage {{{\n" + levels(a=3))  # a bad line is dropped, not fatal
+    critical = [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
+    assert [a.status for a in critical] == ["firing"]
+    server.serve_text(levels(a=0))
+    assert {a.status for a in watcher.poll().alerts} == {"resolved"}
