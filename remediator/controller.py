@@ -42,7 +42,7 @@ DISRUPTIVE = frozenset({"drain", "lower_cap"})  # held to cooldown, rate limit a
 FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})  # drain refused: cap instead
 SEEN_LIMIT = 20_000  # dedup keys remembered (FIFO): retries and HA copies come within minutes
 
-Step = tuple[str, int | None]  # (drain | resume | lower_cap | raise_cap, cap)
+Step = tuple[str, int | None]  # (drain | resume | lower_cap | raise_cap | readmit, cap)
 
 
 def plan(observed: Observed, desired: Desired) -> list[Step]:
@@ -51,7 +51,10 @@ def plan(observed: Observed, desired: Desired) -> list[Step]:
         return [] if observed.draining else [("drain", None)]
     steps: list[Step] = []
     if desired.cap != observed.admission_cap:
-        kind = "lower_cap" if desired.cap < observed.admission_cap else "raise_cap"
+        if observed.draining:
+            kind = "readmit"  # the first stage's cap, set while still drained: costs nothing
+        else:
+            kind = "lower_cap" if desired.cap < observed.admission_cap else "raise_cap"
         steps.append((kind, desired.cap))
     if observed.draining:
         steps.append(("resume", None))  # after the cap: never resume at the old, higher cap

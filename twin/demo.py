@@ -6,12 +6,15 @@ What runs, all on 127.0.0.1:
 - the oomguard exporter; the real Prometheus with the generated rules and the real Alertmanager
   with the shipped routes (when installed), whose webhooks land in a local inbox.
 
-The incident: a neighbour process starts on GPU 0 and grows until free memory falls below the
-critical floor, then goes away. The terminal shows pressure, KV usage, caps and alerts each
-second; the report folder gets a Markdown summary and the timeline.
+- the oomguard remediator: fed by Alertmanager, or, without Prometheus and Alertmanager, in
+  standalone mode watching the exporter's pressure levels.
 
-The remediator is not part of oomguard yet: the demo shows the alerts that would drive it
-arriving at its webhook, and the plugin state it would act on.
+The incident: a neighbour process starts on GPU 0 and grows until free memory falls below the
+critical floor, then goes away. The remediator lowers llama-a's cap under pressure, drains it when
+memory turns critical (llama-b keeps serving), and re-admits it in stages once the neighbour is
+gone. Alert timings are compressed (`DEMO_THRESHOLDS`) so the incident fits in about a minute. The
+terminal shows pressure, KV usage, caps, alerts and actions each second; the report folder gets a
+Markdown summary, the timeline and the remediator's audit log.
 """
 
 from __future__ import annotations
@@ -33,22 +36,29 @@ from types import FrameType
 from typing import Any
 
 import httpx
+from oomguard.alerts.generate import RULES
+from oomguard.alerts.generate import outputs as alert_outputs
 from oomguard.exporter.config import ExporterConfig, VllmTarget
 from oomguard.exporter.main import Exporter
 from oomguard.exporter.render import Family
+from oomguard.twin.charts import render
 from oomguard.twin.gpu import GIB, TwinGpu, TwinNvml
 from oomguard.twin.processes import (
     Alertmanager,
     Process,
     Prometheus,
+    RemediatorProcess,
     VllmProcess,
     free_port,
     have_prometheus_stack,
 )
 
-from oomguard.thresholds import PressureThresholds
+from oomguard.thresholds import AlertThresholds, PressureThresholds
 
 NEIGHBOUR_PID = 424242
+TARGETS = ("llama-a", "llama-b")
+# The shipped timings (pressure held 30 s, 2 minutes of hysteresis) compressed for a 1-minute show
+DEMO_THRESHOLDS = AlertThresholds(pressure_for="5s", critical_for="0s", keep_firing_for="8s")
 LEVELS = {0: "ok", 1: "caution", 2: "pressure", 3: "CRITICAL"}
 
 
@@ -109,24 +119,27 @@ class Load:
 
     def __init__(self, engines: list[VllmProcess], per_engine: int = 4) -> None:
         self.engines, self.per_engine = engines, per_engine
-        self.ok = self.failed = 0
+        self.ok = self.failed = self.rerouted = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _worker(self, client: httpx.AsyncClient, engine: VllmProcess, k: int) -> None:
         i = k * 100_000
+        others = [e for e in self.engines if e is not engine]
         while not self._stop.is_set():
             i += 1
+            body = {
+                "model": engine.model,
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "prompt": [(i * 7919 + j * 31) % 30000 + 10 for j in range(600)],
+            }
             try:
-                r = await client.post(
-                    f"{engine.url}/v1/completions",
-                    json={
-                        "model": engine.model,
-                        "max_tokens": 48,
-                        "ignore_eos": True,
-                        "prompt": [(i * 7919 + j * 31) % 30000 + 10 for j in range(600)],
-                    },
-                )
+                r = await client.post(f"{engine.url}/v1/completions", json=body)
+                if r.status_code == 503 and others:
+                    # a draining engine says 503 + Retry-After: the gateway sends it elsewhere
+                    self.rerouted += 1
+                    r = await client.post(f"{others[0].url}/v1/completions", json=body)
                 if r.status_code == 200:
                     self.ok += 1
                 else:
@@ -160,7 +173,9 @@ class Demo:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="oomguard-demo-")))
     processes: list[Process] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)
+    remediator: RemediatorProcess | None = None
+    t0_wall: float = 0.0
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -196,14 +211,16 @@ class Demo:
         return started  # type: ignore[return-value]
 
     def run(self) -> int:
-        token = secrets.token_hex(16)
+        plugin_token = secrets.token_hex(16)
+        remediator_token = secrets.token_hex(16)
+        (self.workdir / "plugin-token").write_text(plugin_token)
         token_file = self.workdir / "remediator-token"
-        token_file.write_text(token)
+        token_file.write_text(remediator_token)
         inbox: Inbox | None = None
         exporter: Exporter | None = None
         load: Load | None = None
         try:
-            engines = self.start_engines(token)
+            engines = self.start_engines(plugin_token)
             gpus = [
                 TwinGpu(f"GPU-twin-{i}-0000-0000-0000-00000000000{i}", minor=i) for i in range(2)
             ]
@@ -218,7 +235,7 @@ class Demo:
                     interval_seconds=0.5,
                     hostname="twin-node",
                     vllm=[
-                        VllmTarget(name=f"llama-{'ab'[i]}", url=f"{e.url}/metrics", gpus=[str(i)])
+                        VllmTarget(name=TARGETS[i], url=f"{e.url}/metrics", gpus=[str(i)])
                         for i, e in enumerate(engines)
                     ],
                     cgroups=[],
@@ -229,10 +246,19 @@ class Demo:
             exporter.start()
             self.say(f"exporter on http://127.0.0.1:{port}/metrics reading 2 simulated H100s")
             prom: Prometheus | None = None
+            config = self.remediator_config(engines, token_file)
             if self.opts.prometheus and have_prometheus_stack():
                 inbox = Inbox()
-                am = Alertmanager(self.workdir / "alertmanager", inbox.url, token_file)
+                listen = f"127.0.0.1:{free_port()}"
+                am = Alertmanager(
+                    self.workdir / "alertmanager",
+                    inbox.url,
+                    token_file,
+                    remediator=f"http://{listen}",
+                )
                 self.processes.append(am)
+                rules = self.workdir / "oomguard.rules.yaml"
+                rules.write_text(alert_outputs(DEMO_THRESHOLDS)[RULES])
                 prom = Prometheus(
                     self.workdir / "prometheus",
                     {
@@ -240,14 +266,31 @@ class Demo:
                         "vllm": [e.url.removeprefix("http://") for e in engines],
                     },
                     alertmanager=am.url.removeprefix("http://"),
+                    rules=rules,
                 )
                 self.processes.append(prom)
+                config.update(listen=listen, alertmanager={"url": am.url, "resync_seconds": 10})
                 self.say(f"Prometheus {prom.url} (generated rules), Alertmanager {am.url}")
             else:
-                self.say(
-                    "Prometheus/Alertmanager not installed (or --no-prometheus): showing "
-                    "the exporter's pressure levels only; `make demo` installs them"
+                config.update(
+                    mode="standalone",
+                    standalone={
+                        "exporters": [f"http://127.0.0.1:{port}/metrics"],
+                        "interval_seconds": 0.5,
+                        "pressure_for_seconds": 5,
+                        "critical_for_seconds": 0,
+                        "keep_firing_seconds": 8,
+                    },
                 )
+                self.say(
+                    "Prometheus/Alertmanager not installed (or --no-prometheus): the remediator "
+                    "runs in standalone mode on the exporter's pressure levels; `make demo` "
+                    "installs them"
+                )
+            remediator = RemediatorProcess(self.workdir / "remediator", config)
+            self.processes.append(remediator)
+            self.remediator = remediator
+            self.say(f"remediator {remediator.url} ({config.get('mode', 'alertmanager')} mode)")
             load = Load(engines)
             load.start()
             self.replay(nvml, gpus, exporter, engines, prom, inbox)
@@ -262,7 +305,38 @@ class Demo:
                 p.stop()
             if inbox is not None:
                 inbox.close()
-        return self.report(inbox)
+        return self.report(inbox, load)
+
+    def remediator_config(self, engines: list[VllmProcess], token_file: Path) -> dict[str, Any]:
+        return {
+            "auth": {"bearer_token_file": str(token_file)},
+            "targets": [
+                {
+                    "name": TARGETS[i],
+                    "url": e.url,
+                    "model": "tiny-llama",
+                    "token_file": str(self.workdir / "plugin-token"),
+                }
+                for i, e in enumerate(engines)
+            ],
+            # compressed like the alert timings: one lowering step every 5 s
+            "policy": {"step_seconds": 5},
+            "safety": {"cooldown_seconds": 2},
+            "audit_log": str(self.workdir / "remediator-audit.jsonl"),
+            "reconcile_seconds": 0.5,
+        }
+
+    def actions(self) -> list[dict[str, Any]]:
+        path = self.workdir / "remediator-audit.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                entry = json.loads(line)
+                if entry["event"] in ("acted", "withheld", "failed", "held"):
+                    out.append(entry)
+        return out
 
     def replay(
         self,
@@ -284,7 +358,9 @@ class Demo:
             f"{leave_at:.0f}s. Ctrl-C stops.\n"
         )
         t0 = time.monotonic()
+        self.t0_wall = time.time()
         fired: set[str] = set()
+        seen_actions = 0
         while (t := time.monotonic() - t0) < d:
             if grow_from <= t < leave_at:
                 share = min(1.0, (t - grow_from) / (grow_to - grow_from))
@@ -295,10 +371,15 @@ class Demo:
             for name in row["alerts"]:
                 if name not in fired:
                     fired.add(name)
-                    self.events.append(f"{t:5.1f}s  alert firing: {name}")
+                    self.events.append((t, f"alert firing: {name}"))
             for name in fired - set(row["alerts"]):
                 fired.discard(name)
-                self.events.append(f"{t:5.1f}s  alert resolved: {name}")
+                self.events.append((t, f"alert resolved: {name}"))
+            actions = self.actions()
+            for a in actions[seen_actions:]:
+                self.events.append((a["time"] - self.t0_wall, f"remediator: {describe(a)}"))
+            seen_actions = len(actions)
+            row["actions"] = seen_actions
             self.show(row, d)
             time.sleep(max(0.0, 1.0 - (time.monotonic() - t0 - t)))
 
@@ -317,14 +398,15 @@ class Demo:
             for s, v in _samples(families, "oomguard_gpu_pressure_level")
         }
         kv = {s["target"]: v for s, v in _samples(families, "oomguard_vllm_kv_cache_usage_ratio")}
+        preempted: dict[str, float] = {}
+        for s, v in _samples(families, "oomguard_vllm_preemptions_total"):
+            preempted[s["target"]] = preempted.get(s["target"], 0.0) + v
         states = {}
         for i, e in enumerate(engines):
             try:
-                states[f"llama-{'ab'[i]}"] = httpx.get(
-                    f"{e.url}/oomguard/v1/state", timeout=2
-                ).json()
+                states[TARGETS[i]] = httpx.get(f"{e.url}/oomguard/v1/state", timeout=2).json()
             except httpx.HTTPError:
-                states[f"llama-{'ab'[i]}"] = {}
+                states[TARGETS[i]] = {}
         alerts: list[str] = []
         if prom is not None:
             with contextlib.suppress(httpx.HTTPError, RuntimeError):
@@ -342,7 +424,9 @@ class Demo:
         }
         for name, st in states.items():
             row[f"{name}_kv"] = round(kv.get(name, 0.0), 3)
+            row[f"{name}_preemptions"] = preempted.get(name, 0.0)
             row[f"{name}_cap"] = st.get("admission_cap")
+            row[f"{name}_mode"] = st.get("mode")
             row[f"{name}_running"] = st.get("running")
             row[f"{name}_waiting"] = st.get("waiting")
         self.timeline.append(row)
@@ -356,62 +440,61 @@ class Demo:
             f" ({row['gpu0_reason']})",
             f"  GPU 1  free {row['gpu1_free_gib']:6.2f} GiB  level {LEVELS[row['gpu1_level']]}",
         ]
-        for name in ("llama-a", "llama-b"):
+        for name in TARGETS:
             lines.append(
                 f"  {name}  KV {100 * row.get(f'{name}_kv', 0):5.1f} %  cap "
-                f"{row.get(f'{name}_cap')}  running {row.get(f'{name}_running')}  "
-                f"waiting {row.get(f'{name}_waiting')}"
+                f"{row.get(f'{name}_cap')!s:>3}  {row.get(f'{name}_mode')!s:<8}  running "
+                f"{row.get(f'{name}_running')}  waiting {row.get(f'{name}_waiting')}"
             )
-        lines.append(
-            f"  alerts firing: {', '.join(row['alerts']) or '-'}   "
-            f"webhooks received: {row['webhooks']}"
-        )
+        lines.append(f"  alerts firing: {', '.join(row['alerts']) or '-'}")
+        lines.extend(f"  {t:5.1f}s  {e}" for t, e in sorted(self.events)[-4:])
         if sys.stdout.isatty():
             print("\x1b[H\x1b[2J" + "\n".join(lines), flush=True)
         elif int(row["t"]) % 5 == 0:
             print("\n".join(lines), flush=True)
 
-    def report(self, inbox: Inbox | None) -> int:
+    def report(self, inbox: Inbox | None, load: Load | None) -> int:
         out = self.opts.report_dir
         out.mkdir(parents=True, exist_ok=True)
         if self.timeline:
+            fields = list(dict.fromkeys(k for row in self.timeline for k in row))
             with (out / "timeline.csv").open("w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=list(self.timeline[0]))
+                writer = csv.DictWriter(fh, fieldnames=fields)
                 writer.writeheader()
                 for row in self.timeline:
                     writer.writerow({**row, "alerts": " ".join(row["alerts"])})
         webhooks = inbox.received if inbox else []
         (out / "webhooks.json").write_text(json.dumps(webhooks, indent=2))
+        audit = self.workdir / "remediator-audit.jsonl"
+        if audit.exists():
+            (out / "remediator-audit.jsonl").write_text(audit.read_text())
+        actions = [a for a in self.actions() if a["event"] == "acted"]
+        chart = "(no chart: no samples)"
+        if self.timeline:
+            floor = PressureThresholds().floor_for(TwinGpu("x").total) / GIB
+            render(self.timeline, self.events, TARGETS, floor, out / "timeline.png")
+            chart = "![timeline](timeline.png)"
         worst = max((r["gpu0_level"] for r in self.timeline), default=0)
-        remediator = [w for w in webhooks if w["receiver"] == "remediator"]
-        actions = sorted(
-            {
-                a["labels"].get("oomguard_action", "")
-                + " "
-                + a["labels"]["alertname"]
-                + " "
-                + a["status"]
-                for w in remediator
-                for a in w["payload"].get("alerts", [])
-            }
-        )
+        caps = [r.get("llama-a_cap") for r in self.timeline if r.get("llama-a_cap") is not None]
+        lowest = min(caps, default=None)
+        back = bool(caps) and caps[-1] == max(caps)
         lines = [
             "# oomguard demo report",
             "",
             f"- duration: {self.opts.duration:.0f} s, samples: {len(self.timeline)}",
             f"- worst GPU 0 pressure level: {worst} ({LEVELS[worst]})",
-            f"- webhooks received: {len(webhooks)} ({len(remediator)} for the remediator)",
+            f"- remediator actions: {len(actions)}; llama-a cap went down to {lowest} and "
+            + ("came back to its startup value" if back else "had not come back yet"),
+            f"- requests completed: {load.ok if load else 0}, failed: {load.failed if load else 0}"
+            f", sent to the other engine while one drained: {load.rerouted if load else 0}",
+            f"- alert webhooks to on-call receivers: "
+            f"{sum(1 for w in webhooks if w['receiver'] != 'remediator')}",
             "",
-            "## Events",
+            "## Timeline",
             "",
-            *(f"- {e}" for e in self.events or ["(none)"]),
+            chart,
             "",
-            "## What the remediator was sent",
-            "",
-            *(f"- `{a}`" for a in actions or ["(nothing)"]),
-            "",
-            "The remediator is the next part of oomguard to be built; these are the alerts it",
-            "will act on (lower the cap, drain) through the plugin routes the engines serve.",
+            *(f"- {t:5.1f}s  {e}" for t, e in sorted(self.events)),
             "",
             "## Dashboards",
             "",
@@ -419,12 +502,28 @@ class Demo:
             "Import), or provision them with `deploy/grafana/provisioning/`. They read the",
             "Prometheus that scrapes the exporters (`deploy/prometheus/prometheus.yml`).",
             "",
-            "Files: `timeline.csv` (one row per second), `webhooks.json` (every payload).",
+            "Files: `timeline.png`, `timeline.csv` (one row per second),",
+            "`remediator-audit.jsonl` (every decision and action), `webhooks.json` (what on-call",
+            "receivers were sent).",
         ]
         (out / "summary.md").write_text("\n".join(lines) + "\n")
         self.say(f"\nreport written to {out}/summary.md")
         self.say("load the dashboards: import dashboards/generated/*.json into Grafana")
         return 0
+
+
+def describe(entry: dict[str, Any]) -> str:
+    after = entry.get("after") or {}
+    what = {
+        "lower_cap": f"lowered {entry['target']}'s cap to {after.get('cap')}",
+        "raise_cap": f"raised {entry['target']}'s cap to {after.get('cap')}",
+        "readmit": f"set {entry['target']}'s cap to {after.get('cap')} to re-admit",
+        "drain": f"drained {entry['target']}",
+        "resume": f"resumed {entry['target']}",
+    }.get(entry.get("action", ""), f"{entry['event']} {entry.get('action', '')} {entry['target']}")
+    if entry["event"] != "acted":
+        what = f"{entry['event']} {entry.get('action', '')} on {entry['target']}: {entry['result']}"
+    return f"{what} ({entry.get('reason', '')})"
 
 
 def run(opts: Options) -> int:

@@ -133,9 +133,10 @@ class Prometheus(Process):
         targets: dict[str, list[str]],
         alertmanager: str | None = None,
         scrape_interval: str = "1s",
+        rules: Path = RULES,
     ) -> None:
         config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-        config["rule_files"] = [str(RULES)]
+        config["rule_files"] = [str(rules)]
         config["global"]["scrape_interval"] = scrape_interval
         config["scrape_configs"] = [
             {**job, "static_configs": [{"targets": targets[job["job_name"]]}]}
