@@ -421,6 +421,56 @@ def _run_remediator_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve (the local supervisor) ---------------------------------------------------------------
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run vLLM as a supervised child that the remediator can restart with new flags",
+        description="Run `vllm serve ...` (everything after --) as a child: restart it on "
+        "request with adjusted --gpu-memory-utilization/--max-num-seqs (persisted in the state "
+        "directory), record why it exits, bring it back capped after a CUDA OOM, and stop "
+        "restarting after a crashloop. Example: oomguard serve --token-file /etc/oomguard/"
+        "supervisor-token -- vllm serve /models/llama --max-num-seqs 64",
+    )
+    p.add_argument("--listen", default="127.0.0.1:9851", metavar="HOST:PORT")
+    p.add_argument("--token-file", metavar="FILE", help="bearer token for the supervisor's API")
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve the API without a token (loopback-only single boxes)",
+    )
+    p.add_argument("--state-dir", default="/var/lib/oomguard/serve", metavar="DIR")
+    p.add_argument("--max-crashes", type=int, default=5, help="within --crash-window, then stop")
+    p.add_argument("--crash-window", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument(
+        "--restart-delay", type=float, default=5.0, metavar="SECONDS", help="after a crash"
+    )
+    p.add_argument("--stop-timeout", type=float, default=60.0, metavar="SECONDS")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("vllm", nargs=argparse.REMAINDER, help="-- vllm serve MODEL [flags...]")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from oomguard.remediator.config import SecretFile
+    from oomguard.remediator.supervisor import Supervisor, serve
+
+    argv = args.vllm[1:] if args.vllm[:1] == ["--"] else args.vllm
+    if args.token_file is None and not args.allow_unauthenticated:
+        raise ConfigError("give --token-file (or --allow-unauthenticated on a loopback-only box)")
+    if args.token_file and not Path(args.token_file).is_file():
+        raise ConfigError(f"--token-file {args.token_file} not found")
+    sup = Supervisor(
+        argv,
+        Path(args.state_dir),
+        max_crashes=args.max_crashes,
+        crash_window_seconds=args.crash_window,
+        restart_delay=args.restart_delay,
+        stop_timeout=args.stop_timeout,
+    )
+    return serve(sup, args.listen, SecretFile(args.token_file) if args.token_file else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oomguard",
@@ -433,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_demo(sub)
     _add_remediator(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -107,6 +107,7 @@ def aggregate(engines: list[dict[str, Any]]) -> dict[str, Any]:
         "drained": draining and all(e["drained"] for e in engines),
         "admission_cap": min(e["admission_cap"] for e in engines),
         "startup_max_num_seqs": min(e["startup_max_num_seqs"] for e in engines),
+        "gpu_memory_utilization": engines[0].get("gpu_memory_utilization"),
         "running": total("running"),
         "waiting": total("waiting"),
         "kv_cache_usage": max(e["kv_cache_usage"] for e in engines),

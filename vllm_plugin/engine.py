@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from oomguard.engine_env import INITIAL_CAP_ENV
 
 log = logging.getLogger("oomguard.vllm_plugin")
 
@@ -48,7 +51,24 @@ def counters(scheduler: Any) -> Counters:
     if c is None:
         c = Counters()
         scheduler._oomguard_counters = c
+        _initial_cap(scheduler)
     return c
+
+
+def _initial_cap(scheduler: Any) -> None:
+    """Start capped when the supervisor says so (after a crash or a restart for memory): the
+    engine then comes back through staged re-admission, not at full admission."""
+    raw = os.environ.get(INITIAL_CAP_ENV, "").strip()
+    if not raw:
+        return
+    try:
+        cap = int(raw)
+    except ValueError:
+        log.warning("oomguard: ignoring %s=%r (not an integer)", INITIAL_CAP_ENV, raw)
+        return
+    applied = max(1, min(cap, int(scheduler.max_num_running_reqs)))
+    scheduler.max_num_active_reqs = applied
+    log.info("oomguard: starting with admission cap %d (%s)", applied, INITIAL_CAP_ENV)
 
 
 def _wrap_schedule(schedule: Any) -> Any:
@@ -85,6 +105,13 @@ def _paused(core: Any) -> bool:
     return core.scheduler.pause_state != PauseState.UNPAUSED
 
 
+def _gpu_memory_utilization(core: Any) -> float | None:
+    try:
+        return float(core.vllm_config.cache_config.gpu_memory_utilization)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def oomguard_state(self: Any) -> dict[str, Any]:
     s = self.scheduler
     c = counters(s)
@@ -94,6 +121,7 @@ def oomguard_state(self: Any) -> dict[str, Any]:
     return {
         "engine": int(getattr(self, "engine_index", 0) or 0),
         "startup_max_num_seqs": int(s.max_num_running_reqs),
+        "gpu_memory_utilization": _gpu_memory_utilization(self),
         "admission_cap": int(s.max_num_active_reqs),
         "mode": "draining" if draining else "serving",
         "drained": draining and running == 0,

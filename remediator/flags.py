@@ -1,0 +1,160 @@
+"""vLLM's memory flags for a restart: bounded steps down, walk-back, persistence, argv editing.
+
+Only a restart gives memory back from vLLM's KV pool. The operator's move on memory that stays
+critical, or on an OOM crashloop: lower `--gpu-memory-utilization` by 0.03-0.05 and
+`--max-num-seqs` by 20 %, and later walk both back toward the original values one step at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from oomguard.errors import ConfigError
+
+GMU = "--gpu-memory-utilization"
+SEQS = "--max-num-seqs"
+VLLM_DEFAULT_GMU = 0.9
+
+
+class FlagLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gmu_step: float = Field(0.04, ge=0.01, le=0.1, description="gpu_memory_utilization per step.")
+    gmu_floor: float = Field(0.5, gt=0, lt=1, description="Never restart below this.")
+    seqs_factor: float = Field(0.8, gt=0, lt=1, description="max_num_seqs multiplier per step.")
+    seqs_floor: int = Field(1, ge=1)
+    walk_back_after_seconds: float = Field(
+        3600.0, ge=0, description="Quiet time after a change before stepping back up."
+    )
+
+
+@dataclass(frozen=True)
+class Flags:
+    gpu_memory_utilization: float
+    max_num_seqs: int
+
+    def lower(self, limits: FlagLimits) -> Flags:
+        return Flags(
+            round(max(limits.gmu_floor, self.gpu_memory_utilization - limits.gmu_step), 4),
+            max(limits.seqs_floor, math.floor(self.max_num_seqs * limits.seqs_factor)),
+        )
+
+    def toward(self, original: Flags, limits: FlagLimits) -> Flags:
+        """One step back toward `original` (never past it)."""
+        return Flags(
+            round(
+                min(original.gpu_memory_utilization, self.gpu_memory_utilization + limits.gmu_step),
+                4,
+            ),
+            min(
+                original.max_num_seqs,
+                max(self.max_num_seqs + 1, math.ceil(self.max_num_seqs / limits.seqs_factor)),
+            ),
+        )
+
+
+def _find(argv: list[str], flag: str) -> tuple[int, str] | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return i, argv[i + 1]
+        if arg.startswith(flag + "="):
+            return i, arg.split("=", 1)[1]
+    return None
+
+
+def read(argv: list[str], default_seqs: int) -> Flags:
+    """The flags a `vllm serve` command line sets (vLLM's defaults where it sets none)."""
+    gmu, seqs = _find(argv, GMU), _find(argv, SEQS)
+    try:
+        return Flags(
+            float(gmu[1]) if gmu else VLLM_DEFAULT_GMU,
+            int(seqs[1]) if seqs else default_seqs,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"cannot read {GMU}/{SEQS} from the vLLM command line: {exc}") from exc
+
+
+def apply(argv: list[str], flags: Flags) -> list[str]:
+    """`argv` with both flags set to `flags` (replaced where present, appended otherwise)."""
+    out = list(argv)
+    for flag, value in (
+        (GMU, f"{flags.gpu_memory_utilization:g}"),
+        (SEQS, str(flags.max_num_seqs)),
+    ):
+        found = _find(out, flag)
+        if found is None:
+            out += [flag, value]
+        elif out[found[0]] == flag:
+            out[found[0] + 1] = value
+        else:
+            out[found[0]] = f"{flag}={value}"
+    return out
+
+
+@dataclass
+class FlagState:
+    """What survives restarts of the engine and of oomguard: original and current flags."""
+
+    original: Flags
+    current: Flags
+    changed_at: float = field(default_factory=time.time)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def set(self, flags: Flags, reason: str) -> None:
+        if flags == self.current:
+            return
+        self.history.append(
+            {
+                "time": time.time(),
+                "from": asdict(self.current),
+                "to": asdict(flags),
+                "reason": reason,
+            }
+        )
+        self.history = self.history[-50:]
+        self.current, self.changed_at = flags, time.time()
+
+
+class FlagStore:
+    """One JSON file, replaced atomically, so a crash mid-write never loses the flags."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def load(self, original: Flags) -> FlagState:
+        try:
+            data = json.loads(self.path.read_text())
+            return FlagState(
+                Flags(**data["original"]),
+                Flags(**data["current"]),
+                float(data["changed_at"]),
+                list(data.get("history", [])),
+            )
+        except FileNotFoundError:
+            return FlagState(original, original)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"flag state {self.path} is unreadable: {exc}") from exc
+
+    def save(self, state: FlagState) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "original": asdict(state.original),
+            "current": asdict(state.current),
+            "changed_at": state.changed_at,
+            "history": state.history,
+        }
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".flags-")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)

@@ -1,0 +1,341 @@
+"""`oomguard serve -- vllm serve ...`: run vLLM as a child, restart it with adjusted flags.
+
+The local backend of the restart actuator, for single boxes, the demo and the twin:
+- starts `vllm serve` with the flags persisted in `<state-dir>/flags.json` (so a changed
+  `--gpu-memory-utilization` / `--max-num-seqs` survives every restart, of vLLM and of this);
+- restarts it on request (`POST /v1/restart`): stop gracefully (SIGTERM to its process group,
+  SIGKILL after a deadline), start with the new flags and, when asked, an initial admission cap;
+- records why the child exited (CUDA out-of-memory from its output, killed by a signal, exit
+  code); a child that dies on its own comes back after `restart_delay`: after a CUDA OOM with
+  flags one step lower and capped at the first re-admission stage, never at full admission;
+- crashloop guard: after `max_crashes` within `crash_window_seconds` it stops restarting and
+  reports `gave_up` until an operator (or the remediator) asks for a restart.
+
+HTTP API (bearer token): GET /v1/status, POST /v1/restart; GET /healthz (no token).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from oomguard.remediator.config import SecretFile
+from oomguard.remediator.flags import (
+    SEQS,
+    FlagLimits,
+    Flags,
+    FlagStore,
+    apply,
+    read,
+)
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from oomguard.engine_env import INITIAL_CAP_ENV
+from oomguard.errors import ConfigError
+
+log = logging.getLogger("oomguard.supervisor")
+
+OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+
+
+@dataclass(frozen=True)
+class Exit:
+    time: float
+    generation: int
+    returncode: int
+    reason: str  # cuda_oom | killed | exited | requested
+    flags: dict[str, Any]
+
+
+def classify(returncode: int, tail: list[str]) -> str:
+    if any(marker in line for line in tail for marker in OOM_MARKERS):
+        return "cuda_oom"
+    if returncode < 0 or returncode in (137, 143):
+        return "killed"  # SIGKILL with no traceback: the host OOM killer, most often
+    return "exited"
+
+
+def _port(argv: list[str]) -> tuple[str, int]:
+    host, port = "127.0.0.1", 8000
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--port":
+            port = int(argv[i + 1])
+        elif arg == "--host" and argv[i + 1] not in ("0.0.0.0", "::", ""):
+            host = argv[i + 1]
+    return host, port
+
+
+class Supervisor:
+    def __init__(
+        self,
+        argv: list[str],
+        state_dir: Path,
+        limits: FlagLimits | None = None,
+        max_crashes: int = 5,
+        crash_window_seconds: float = 600.0,
+        restart_delay: float = 5.0,
+        stop_timeout: float = 60.0,
+        readmit_start: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if not argv:
+            raise ConfigError("nothing to run: give the vLLM command after --")
+        if not any(a == SEQS or a.startswith(SEQS + "=") for a in argv):
+            raise ConfigError(f"the vLLM command line must set {SEQS} (oomguard steps it)")
+        self.argv = argv
+        self.limits = limits or FlagLimits()
+        self.store = FlagStore(state_dir / "flags.json")
+        self.flags = self.store.load(read(argv, 0))
+        self.log_path = state_dir / "vllm.log"
+        self.max_crashes, self.window = max_crashes, crash_window_seconds
+        self.restart_delay, self.stop_timeout = restart_delay, stop_timeout
+        self.readmit_start = readmit_start
+        self.env = env or {}
+        self.host, self.port = _port(argv)
+        self.exits: deque[Exit] = deque(maxlen=50)
+        self.generation = 0
+        self.gave_up = False
+        self.child: subprocess.Popen[bytes] | None = None
+        self.initial_cap: int | None = None
+        self._tail: deque[str] = deque(maxlen=200)
+        self._lock = threading.RLock()
+        self._stopping = False
+        self._expected_exit = False
+
+    # -- the child -----------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        return apply(self.argv, self.flags.current)
+
+    def start(self, initial_cap: int | None = None) -> None:
+        with self._lock:
+            self.generation += 1
+            self.initial_cap = initial_cap
+            env = {**os.environ, **self.env}
+            env.pop(INITIAL_CAP_ENV, None)
+            if initial_cap is not None:
+                env[INITIAL_CAP_ENV] = str(initial_cap)
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._tail.clear()
+            self._expected_exit = False
+            self.child = subprocess.Popen(
+                self.command(),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            log.info(
+                "started vLLM (generation %d, pid %d): %s",
+                self.generation,
+                self.child.pid,
+                " ".join(self.command()),
+            )
+            threading.Thread(
+                target=self._watch, args=(self.child, self.generation), daemon=True
+            ).start()
+
+    def _watch(self, child: subprocess.Popen[bytes], generation: int) -> None:
+        assert child.stdout is not None
+        with self.log_path.open("ab") as out:
+            for line in child.stdout:
+                out.write(line)
+                out.flush()
+                self._tail.append(line.decode(errors="replace"))
+        code = child.wait()
+        with self._lock:
+            if generation != self.generation or self._stopping:
+                return
+            if self._expected_exit:
+                return
+            reason = classify(code, list(self._tail))
+            self._record(code, reason)
+            log.error("vLLM exited (code %d, %s)", code, reason)
+            crashes = [e for e in self.exits if e.reason != "requested"]
+            recent = [e for e in crashes if time.time() - e.time < self.window]
+            if len(recent) >= self.max_crashes:
+                self.gave_up = True
+                log.error(
+                    "crashloop guard: %d crashes in %.0f s; not restarting until asked",
+                    len(recent),
+                    self.window,
+                )
+                return
+            if reason == "cuda_oom":
+                lowered = self.flags.current.lower(self.limits)
+                self.flags.set(lowered, "crashed with a CUDA out-of-memory error")
+                self.store.save(self.flags)
+        time.sleep(self.restart_delay)  # a model reload in real life; never a tight loop
+        with self._lock:
+            if generation == self.generation and not self._stopping:
+                # after a crash, always come back through staged re-admission
+                self.start(initial_cap=self.readmit_start)
+
+    def _record(self, code: int, reason: str) -> None:
+        self.exits.append(
+            Exit(time.time(), self.generation, code, reason, asdict(self.flags.current))
+        )
+
+    def _stop_child(self) -> None:
+        child = self.child
+        if child is None or child.poll() is not None:
+            return
+        self._expected_exit = True
+        group = os.getpgid(child.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            child.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("vLLM did not stop in %.0f s: SIGKILL", self.stop_timeout)
+            os.killpg(group, signal.SIGKILL)
+            child.wait(10)
+
+    def restart(self, flags: Flags | None, initial_cap: int | None, reason: str) -> int:
+        """Stop the child and start it with `flags` (persisted first). Returns the generation."""
+        with self._lock:
+            if flags is not None:
+                self._check(flags)
+                self.flags.set(flags, reason)
+                self.store.save(self.flags)
+            self._stop_child()
+            if self.child is not None:
+                self._record(self.child.returncode or 0, "requested")
+            self.gave_up = False
+            self.start(initial_cap)
+            return self.generation
+
+    def _check(self, flags: Flags) -> None:
+        o, lim = self.flags.original, self.limits
+        if not lim.gmu_floor <= flags.gpu_memory_utilization <= o.gpu_memory_utilization:
+            raise ValueError(
+                f"gpu_memory_utilization {flags.gpu_memory_utilization} outside "
+                f"[{lim.gmu_floor}, {o.gpu_memory_utilization}]"
+            )
+        if not lim.seqs_floor <= flags.max_num_seqs <= o.max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs {flags.max_num_seqs} outside [{lim.seqs_floor}, {o.max_num_seqs}]"
+            )
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._stop_child()
+
+    def ready(self) -> bool:
+        child = self.child
+        if child is None or child.poll() is not None:
+            return False
+        try:
+            r = httpx.get(f"http://{self.host}:{self.port}/health", timeout=2)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    def status(self) -> dict[str, Any]:
+        child = self.child
+        running = child is not None and child.poll() is None
+        return {
+            "generation": self.generation,
+            "running": running,
+            "pid": child.pid if running and child else None,
+            "ready": self.ready(),
+            "initial_cap": self.initial_cap,
+            "gave_up": self.gave_up,
+            "flags": {
+                "original": asdict(self.flags.original),
+                "current": asdict(self.flags.current),
+                "changed_at": self.flags.changed_at,
+                "history": self.flags.history[-10:],
+            },
+            "exits": [asdict(e) for e in self.exits],
+            "command": self.command(),
+        }
+
+
+def create_app(sup: Supervisor, token: SecretFile | None) -> Starlette:
+    def allowed(request: Request) -> bool:
+        if token is None:
+            return True
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        expected = token.get()
+        return (
+            scheme.lower() == "bearer"
+            and expected is not None
+            and hmac.compare_digest(given.strip().encode(), expected.encode())
+        )
+
+    def denied() -> JSONResponse:
+        return JSONResponse(
+            {"error": "missing or wrong bearer token"}, 401, headers={"WWW-Authenticate": "Bearer"}
+        )
+
+    async def status(request: Request) -> Response:
+        if not allowed(request):
+            return denied()
+        return JSONResponse(sup.status())
+
+    async def restart(request: Request) -> Response:
+        if not allowed(request):
+            return denied()
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("body must be a JSON object")
+            raw = body.get("flags")
+            flags = (
+                Flags(float(raw["gpu_memory_utilization"]), int(raw["max_num_seqs"]))
+                if raw is not None
+                else None
+            )
+            cap = body.get("initial_cap")
+            if cap is not None and (not isinstance(cap, int) or cap < 1):
+                raise ValueError("initial_cap must be a positive integer or null")
+            reason = str(body.get("reason") or "requested over the API")
+        except (ValueError, KeyError, TypeError) as exc:
+            return JSONResponse({"error": f"bad restart request: {exc}"}, 400)
+        try:
+            generation = await run_in_threadpool(sup.restart, flags, cap, reason)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, 400)
+        return JSONResponse({"generation": generation}, 202)
+
+    async def healthz(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    return Starlette(
+        routes=[
+            Route("/v1/status", status, methods=["GET"]),
+            Route("/v1/restart", restart, methods=["POST"]),
+            Route("/healthz", healthz, methods=["GET"]),
+        ]
+    )
+
+
+def serve(sup: Supervisor, listen: str, token: SecretFile | None) -> int:
+    import uvicorn
+
+    host, _, port = listen.rpartition(":")
+    sup.start()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(sup, token), host=host or "127.0.0.1", port=int(port), log_level="warning"
+        )
+    )
+    try:
+        server.run()
+    finally:
+        sup.stop()
+    return 0
