@@ -22,7 +22,7 @@ from oomguard.errors import ConfigError
 
 GMU = "--gpu-memory-utilization"
 SEQS = "--max-num-seqs"
-VLLM_DEFAULT_GMU = 0.9
+VLLM_DEFAULT_GMU = 0.92  # vLLM 0.33's default (read back from a running engine)
 
 
 class FlagLimits(BaseModel):

@@ -56,7 +56,7 @@ class Safety:
             return "cooldown"
         if len(history) >= c.max_actions:
             return "rate_limit"
-        if action == "drain":
+        if action in ("drain", "restart"):  # both take the engine out of service
             me = fleet[target]
             peers = {n: v for n, v in fleet.items() if v.model == me.model and n != target}
             if sum(v.draining for v in peers.values()) >= c.max_draining_per_model:

@@ -11,15 +11,28 @@ Settings come from `--additional-config '{"oomguard_twin": {...}}'` or environme
   kv_blocks      OOMGUARD_TWIN_KV_BLOCKS      KV pool size in blocks (default 1024)
   step_seconds   OOMGUARD_TWIN_STEP_SECONDS   wall time of one step (default 0.005)
   token_id       OOMGUARD_TWIN_TOKEN_ID       the token every step "samples" (default 7)
+
+With `gpu` set (OOMGUARD_TWIN_GPU: H100, A100-80GB, A100-40GB, RTX4090) the worker becomes a twin
+of that GPU (twin/physics.py): the KV pool is sized from gpu_memory_utilization as vLLM sizes it,
+each step takes its roofline time divided by `time_compression` (OOMGUARD_TWIN_TIME_COMPRESSION),
+and a step whose memory peak exceeds the device raises torch.OutOfMemoryError: the engine dies
+as a real one does. Also:
+  model          OOMGUARD_TWIN_MODEL          simulated model (twin/models/<name> or a config.json)
+  state_file     OOMGUARD_TWIN_STATE_FILE     JSON the trace driver writes: neighbour_bytes,
+                                              fragmentation_bytes (read every 0.2 s)
+  allocator_dir  OOMGUARD_ALLOCATOR_DIR       where it publishes allocator stats (hand-off format)
+  target         OOMGUARD_TARGET              target name in those reports
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +49,101 @@ def _setting(config: dict[str, Any], key: str, env: str, default: float) -> floa
     return float(os.environ.get(env, default))
 
 
+def _text(config: dict[str, Any], key: str, env: str, default: str = "") -> str:
+    return str(config.get(key) or os.environ.get(env, default))
+
+
+class GpuTwin:
+    """The physics of one simulated GPU inside the worker: step time, memory, OOM, stats."""
+
+    def __init__(self, vllm_config: Any, twin: dict[str, Any]) -> None:
+        from oomguard.twin.physics import Physics
+
+        sched = vllm_config.scheduler_config
+        self.physics = Physics.for_model(
+            _text(twin, "model", "OOMGUARD_TWIN_MODEL", "llama-3-8b"),
+            gpu=_text(twin, "gpu", "OOMGUARD_TWIN_GPU"),
+            gpu_memory_utilization=float(vllm_config.cache_config.gpu_memory_utilization),
+            max_num_batched_tokens=int(sched.max_num_batched_tokens),
+            block_size=int(vllm_config.cache_config.block_size or 16),
+        )
+        self.compression = _setting(twin, "time_compression", "OOMGUARD_TWIN_TIME_COMPRESSION", 1.0)
+        self.state_file = _text(twin, "state_file", "OOMGUARD_TWIN_STATE_FILE")
+        self.allocator_dir = _text(twin, "allocator_dir", "OOMGUARD_ALLOCATOR_DIR")
+        self.target = _text(twin, "target", "OOMGUARD_TARGET")
+        self.neighbour = 0
+        self.fragmentation = 0
+        self.ooms = 0
+        self.peak_seen = 0
+        self._read_at = 0.0
+        self._published_at = 0.0
+
+    def _read_state(self) -> None:
+        now = time.monotonic()
+        if not self.state_file or now - self._read_at < 0.2:
+            return
+        self._read_at = now
+        try:
+            data = json.loads(Path(self.state_file).read_text())
+            self.neighbour = int(data.get("neighbour_bytes", 0))
+            self.fragmentation = int(data.get("fragmentation_bytes", 0))
+        except (OSError, ValueError, TypeError):
+            pass  # the driver rewrites it atomically; a missing file means no neighbour
+
+    def publish(self, step_peak: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.allocator_dir or (not force and now - self._published_at < 0.5):
+            return
+        self._published_at = now
+        from oomguard.handoff import AllocatorReport, write_report
+
+        p = self.physics
+        allocated = p.weights + p.kv_pool + p.graph_pool_bytes
+        reserved = allocated + p.activation(p.max_num_batched_tokens) + self.fragmentation
+        try:
+            write_report(
+                self.allocator_dir,
+                AllocatorReport(
+                    timestamp=time.time(),
+                    pid=os.getpid(),
+                    rank=0,
+                    target=self.target,
+                    engine="0",
+                    device_index=0,
+                    device_uuid="",
+                    allocated_bytes=allocated,
+                    reserved_bytes=reserved,
+                    allocated_peak_bytes=max(allocated, self.peak_seen - p.driver_reserved),
+                    reserved_peak_bytes=max(reserved, self.peak_seen - p.driver_reserved),
+                    inactive_split_bytes=self.fragmentation,
+                    alloc_retries=0,
+                    ooms=self.ooms,
+                ),
+            )
+        except OSError:
+            log.debug("twin: cannot publish allocator stats", exc_info=True)
+
+    def step(self, step: Any) -> float:
+        """Check the step's memory (raise a CUDA OOM if it does not fit); return its seconds."""
+        self._read_state()
+        p = self.physics
+        peak = p.peak(step, self.fragmentation, self.neighbour)
+        self.peak_seen = max(self.peak_seen, peak - self.neighbour)
+        if peak > p.total:
+            self.ooms += 1
+            self.publish(peak, force=True)
+            need = peak - p.total
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {need / 2**30:.2f} GiB. GPU 0 has a total "
+                f"capacity of {p.total / 2**30:.2f} GiB (twin {p.gpu}; step of {step.tokens} "
+                f"tokens, {step.logits} prompt-logprob tokens, neighbour "
+                f"{self.neighbour / 2**30:.2f} GiB, fragmentation "
+                f"{self.fragmentation / 2**30:.2f} GiB)"
+            )
+        self.publish(peak)
+        return p.step_seconds(step) / self.compression
+
+
 class ModelFreeWorker:
     """What collective_rpc reaches: the worker methods vLLM calls, without a model."""
 
@@ -46,6 +154,16 @@ class ModelFreeWorker:
         self.kv_blocks = int(_setting(twin, "kv_blocks", "OOMGUARD_TWIN_KV_BLOCKS", 1024))
         self.step_seconds = _setting(twin, "step_seconds", "OOMGUARD_TWIN_STEP_SECONDS", 0.005)
         self.token_id = int(_setting(twin, "token_id", "OOMGUARD_TWIN_TOKEN_ID", 7))
+        self.gpu = GpuTwin(vllm_config, twin) if _text(twin, "gpu", "OOMGUARD_TWIN_GPU") else None
+        if self.gpu is not None:
+            self.kv_blocks = self.gpu.physics.kv_blocks
+            log.info(
+                "twin %s: KV pool %.1f GiB = %d blocks",
+                self.gpu.physics.gpu,
+                self.gpu.physics.kv_pool / 2**30,
+                self.kv_blocks,
+            )
+        self._logprobs: set[str] = set()  # requests that asked for prompt_logprobs
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size or 16
         self.num_layers = model.get_num_layers(vllm_config.parallel_config)
@@ -83,11 +201,15 @@ class ModelFreeWorker:
         started = time.monotonic()
         for req_id in scheduler_output.finished_req_ids:
             self._needed.pop(req_id, None)
+            self._logprobs.discard(req_id)
         done_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids or []
             self._needed[new.req_id] = len(new.prefill_token_ids or prompt)
             done_before[new.req_id] = new.num_computed_tokens
+            params = getattr(new, "sampling_params", None)
+            if params is not None and getattr(params, "prompt_logprobs", None) is not None:
+                self._logprobs.add(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             done_before[req_id] = cached.num_computed_tokens[i]
@@ -98,17 +220,30 @@ class ModelFreeWorker:
                     self._needed[req_id] = len(tokens)
         req_ids: list[str] = []
         sampled: list[list[int]] = []
+        tokens = attention = context = logits = 0
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req_ids.append(req_id)
-            computed = done_before.get(req_id, 0) + n
-            ready = computed >= self._needed.get(req_id, 0)
+            before = done_before.get(req_id, 0)
+            computed = before + n
+            needed = self._needed.get(req_id, 0)
+            ready = computed >= needed
             sampled.append([self.token_id] if ready else [])
+            tokens += n
+            context += computed
+            attention += n * before + n * (n + 1) // 2  # each token attends to all before it
+            if req_id in self._logprobs and before < needed:
+                logits += min(n, needed - before)
+        step_seconds = self.step_seconds
+        if self.gpu is not None:
+            from oomguard.twin.physics import Step
+
+            step_seconds = self.gpu.step(Step(tokens, attention, context, logits))
         self._pending = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
-        remaining = self.step_seconds - (time.monotonic() - started)
+        remaining = step_seconds - (time.monotonic() - started)
         if remaining > 0:
             time.sleep(remaining)
 
