@@ -357,7 +357,8 @@ _SPECS: tuple[MetricSpec, ...] = (
     ),
     _gauge(
         "oomguard_remediator_target_mode",
-        "1 for the mode the target is in (serving, capped, draining, readmitting, held).",
+        "1 for the mode the target is in (serving, capped, draining, readmitting, restarting, "
+        "held).",
         "",
         ("target", "mode"),
         component="remediator",

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from oomguard.remediator.flags import FlagLimits
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -66,6 +67,39 @@ class AuthConfig(BaseModel):
         return self
 
 
+class SupervisorRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(pattern=r"^https?://", description="`oomguard serve` API of the engine.")
+    token_file: str | None = None
+
+
+class KubernetesRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    kind: Literal["Deployment", "StatefulSet"] = "Deployment"
+    name: str = Field(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
+    container: str = Field("vllm", description="The vLLM container in the pod template.")
+
+
+class RestartConfig(BaseModel):
+    """How this engine is restarted with new flags: one backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    supervisor: SupervisorRef | None = None
+    kubernetes: KubernetesRef | None = None
+    drain_timeout_seconds: float = Field(120.0, gt=0)
+    ready_timeout_seconds: float = Field(900.0, gt=0, description="Model reload included.")
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> RestartConfig:
+        if (self.supervisor is None) == (self.kubernetes is None):
+            raise ValueError("set exactly one of supervisor or kubernetes")
+        return self
+
+
 class TargetConfig(BaseModel):
     """An engine on the allowlist. Alerts select it by labels; they never carry its address."""
 
@@ -78,6 +112,9 @@ class TargetConfig(BaseModel):
     match: dict[str, str] = Field(
         default_factory=dict,
         description="Alert labels that select this target; default {target: <name>}.",
+    )
+    restart: RestartConfig | None = Field(
+        None, description="Restart with adjusted flags (absent: `restart` alerts cap instead)."
     )
 
     def selector(self) -> dict[str, str]:
@@ -114,6 +151,7 @@ class RemediatorConfig(BaseModel):
     targets: list[TargetConfig] = Field(min_length=1)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)  # type: ignore[arg-type]
     safety: SafetyConfig = Field(default_factory=SafetyConfig)  # type: ignore[arg-type]
+    flags: FlagLimits = Field(default_factory=FlagLimits)  # type: ignore[arg-type]
     audit_log: str = "/var/lib/oomguard/remediator-audit.jsonl"
     reconcile_seconds: float = Field(1.0, gt=0, description="Level-triggered pass interval.")
     actuation_timeout_seconds: float = Field(3.0, gt=0)

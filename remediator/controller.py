@@ -25,6 +25,7 @@ from oomguard.remediator.actuator import Actuator, ActuatorError, DryRunActuator
 from oomguard.remediator.alertbook import AlertBook
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig, SecretFile, TargetConfig
+from oomguard.remediator.flags import Flags
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.policy import (
     Desired,
@@ -33,12 +34,13 @@ from oomguard.remediator.policy import (
     actions_for,
     decide,
 )
+from oomguard.remediator.restart import FlagView, RestartBackend, RestartResult, RestartSequence
 from oomguard.remediator.safety import EngineView, Safety
 from oomguard.remediator.webhook import Alert, Webhook
 
 log = logging.getLogger("oomguard.remediator")
 
-DISRUPTIVE = frozenset({"drain", "lower_cap"})  # held to cooldown, rate limit and budget
+DISRUPTIVE = frozenset({"drain", "lower_cap", "restart"})  # cooldown, rate limit, budget
 FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})  # drain refused: cap instead
 SEEN_LIMIT = 20_000  # dedup keys remembered (FIFO): retries and HA copies come within minutes
 
@@ -87,6 +89,7 @@ class Firing:
     actions: set[str]  # the action classes they ask for
     fingerprints: list[str]
     names: dict[str, int]  # alert name -> how many
+    restart_episode: str | None = None  # the newest episode of an alert asking for a restart
 
 
 @dataclass
@@ -112,6 +115,7 @@ class Controller:
         audit: AuditLog,
         metrics: RemediatorMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        backends: Mapping[str, RestartBackend] | None = None,
     ) -> None:
         self.config = config
         self.dry_run = config.dry_run or isinstance(actuator, DryRunActuator)
@@ -136,7 +140,28 @@ class Controller:
         self._pruned = time.monotonic()
         self._noted: dict[tuple[str, str], Any] = {}  # (target, topic) -> last audited value
         self._pool = ThreadPoolExecutor(max_workers=min(16, len(self.targets)))
+        self.backends: dict[str, RestartBackend] = dict(backends or {})
+        self._restarting: dict[str, threading.Thread] = {}
+        self._restarted: dict[str, str] = {}  # target -> restart episode already handled
+        self._flag_views: dict[str, tuple[float, FlagView]] = {}
+        for entry in audit.entries():  # what was restarted survives a remediator restart
+            if entry.get("event") == "acted" and entry.get("action") == "restart":
+                episode = (entry.get("after") or {}).get("episode")
+                if episode:
+                    self._restarted[entry["target"]] = episode
         self.metrics.paused.set(1 if config.safety.paused else 0)
+
+    def _restart_episode(self, name: str) -> str | None:
+        """Under the book lock: the newest (fingerprint@startsAt) asking this target to restart."""
+        if self._actions[name]["restart"] <= 0:
+            return None
+        asking = [
+            a
+            for a in self._index[name].values()
+            if "restart" in actions_for([a], self.config.policy)
+        ]
+        newest = max(asking, key=lambda a: a.starts_at, default=None)
+        return f"{newest.fingerprint}@{newest.starts_at.isoformat()}" if newest else None
 
     # -- input ---------------------------------------------------------------------------------
     def _indexed(self, alert: Alert, firing: bool) -> None:
@@ -281,6 +306,7 @@ class Controller:
                     {a for a, n in self._actions[name].items() if n > 0},
                     list(self._index[name]),
                     {k: n for k, n in self._names[name].items() if n > 0},
+                    self._restart_episode(name),
                 )
                 for name in self.targets
             }
@@ -294,12 +320,17 @@ class Controller:
         fleet = {
             name: EngineView(
                 self.targets[name].model,
-                draining=isinstance(s, dict) and s.get("mode") == "draining",
+                draining=(isinstance(s, dict) and s.get("mode") == "draining")
+                or name in self._restarting,
                 reachable=isinstance(s, dict),
             )
             for name, s in states.items()
         }
         for name in names:
+            if name in self._restarting:
+                self.status[name].mode = "restarting"
+                self.metrics.set_mode(name, "restarting")
+                continue  # the restart sequence owns the engine until it is back
             try:
                 self._converge(name, firing[name], states[name], fleet)
             except Exception as exc:  # one target's surprise never stops the others
@@ -347,7 +378,12 @@ class Controller:
             return
         self._note(name, "held", None)
         policy = self.config.policy
-        wanted = firing.actions
+        wanted = set(firing.actions)
+        if name in self.backends and self._maybe_restart(name, firing, observed, fleet):
+            return
+        wanted.discard("restart")
+        if "restart" in firing.actions:
+            wanted.add("lower_cap")  # no restart (none configured, done, or withheld): cap
         desired = decide(wanted, observed, policy)
         steps = plan(observed, desired)
         if steps and steps[0][0] == "drain":
@@ -388,6 +424,123 @@ class Controller:
             elif kind == "resume":
                 fleet[name] = EngineView(fleet[name].model, draining=False, reachable=True)
         self._publish(name, last, desired, firing)
+
+    def _flags(self, name: str) -> FlagView | None:
+        cached = self._flag_views.get(name)
+        if cached and time.monotonic() - cached[0] < 30:
+            return cached[1]
+        try:
+            view = self.backends[name].flags()
+        except (ActuatorError, KeyError, TypeError, ValueError) as exc:
+            log.warning("cannot read the flags of %s: %s", name, exc)
+            return None
+        self._flag_views[name] = (time.monotonic(), view)
+        return view
+
+    def _maybe_restart(
+        self, name: str, firing: Firing, observed: Observed, fleet: dict[str, EngineView]
+    ) -> bool:
+        """Start a restart when an alert asks for one (once per episode), or walk the flags back
+        after a quiet period. True when a restart sequence was started."""
+        limits = self.config.flags
+        episode = firing.restart_episode
+        if episode is not None and episode != self._restarted.get(name):
+            view = self._flags(name)
+            if view is None:
+                return False
+            flags, reason = view.current.lower(limits), "restart with lower memory flags"
+        elif (
+            not firing.actions
+            and not observed.draining
+            and observed.admission_cap >= observed.startup_max_num_seqs
+        ):
+            view = self._flags(name)
+            if (
+                view is None
+                or view.current == view.original
+                or time.time() - view.changed_at < limits.walk_back_after_seconds
+            ):
+                return False
+            flags, reason = view.current.toward(view.original, limits), "walk flags back"
+            episode = f"walk-back@{view.changed_at}"
+        else:
+            return False
+        if flags == view.current and episode.startswith("walk-back"):
+            return False
+        limit = self._limit(name, "restart", fleet)
+        if limit is not None:
+            self._withheld(name, "restart", limit, firing)
+            return False
+        self._start_restart(name, flags, episode, reason, firing.fingerprints, view)
+        fleet[name] = EngineView(fleet[name].model, draining=True, reachable=True)
+        return True
+
+    def _start_restart(
+        self,
+        name: str,
+        flags: Flags,
+        episode: str,
+        reason: str,
+        fps: list[str],
+        view: FlagView,
+    ) -> None:
+        self._restarted[name] = episode
+        self.safety.record(name)
+        self.metrics.actions.labels(name, "restart", "started").inc()
+        self.status[name].last_action = self.audit.record(
+            "acted",
+            target=name,
+            action="restart",
+            before={
+                "gpu_memory_utilization": view.current.gpu_memory_utilization,
+                "max_num_seqs": view.current.max_num_seqs,
+            },
+            after={
+                "gpu_memory_utilization": flags.gpu_memory_utilization,
+                "max_num_seqs": flags.max_num_seqs,
+                "episode": episode,
+            },
+            result="started",
+            reason=reason,
+            fingerprints=fps,
+        )
+        cfg = self.targets[name].restart
+        assert cfg is not None
+        sequence = RestartSequence(
+            self.actuator,
+            self.backends[name],
+            self.audit,
+            drain_timeout=cfg.drain_timeout_seconds,
+            ready_timeout=cfg.ready_timeout_seconds,
+            readmit_start=self.config.policy.readmit_start,
+        )
+
+        def run() -> None:
+            try:
+                result = sequence.run(self.target(name), flags, reason, fps)
+            except Exception as exc:  # never let a sequence thread die silently
+                log.exception("restart of %s failed", name)
+                result = RestartResult(False, "internal", str(exc))
+            self.metrics.actions.labels(name, "restart", "ok" if result.ok else "failed").inc()
+            if not result.ok and result.step in ("drain", "wait_idle", "restart"):
+                self._restarted.pop(name, None)  # not restarted: may be tried again, in limits
+            self._flag_views.pop(name, None)
+            log.log(
+                logging.INFO if result.ok else logging.ERROR,
+                "restart of %s: %s (%s)",
+                name,
+                result.message,
+                result.step,
+            )
+            self._restarting.pop(name, None)
+            self.request()
+
+        thread = threading.Thread(target=run, name=f"restart-{name}", daemon=True)
+        self._restarting[name] = thread
+        self.status[name].mode = "restarting"
+        self.metrics.set_mode(name, "restarting")
+        log.warning("restarting %s: %s", name, reason)
+        thread.start()
 
     def _limit(self, name: str, kind: str, fleet: Mapping[str, EngineView]) -> str | None:
         if kind in DISRUPTIVE:
@@ -431,18 +584,20 @@ class Controller:
             self.metrics.actions.labels(name, kind, "failed").inc()  # why: the audit log
             self.metrics.reconcile_errors.labels(name).inc()
             self.status[name].error = str(exc)
-            self.audit.record(
-                "failed",
-                target=name,
-                action=kind,
-                before=_brief(observed),
-                after={"cap": cap} if cap is not None else None,
-                result=exc.reason,
-                reason=f"{desired.reason}: {exc}",
-                fingerprints=fps,
-            )
-            log.error("%s on %s failed: %s", kind, name, exc)
+            if self._note(name, "failed", (kind, cap, exc.reason)):  # once, not every pass
+                self.audit.record(
+                    "failed",
+                    target=name,
+                    action=kind,
+                    before=_brief(observed),
+                    after={"cap": cap} if cap is not None else None,
+                    result=exc.reason,
+                    reason=f"{desired.reason}: {exc}",
+                    fingerprints=fps,
+                )
+                log.error("%s on %s failed (retrying every pass): %s", kind, name, exc)
             return None
+        self._note(name, "failed", None)
         state = response.get("state", response)
         result = "dry_run" if self.dry_run else "ok"
         if kind in DISRUPTIVE:

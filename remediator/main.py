@@ -22,6 +22,7 @@ from oomguard.remediator.config import RemediatorConfig, SecretFile
 from oomguard.remediator.controller import Controller, decide_for, plan, select
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.policy import Observed
+from oomguard.remediator.restart import RestartBackend, SupervisorBackend
 from oomguard.remediator.server import create_app
 from oomguard.remediator.standalone import PressureWatcher
 from oomguard.remediator.webhook import Webhook
@@ -35,7 +36,27 @@ def build_controller(config: RemediatorConfig, actuator: Actuator | None = None)
     )
     if config.dry_run and not isinstance(actuator, DryRunActuator):
         actuator = DryRunActuator(actuator)
-    return Controller(config, actuator, AuditLog(config.audit_log), RemediatorMetrics())
+    backends = {} if config.dry_run else restart_backends(config)
+    return Controller(
+        config, actuator, AuditLog(config.audit_log), RemediatorMetrics(), backends=backends
+    )
+
+
+def restart_backends(config: RemediatorConfig) -> dict[str, RestartBackend]:
+    """The restart backend of every target that has one configured."""
+    out: dict[str, RestartBackend] = {}
+    for t in config.targets:
+        if t.restart is None:
+            continue
+        if t.restart.supervisor is not None:
+            ref = t.restart.supervisor
+            secret = SecretFile(ref.token_file) if ref.token_file else None
+            out[t.name] = SupervisorBackend(ref.url, secret.get if secret else lambda: None)
+        elif t.restart.kubernetes is not None:
+            from oomguard.remediator.kubernetes import KubernetesBackend
+
+            out[t.name] = KubernetesBackend.from_environment(t.restart.kubernetes)
+    return out
 
 
 class Remediator:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from oomguard.catalog import spec
 
-MODES = ("serving", "capped", "draining", "readmitting", "held")
+MODES = ("serving", "capped", "draining", "readmitting", "restarting", "held")
 WEBHOOK_OUTCOMES = ("accepted", "duplicate", "invalid", "unauthorized", "too_large", "error")
 
 

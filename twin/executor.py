@@ -123,6 +123,22 @@ class GpuTwin:
         except OSError:
             log.debug("twin: cannot publish allocator stats", exc_info=True)
 
+    def check_startup(self) -> None:
+        """vLLM refuses to start when the device's free memory is below what it was told to take
+        (another process holds the rest): the same check, against the twin's neighbour."""
+        self._read_at = 0.0
+        self._read_state()
+        p = self.physics
+        free = p.total - p.driver_reserved - self.neighbour
+        wanted = p.gpu_memory_utilization * p.total
+        if free < wanted:
+            raise ValueError(
+                f"Free memory on device ({free / 2**30:.2f}/{p.total / 2**30:.2f} GiB) on startup "
+                f"is less than desired GPU memory utilization ({p.gpu_memory_utilization}, "
+                f"{wanted / 2**30:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory "
+                "used by other processes."
+            )
+
     def step(self, step: Any) -> float:
         """Check the step's memory (raise a CUDA OOM if it does not fit); return its seconds."""
         self._read_state()
@@ -182,6 +198,8 @@ class ModelFreeWorker:
         return {f"model.layers.{i}.self_attn.attn": self.spec for i in range(self.num_layers)}
 
     def determine_available_memory(self) -> int:
+        if self.gpu is not None:
+            self.gpu.check_startup()
         return self.kv_blocks * self.spec.page_size_bytes * self.num_layers
 
     def get_supported_tasks(self) -> tuple[str, ...]:

@@ -253,6 +253,73 @@ class RemediatorProcess(Process):
             self.log.close()
 
 
+class SupervisedVllm(Process):
+    """`oomguard serve -- vllm serve ...` (model-free executor, plugin): the local backend."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *args: str,
+        plugin_token: str,
+        supervisor_token_file: Path,
+        env: dict[str, str] | None = None,
+        restart_delay: float = 1.0,
+        max_crashes: int = 5,
+        timeout: float = 180,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api = f"http://127.0.0.1:{free_port()}"
+        self.token = supervisor_token_file.read_text().strip()
+        vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
+        argv = [
+            sys.executable,
+            "-m",
+            "oomguard.cli",
+            "serve",
+            "--listen",
+            self.api.removeprefix("http://"),
+            "--token-file",
+            str(supervisor_token_file),
+            "--state-dir",
+            str(workdir / "state"),
+            "--restart-delay",
+            str(restart_delay),
+            "--max-crashes",
+            str(max_crashes),
+            "--stop-timeout",
+            "30",
+            "--",
+            vllm,
+            "serve",
+            str(TINY_MODEL),
+            "--skip-tokenizer-init",
+            "--distributed-executor-backend",
+            EXECUTOR,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        super().__init__(
+            argv,
+            workdir / "supervisor.log",
+            {
+                "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_PLUGINS": "oomguard",
+                "OOMGUARD_PLUGIN_TOKEN": plugin_token,
+                **(env or {}),
+            },
+        )
+        self.wait_http(f"{self.url}/health", timeout)
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(
+            f"{self.api}/v1/status", headers={"Authorization": f"Bearer {self.token}"}, timeout=10
+        ).json()
+
+
 def have_prometheus_stack() -> bool:
     return bool(
         shutil.which("prometheus")
