@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from oomguard.alerts.cases import cases
 from oomguard.alerts.rules import Alert, alerts, rule_groups
 
+from oomguard import yamlfmt
 from oomguard.thresholds import AlertThresholds
 
 RULES = Path("alerts/generated/oomguard.rules.yaml")
@@ -24,20 +24,8 @@ REMEDIATOR_URL = "http://127.0.0.1:9849/v1/alertmanager"
 ACTIONS = ("lower_cap", "drain", "restart")
 
 
-class _Dumper(yaml.SafeDumper):
-    pass
-
-
-def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_Dumper.add_representer(str, _str)
-
-
 def dump(data: Any) -> str:
-    return HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
+    return HEADER + yamlfmt.dump(data)
 
 
 def rule_tests(t: AlertThresholds) -> dict[str, Any]:

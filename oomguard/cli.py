@@ -278,10 +278,19 @@ def _add_generate(sub: Any) -> None:
 
 def generated_files(thresholds: Any = None) -> dict[Path, str]:
     """Every generated file and its content, from the alert and dashboard generators."""
+    from oomguard.alerts.generate import ALERTMANAGER, RULES
     from oomguard.alerts.generate import outputs as alert_outputs
+    from oomguard.dashboards.generate import GENERATED
     from oomguard.dashboards.generate import outputs as dashboard_outputs
+    from oomguard.manifests import outputs as manifest_outputs
 
-    return {**alert_outputs(thresholds), **dashboard_outputs()}
+    alerts, dashboards = alert_outputs(thresholds), dashboard_outputs()
+    manifests = manifest_outputs(
+        alerts[RULES],
+        alerts[ALERTMANAGER],
+        {str(p): text for p, text in dashboards.items() if p.parent == GENERATED},
+    )
+    return {**alerts, **dashboards, **manifests}
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -1,0 +1,265 @@
+"""The Kubernetes deployment: manifests validated offline against the Kubernetes schemas and by
+promtool/amtool; the restart backend against a schema- and RBAC-checking API stand-in; the
+disruption budget under concurrent restart alerts for several engines."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import time
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes import client
+from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.config import KubernetesRef, RemediatorConfig
+from oomguard.remediator.controller import Controller
+from oomguard.remediator.flags import Flags
+from oomguard.remediator.kubernetes import ORIGINAL, KubernetesBackend
+from oomguard.remediator.restart import RestartError
+from oomguard.remediator.webhook import parse
+
+from oomguard.engine_env import INITIAL_CAP_ENV
+from tests.kube_standin import K8S_VERSION, KubeStandIn
+from tests.remediator_helpers import Engines, alert, payload
+
+CRDS = {"PodMonitor", "PrometheusRule"}
+
+
+def docs(repo_root, name: str) -> list[dict]:
+    text = (repo_root / "deploy" / "kubernetes" / name).read_text()
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def all_docs(repo_root) -> list[dict]:
+    kustomization = docs(repo_root, "kustomization.yaml")[0]
+    return [d for name in kustomization["resources"] for d in docs(repo_root, name)]
+
+
+def test_every_builtin_object_is_valid_against_the_kubernetes_schema(repo_root):
+    objects = all_docs(repo_root)
+    kinds = {o["kind"] for o in objects}
+    assert {"DaemonSet", "Deployment", "Role", "RoleBinding", "ConfigMap", "Service"} <= kinds
+    for o in objects:
+        if o["kind"] in CRDS:
+            continue
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+
+
+def test_the_validation_would_catch_a_mistake(repo_root):
+    deployment = next(o for o in docs(repo_root, "remediator.yaml") if o["kind"] == "Deployment")
+    broken = copy.deepcopy(deployment)
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessprobe"] = {}  # wrong case
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def test_prometheus_rule_and_alertmanager_config_pass_promtool_and_amtool(repo_root, tmp_path):
+    monitoring = docs(repo_root, "monitoring.yaml")
+    rule = next(o for o in monitoring if o["kind"] == "PrometheusRule")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
+    out = subprocess.run(
+        ["promtool", "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    secret = next(o for o in monitoring if o["kind"] == "Secret")
+    am = yaml.safe_load(secret["stringData"]["alertmanager.yaml"])
+    hook = next(r for r in am["receivers"] if r["name"] == "remediator")["webhook_configs"][0]
+    assert hook["url"] == "http://oomguard-remediator.oomguard.svc:9849/v1/alertmanager"
+    (tmp_path / "am.yaml").write_text(secret["stringData"]["alertmanager.yaml"])
+    out = subprocess.run(
+        ["amtool", "check-config", str(tmp_path / "am.yaml")], capture_output=True, text=True
+    )
+    # the credentials file lives in the Alertmanager pod; everything else must check out
+    assert "credentials_file" in out.stdout + out.stderr or out.returncode == 0, out.stdout
+
+
+def test_the_pieces_fit_together(repo_root):
+    remediator = docs(repo_root, "remediator.yaml")
+    config_map = next(o for o in remediator if o["kind"] == "ConfigMap")
+    config = RemediatorConfig.model_validate(yaml.safe_load(config_map["data"]["remediator.yaml"]))
+    role = next(o for o in remediator if o["kind"] == "Role")
+    # least privilege: get/patch, on exactly the workloads the remediator may restart
+    assert [r["verbs"] for r in role["rules"]] == [["get", "patch"]]
+    restartable = {t.restart.kubernetes.name for t in config.targets if t.restart}
+    assert set(role["rules"][0]["resourceNames"]) == restartable
+    binding = next(o for o in remediator if o["kind"] == "RoleBinding")
+    account = next(o for o in remediator if o["kind"] == "ServiceAccount")
+    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    vllm = next(o for o in docs(repo_root, "vllm-example.yaml") if o["kind"] == "Deployment")
+    container = vllm["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["VLLM_PLUGINS"] == "oomguard" and "OOMGUARD_PLUGIN_TOKEN_FILE" in env
+    assert container["readinessProbe"]["httpGet"]["path"] == "/oomguard/v1/ready"
+    assert config.targets[0].url.startswith(f"http://{vllm['metadata']['name']}.")
+    exporter = next(o for o in docs(repo_root, "exporter.yaml") if o["kind"] == "DaemonSet")
+    assert exporter["spec"]["template"]["spec"]["hostPID"] is True
+    dashboards = docs(repo_root, "dashboards.yaml")
+    assert len(dashboards) == len(list((repo_root / "dashboards" / "generated").glob("*.json")))
+    for cm in dashboards:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        (text,) = cm["data"].values()
+        assert json.loads(text)["uid"]
+
+
+# -- the backend against the stand-in -------------------------------------------------------------
+def vllm_deployment(repo_root, name: str = "vllm-llama-3-8b") -> dict:
+    d = copy.deepcopy(
+        next(o for o in docs(repo_root, "vllm-example.yaml") if o["kind"] == "Deployment")
+    )
+    d["metadata"]["name"] = name
+    return d
+
+
+def role(repo_root, names: list[str]) -> dict:
+    r = copy.deepcopy(next(o for o in docs(repo_root, "remediator.yaml") if o["kind"] == "Role"))
+    r["rules"][0]["resourceNames"] = names
+    return r
+
+
+def backend(standin: KubeStandIn, name: str = "vllm-llama-3-8b", token: str = "kube-token"):
+    cfg = client.Configuration()
+    cfg.host = standin.url
+    cfg.api_key = {"BearerToken": token}
+    cfg.api_key_prefix = {"BearerToken": "Bearer"}
+    ref = KubernetesRef(namespace="llm", kind="Deployment", name=name, container="vllm")
+    return KubernetesBackend(ref, client.ApiClient(cfg))
+
+
+@pytest.fixture
+def standin(repo_root):
+    s = KubeStandIn([vllm_deployment(repo_root)], role(repo_root, ["vllm-llama-3-8b"]))
+    yield s
+    s.close()
+
+
+def test_restart_patches_flags_cap_and_annotations_within_rbac(standin):
+    b = backend(standin)
+    view = b.flags()
+    assert view.original == view.current == Flags(0.9, 64)
+    b.restart(Flags(0.86, 51), 1, "memory stayed critical")
+    methods = [(r.method, r.path.split("?")[0], r.status) for r in standin.requests]
+    path = "/apis/apps/v1/namespaces/llm/deployments/vllm-llama-3-8b"
+    assert methods == [("GET", path, 200), ("GET", path, 200), ("PATCH", path, 200)]
+    patch = standin.requests[-1]
+    assert patch.content_type.startswith("application/json-patch+json")
+    assert patch.body[0]["op"] == "test"  # guarded by the resourceVersion
+    obj = standin.objects[("llm", "Deployment", "vllm-llama-3-8b")]
+    container = obj["spec"]["template"]["spec"]["containers"][0]
+    assert "--gpu-memory-utilization=0.86" in container["args"]
+    assert "--max-num-seqs=51" in container["args"]
+    assert {"name": INITIAL_CAP_ENV, "value": "1"} in container["env"]
+    assert json.loads(obj["metadata"]["annotations"][ORIGINAL]) == {
+        "gpu_memory_utilization": 0.9,
+        "max_num_seqs": 64,
+    }
+    assert "oomguard.io/restarted-at" in obj["spec"]["template"]["metadata"]["annotations"]
+    after = b.flags()
+    assert (after.original, after.current) == (Flags(0.9, 64), Flags(0.86, 51))
+    # a second restart keeps the original and replaces (not duplicates) the cap
+    b.restart(Flags(0.9, 64), None, "walk back")
+    container = standin.objects[("llm", "Deployment", "vllm-llama-3-8b")]["spec"]["template"][
+        "spec"
+    ]["containers"][0]
+    assert not any(e["name"] == INITIAL_CAP_ENV for e in container["env"])
+    assert b.flags().original == Flags(0.9, 64)
+
+
+def test_a_concurrent_edit_fails_the_patch_instead_of_being_overwritten(standin, monkeypatch):
+    b = backend(standin)
+    real_get = b._get
+
+    def get_then_someone_edits():
+        obj = real_get()
+        key = ("llm", "Deployment", "vllm-llama-3-8b")
+        standin.objects[key]["metadata"]["resourceVersion"] = "99"
+        return obj
+
+    monkeypatch.setattr(b, "_get", get_then_someone_edits)
+    with pytest.raises(RestartError) as exc:
+        b.restart(Flags(0.86, 51), 1, "x")
+    assert exc.value.reason == "rejected" and "422" in str(exc.value)
+
+
+def test_wrong_credentials_and_objects_outside_the_role_are_refused(standin):
+    with pytest.raises(RestartError) as exc:
+        backend(standin, token="stolen").flags()
+    assert exc.value.reason == "auth"
+    with pytest.raises(RestartError) as exc:
+        backend(standin, name="someone-elses-model").restart(Flags(0.5, 1), 1, "x")
+    assert exc.value.reason == "auth"
+    assert all(r.method == "GET" for r in standin.requests)  # nothing was patched
+
+
+def test_disruption_budget_restarts_one_engine_of_a_model_at_a_time(repo_root, tmp_path):
+    names = ["engine-a", "engine-b", "engine-c"]
+    engines = Engines.of(*names, startup=64)
+    patches: list[tuple[float, str]] = []
+    out_at_once: list[int] = []  # engines out of service whenever a pod is replaced
+
+    def new_pod(obj: dict) -> None:
+        out_at_once.append(sum(e.draining for e in engines.engines.values()))
+        # the rolled pod comes up with the new flags, capped at the first stage
+        name = obj["metadata"]["name"]
+        args = obj["spec"]["template"]["spec"]["containers"][0]["args"]
+        seqs = int(next(a for a in args if a.startswith("--max-num-seqs=")).split("=")[1])
+        e = engines.engines[name]
+        e.startup, e.cap, e.draining = seqs, 1, False
+        e.changed()
+        patches.append((time.monotonic(), name))
+
+    standin = KubeStandIn(
+        [vllm_deployment(repo_root, n) for n in names], role(repo_root, names), on_patch=new_pod
+    )
+    try:
+        cfg = RemediatorConfig.model_validate(
+            {
+                "auth": {"allow_unauthenticated": True},
+                "targets": [
+                    {
+                        "name": n,
+                        "url": f"http://127.0.0.1:1/{n}",
+                        "model": "llama",
+                        "restart": {
+                            "kubernetes": {"namespace": "llm", "name": n},
+                            "drain_timeout_seconds": 5,
+                            "ready_timeout_seconds": 5,
+                        },
+                    }
+                    for n in names
+                ],
+                "safety": {"cooldown_seconds": 0, "max_draining_per_model": 2},
+                "audit_log": str(tmp_path / "audit.jsonl"),
+            }
+        )
+        backends = {n: backend(standin, n) for n in names}
+        c = Controller(cfg, engines, AuditLog(cfg.audit_log), backends=backends)
+        c.receive(
+            parse(
+                payload(
+                    *(alert("OomguardCudaOomObserved", n, oomguard_action="restart") for n in names)
+                )
+            )
+        )
+        deadline = time.monotonic() + 30
+        while len(patches) < 3 and time.monotonic() < deadline:
+            c.reconcile()
+            time.sleep(0.05)
+        assert sorted(n for _, n in patches) == names  # each restarted once
+        # two may be out at once (the budget) and never all three (the last ready one stays)
+        assert out_at_once and max(out_at_once) <= 2
+        limited = {e["result"] for e in c.audit.entries() if e["event"] == "withheld"}
+        assert limited & {"disruption_budget", "last_ready"}
+        deadline = time.monotonic() + 10
+        while c._restarting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for n in names:
+            e = engines.engines[n]
+            assert (e.startup, e.cap) == (51, 1)  # 64 -> 51, back through staged re-admission
+        assert all(r.status != 403 for r in standin.requests)
+        assert {r.method for r in standin.requests} == {"GET", "PATCH"}
+        c.close()
+    finally:
+        standin.close()
