@@ -14,10 +14,11 @@ import json
 import time
 from typing import Any
 
-from oomguard.engine_env import INITIAL_CAP_ENV
 from oomguard.remediator.config import KubernetesRef
 from oomguard.remediator.flags import Flags, apply, read
 from oomguard.remediator.restart import FlagView, RestartError
+
+from oomguard.engine_env import INITIAL_CAP_ENV
 
 ORIGINAL = "oomguard.io/original-flags"
 CHANGED_AT = "oomguard.io/flags-changed-at"
