@@ -455,6 +455,12 @@ def _add_serve(sub: Any) -> None:
         "--restart-delay", type=float, default=5.0, metavar="SECONDS", help="after a crash"
     )
     p.add_argument("--stop-timeout", type=float, default=60.0, metavar="SECONDS")
+    p.add_argument(
+        "--keep-flags-on-crash",
+        action="store_true",
+        help="restart a crashed vLLM with the same flags and full admission (a plain restart "
+        "policy; the default lowers the flags after a CUDA OOM and starts capped)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("vllm", nargs=argparse.REMAINDER, help="-- vllm serve MODEL [flags...]")
     p.set_defaults(func=_run_serve)
@@ -476,6 +482,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         crash_window_seconds=args.crash_window,
         restart_delay=args.restart_delay,
         stop_timeout=args.stop_timeout,
+        adjust_on_crash=not args.keep_flags_on_crash,
     )
     return serve(sup, args.listen, SecretFile(args.token_file) if args.token_file else None)
 

@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
+from oomguard.remediator import httpserve
 from oomguard.remediator.actuator import Actuator, DryRunActuator, PluginActuator, Target
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig, SecretFile
@@ -140,12 +140,7 @@ class Remediator:
         host, port = self.config.host_port
         self.start()
         try:
-            server = uvicorn.Server(
-                uvicorn.Config(
-                    self.app, host=host, port=port, log_level="warning", access_log=False
-                )
-            )
-            server.run()
+            httpserve.run(self.app, host, port)
         finally:
             self.stop()
         return 0

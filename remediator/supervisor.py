@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from oomguard.remediator import httpserve
 from oomguard.remediator.config import SecretFile
 from oomguard.remediator.flags import (
     SEQS,
@@ -91,6 +92,7 @@ class Supervisor:
         stop_timeout: float = 60.0,
         readmit_start: int = 1,
         env: dict[str, str] | None = None,
+        adjust_on_crash: bool = True,
     ) -> None:
         if not argv:
             raise ConfigError("nothing to run: give the vLLM command after --")
@@ -104,6 +106,7 @@ class Supervisor:
         self.max_crashes, self.window = max_crashes, crash_window_seconds
         self.restart_delay, self.stop_timeout = restart_delay, stop_timeout
         self.readmit_start = readmit_start
+        self.adjust_on_crash = adjust_on_crash  # False: a plain restart policy (baselines)
         self.env = env or {}
         self.host, self.port = _port(argv)
         self.exits: deque[Exit] = deque(maxlen=50)
@@ -174,15 +177,15 @@ class Supervisor:
                     self.window,
                 )
                 return
-            if reason == "cuda_oom":
+            if reason == "cuda_oom" and self.adjust_on_crash:
                 lowered = self.flags.current.lower(self.limits)
                 self.flags.set(lowered, "crashed with a CUDA out-of-memory error")
                 self.store.save(self.flags)
         time.sleep(self.restart_delay)  # a model reload in real life; never a tight loop
         with self._lock:
             if generation == self.generation and not self._stopping:
-                # after a crash, always come back through staged re-admission
-                self.start(initial_cap=self.readmit_start)
+                # after a crash, come back through staged re-admission
+                self.start(initial_cap=self.readmit_start if self.adjust_on_crash else None)
 
     def _record(self, code: int, reason: str) -> None:
         self.exits.append(
@@ -325,17 +328,10 @@ def create_app(sup: Supervisor, token: SecretFile | None) -> Starlette:
 
 
 def serve(sup: Supervisor, listen: str, token: SecretFile | None) -> int:
-    import uvicorn
-
     host, _, port = listen.rpartition(":")
     sup.start()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(sup, token), host=host or "127.0.0.1", port=int(port), log_level="warning"
-        )
-    )
     try:
-        server.run()
+        httpserve.run(create_app(sup, token), host or "127.0.0.1", int(port))
     finally:
-        sup.stop()
+        sup.stop()  # vLLM runs in its own session: stop it, or it outlives us
     return 0

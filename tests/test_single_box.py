@@ -6,8 +6,9 @@ import shlex
 
 import pytest
 import yaml
-from oomguard.cli import build_parser
 from oomguard.remediator.config import RemediatorConfig
+
+from oomguard.cli import build_parser
 
 UNITS = ["oomguard-exporter.service", "oomguard-vllm.service", "oomguard-remediator.service"]
 

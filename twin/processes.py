@@ -6,6 +6,7 @@ runs in its own process group, and is stopped whole (vLLM forks its EngineCore).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -266,6 +267,7 @@ class SupervisedVllm(Process):
         restart_delay: float = 1.0,
         max_crashes: int = 5,
         timeout: float = 180,
+        keep_flags_on_crash: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -289,6 +291,7 @@ class SupervisedVllm(Process):
             str(max_crashes),
             "--stop-timeout",
             "30",
+            *(["--keep-flags-on-crash"] if keep_flags_on_crash else []),
             "--",
             vllm,
             "serve",
@@ -318,6 +321,17 @@ class SupervisedVllm(Process):
         return httpx.get(
             f"{self.api}/v1/status", headers={"Authorization": f"Bearer {self.token}"}, timeout=10
         ).json()
+
+    def stop(self) -> None:
+        """Stop the supervisor (it stops vLLM); make sure vLLM's own session is gone too."""
+        try:
+            pid = self.status().get("pid")
+        except (httpx.HTTPError, ValueError):
+            pid = None
+        super().stop()
+        if pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # only if it outlived the supervisor
 
 
 def have_prometheus_stack() -> bool:

@@ -1,0 +1,126 @@
+"""Incident traces for the twin: one JSON file format, seeded, reproducible (docs/twin.md).
+
+A trace says what arrives (phases of Poisson arrivals with prompt and output length ranges, and
+whether requests ask for prompt_logprobs) and what happens on the GPU besides vLLM (other
+processes' memory and allocator fragmentation, as piecewise-linear curves over trace time). The
+same file and seed always expand to the same requests. Times are trace seconds; a runner divides
+them by `time_compression` to replay a 20-minute incident in about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TRACES = Path(__file__).resolve().parent / "traces"
+GIB = 1024**3
+
+
+class Phase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start_s: float = Field(ge=0)
+    end_s: float = Field(gt=0)
+    rate_per_s: float = Field(gt=0, description="Mean arrivals per trace second (Poisson).")
+    prompt_tokens: tuple[int, int] = Field(description="Uniform range, inclusive.")
+    output_tokens: tuple[int, int]
+    prompt_logprobs: bool = False
+
+
+class GpuPoint(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    at_s: float = Field(ge=0)
+    neighbour_gib: float = Field(0.0, ge=0, description="Other processes on the GPU.")
+    fragmentation_gib: float = Field(0.0, ge=0, description="Allocator reserved - allocated.")
+
+
+class EngineFlags(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_num_seqs: int = Field(256, ge=1)
+    max_model_len: int = Field(8192, ge=16)
+    max_num_batched_tokens: int = Field(8192, ge=16)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+
+
+class Trace(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str
+    seed: int
+    gpu: str = "H100"
+    model: str = "llama-3-8b"
+    duration_s: float = Field(gt=0)
+    time_compression: float = Field(20.0, gt=0)
+    reload_s: float = Field(720.0, ge=0, description="Crash to serving again (model reload).")
+    engine: EngineFlags = Field(default_factory=EngineFlags)  # type: ignore[arg-type]
+    phases: list[Phase] = Field(min_length=1)
+    gpu_events: list[GpuPoint] = Field(default_factory=list)
+    pressure_ends_s: float | None = Field(
+        None, description="When the trace's pressure is over (recovery is measured from here)."
+    )
+    ttft_slo_s: float = Field(10.0, gt=0, description="A request counts for goodput within it.")
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> Trace:
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = TRACES / f"{name_or_path}.json"
+        return cls.model_validate(json.loads(path.read_text()))
+
+    def gpu_at(self, t: float) -> tuple[int, int]:
+        """(neighbour bytes, fragmentation bytes) at trace time t: linear between points, the
+        first point's values before it, the last one's after it."""
+        points = sorted(self.gpu_events, key=lambda p: p.at_s)
+        if not points:
+            return 0, 0
+        a = b = points[0]
+        for p in points:
+            if p.at_s <= t:
+                a = b = p
+            else:
+                b = p
+                break
+        w = (t - a.at_s) / (b.at_s - a.at_s) if b.at_s > a.at_s else 0.0
+        n = a.neighbour_gib + w * (b.neighbour_gib - a.neighbour_gib)
+        f = a.fragmentation_gib + w * (b.fragmentation_gib - a.fragmentation_gib)
+        return int(n * GIB), int(f * GIB)
+
+
+@dataclass(frozen=True)
+class Request:
+    at_s: float
+    prompt_tokens: int
+    output_tokens: int
+    prompt_logprobs: bool
+
+
+def requests(trace: Trace) -> list[Request]:
+    """The trace's requests: the same trace (and seed) always gives the same list."""
+    rnd = random.Random(trace.seed)
+    out: list[Request] = []
+    for phase in trace.phases:
+        t = phase.start_s
+        while True:
+            t += rnd.expovariate(phase.rate_per_s)
+            if t >= min(phase.end_s, trace.duration_s):
+                break
+            out.append(
+                Request(
+                    round(t, 3),
+                    rnd.randint(*phase.prompt_tokens),
+                    rnd.randint(*phase.output_tokens),
+                    phase.prompt_logprobs,
+                )
+            )
+    return sorted(out, key=lambda r: r.at_s)
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in TRACES.glob("*.json"))
