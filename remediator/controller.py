@@ -242,11 +242,11 @@ class Controller:
         r.raise_for_status()
         active = [a for a in _am_alerts(r.json()) if self.unroutable(a) is None]
         with self._book_lock:
+            for a in active:  # routes first: the book's listener indexes by them
+                self._routes[a.fingerprint] = select(a, self.targets.values())[0]
             before = {a.fingerprint for a in self.book.current()}
             changed = self.book.sync(active, as_of)
             after = {a.fingerprint for a in self.book.current()}
-            for a in active:
-                self._routes[a.fingerprint] = select(a, self.targets.values())[0]
         if changed:
             self.audit.record(
                 "resynced",

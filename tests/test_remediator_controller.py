@@ -337,3 +337,20 @@ def test_a_failed_write_is_counted_audited_and_retried_on_the_next_pass(tmp_path
     engines.refusing.clear()
     c.reconcile()  # level-triggered: the same decision, tried again
     assert engines.engines["a"].cap == 80
+
+
+def test_a_resync_from_alertmanager_reaches_the_target(tmp_path, local_server):
+    import json as _json
+
+    body = _json.loads(payload(alert("OomguardMemoryPressure", "a")))["alerts"]
+    for a in body:
+        a["status"] = {"state": "active", "silencedBy": [], "inhibitedBy": []}
+    server = local_server(_json.dumps(body))
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines, alertmanager={"url": server.url.removesuffix("/metrics")})
+    assert c.resync()
+    c.reconcile()
+    assert engines.engines["a"].cap == 80  # the rebuilt alert acts, like a webhook would
+    server.serve_text("[]")
+    assert c.resync()  # gone from Alertmanager: resolved (a lost `resolved` webhook heals)
+    assert c.book.firing() == []

@@ -1,0 +1,110 @@
+"""The twin's memory and time models against hand-computed cases, and the traces' format."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from oomguard.twin.gpu import MIB
+from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
+from oomguard.twin.traces import Trace, names, requests
+
+from tests.vllm_server import require_vllm
+
+H100 = 81559 * MIB
+LLAMA = Physics.for_model("llama-3-8b", gpu="H100")
+
+
+def test_llama_3_8b_shapes_by_hand():
+    # 32 x (4096*4096*2 + 2*4096*1024 + 3*4096*14336) + 2*128256*4096
+    assert LLAMA.shape.parameter_count() == 8_029_995_008
+    assert LLAMA.weights == 16_059_990_016
+    assert LLAMA.kv_bytes_per_token == 131_072
+
+
+def test_activations_hit_the_field_calibration_and_logits_the_reference():
+    assert LLAMA.activation(2048) == pytest.approx(2.1e9, abs=1)
+    assert LLAMA.activation(30_000) == pytest.approx(11.2e9, abs=1)
+    assert LLAMA.activation(0) == 0
+    assert LLAMA.logits(8192) == 8192 * 128_256 * 4  # ~4.2 GB, as REFERENCE.md says
+
+
+def test_kv_pool_is_what_vllm_profiling_leaves():
+    expected = int(0.9 * H100 - LLAMA.weights - LLAMA.activation(8192) - 1024 * MIB)
+    assert LLAMA.kv_pool == expected
+    assert LLAMA.kv_blocks == expected // (16 * 131_072)
+    with pytest.raises(TwinOutOfMemory):
+        # 15 GiB of weights and the profile do not fit in 0.7 x 24 GiB: a type-1 startup OOM
+        _ = Physics.for_model("llama-3-8b", gpu="RTX4090", gpu_memory_utilization=0.7).kv_pool
+
+
+def test_step_time_roofline_by_hand():
+    decode = Step(tokens=64, attention=64 * 8192, context=64 * 8192)
+    traffic = 16_059_990_016 + 131_072 * 64 * 8192
+    assert LLAMA.step_seconds(decode) == pytest.approx(traffic / (3.35e12 * 0.8))  # memory bound
+    prefill = Step(tokens=8192, attention=8192 * 8193 // 2, context=8192)
+    flops = 2 * 8_029_995_008 * 8192 + 4 * 32 * 4096 * (8192 * 8193 // 2)
+    assert LLAMA.step_seconds(prefill) == pytest.approx(flops / (989e12 * 0.5))  # compute bound
+    assert LLAMA.step_seconds(Step()) == 0.0
+
+
+def test_peak_and_the_exact_byte_where_a_step_stops_fitting():
+    chunk = Step(tokens=8192)
+    headroom = LLAMA.total - LLAMA.peak(chunk)
+    assert headroom == pytest.approx(7.4 * 2**30, rel=0.01)  # ~7.4 GiB during full prefills
+    assert LLAMA.fits(chunk, neighbour=headroom)
+    assert not LLAMA.fits(chunk, neighbour=headroom + 1)
+    # decoding only (64 tokens) leaves more room than a full chunk: draining helps
+    assert LLAMA.total - LLAMA.peak(Step(tokens=64)) > headroom + 2 * 2**30
+
+
+def test_the_executor_raises_a_cuda_oom_at_exactly_that_step(tmp_path):
+    require_vllm()
+    import torch
+    from oomguard.twin.executor import GpuTwin
+
+    state = tmp_path / "gpu.json"
+    vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+        cache_config=SimpleNamespace(gpu_memory_utilization=0.9, block_size=16),
+    )
+    twin = GpuTwin(
+        vllm_config, {"gpu": "H100", "state_file": str(state), "allocator_dir": str(tmp_path)}
+    )
+    chunk = Step(tokens=8192)
+    headroom = LLAMA.total - LLAMA.peak(chunk)
+    state.write_text(json.dumps({"neighbour_bytes": headroom}))
+    twin._read_at = 0.0
+    assert twin.step(chunk) > 0  # fits to the byte
+    assert twin.step(Step(tokens=64)) > 0
+    state.write_text(json.dumps({"neighbour_bytes": headroom + 1}))
+    twin._read_at = 0.0
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        twin.step(chunk)
+    assert twin.ooms == 1
+    report = json.loads(next(tmp_path.glob("pid-*.json")).read_text())
+    assert report["ooms"] == 1  # the exporter sees it through the hand-off
+    twin._read_at = 0.0
+    assert twin.step(Step(tokens=64)) >= 0  # a decode-only step still fits
+
+
+def test_traces_are_valid_seeded_and_reproducible():
+    assert len(names()) == 6
+    for name in names():
+        trace = Trace.load(name)
+        first, again = requests(trace), requests(trace)
+        assert first == again and first, name
+        assert all(0 <= r.at_s < trace.duration_s for r in first)
+        assert all(r.prompt_tokens + r.output_tokens <= trace.engine.max_model_len for r in first)
+    t = Trace.load("neighbour-growth")
+    other = requests(t.model_copy(update={"seed": 99}))
+    assert other != requests(t)
+
+
+def test_gpu_events_interpolate_linearly():
+    t = Trace.load("neighbour-growth")  # 0 GiB at 150 s, 8.6 GiB at 450 s, 0 again at 720 s
+    assert t.gpu_at(0) == (0, 0)
+    assert t.gpu_at(300)[0] == int(4.3 * 2**30)
+    assert t.gpu_at(600)[0] == int(8.6 * 2**30)
+    assert t.gpu_at(900) == (0, 0)
