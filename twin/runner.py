@@ -40,6 +40,7 @@ CONFIGS = ("default", "static", "oomguard")
 STATIC_MAX_NUM_SEQS = 48
 TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
+RECOVERY_WATCH_S = 600.0  # trace seconds to keep watching for recovery after the trace
 
 
 @dataclass
@@ -314,24 +315,48 @@ def run(
             f"(x{c:g}: {trace.duration_s / c:.0f} s wall)"
         )
         asyncio.run(gateway.replay(reqs, trace.duration_s + 120))
+        sent = list(gateway.sent)  # the trace's requests (the recovery watch adds its own)
+        if trace.pressure_ends_s is not None:
+            # keep watching (with light traffic, so staged re-admission can proceed) until
+            # engine 0 is back at full admission, for at most `recovery_watch_s`
+            end = max(trace.duration_s, trace.pressure_ends_s) + RECOVERY_WATCH_S
+            tail = [
+                Request(at, 256, 16, False)
+                for at in range(int(gateway.now()) + 1, int(end), max(1, int(c / 2)))
+            ]
+
+            def recovered() -> bool:
+                return any(
+                    t >= (trace.pressure_ends_s or 0) and cap is not None and cap > 0
+                    for t, cap in list(caps)
+                )
+
+            async def watch() -> None:
+                feeder = asyncio.create_task(gateway.replay(tail, end))
+                while not recovered() and gateway.now() < end:
+                    await asyncio.sleep(0.2)
+                feeder.cancel()
+
+            asyncio.run(watch())
         stop.set()
         driver.join(5)
 
-        outcome.requests = len(gateway.sent)
-        ok = [s for s in gateway.sent if s.status == "ok"]
+        outcome.requests = len(sent)
+        ok = [s for s in sent if s.status == "ok"]
         outcome.completed = len(ok)
-        outcome.lost = len(gateway.sent) - len(ok)
+        outcome.lost = len(sent) - len(ok)
         ttfts = [s.first_token_s - s.request.at_s for s in ok if s.first_token_s is not None]
         if ttfts:
             ranked = sorted(ttfts)
             outcome.ttft_p99_s = round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 2)
-        span = max((s.done_s or 0) for s in gateway.sent) if gateway.sent else trace.duration_s
+        span = max((s.done_s or 0) for s in sent) if sent else trace.duration_s
         good = sum(
             s.tokens
             for s in ok
             if s.first_token_s is not None and s.first_token_s - s.request.at_s <= trace.ttft_slo_s
         )
-        outcome.goodput_tokens_per_s = round(good / max(span, 1e-9), 2)
+        # over the trace's own duration: the same requests served well give the same goodput
+        outcome.goodput_tokens_per_s = round(good / max(trace.duration_s, span, 1e-9), 2)
         outcome.preemptions = preempt_total[0]
         for e in engines:
             outcome.crashes += sum(1 for x in e.status()["exits"] if x["reason"] == "cuda_oom")
