@@ -51,6 +51,8 @@ bench: setup setup-vllm system-deps
 	$(BIN)/python bench/exporter.py
 	$(BIN)/python bench/plugin.py
 	$(BIN)/python bench/remediator.py
+	$(BIN)/python bench/detection.py
+	$(BIN)/python bench/outcome.py
 
 demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,6 +41,7 @@ from oomguard.twin.processes import (  # noqa: E402
     free_port,
 )
 
+from bench import record  # noqa: E402
 from oomguard.thresholds import AlertThresholds  # noqa: E402
 
 TOKEN = "detection-token"
@@ -199,21 +198,17 @@ def main() -> int:
                 "max": round(max(values), 3),
             }
     engine_p95 = summary.get("engine", {}).get("p95")
-    record = {
-        "benchmark": "detection",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "rounds": hops,
-        "cumulative_seconds_from_condition": summary,
-        "targets_met": {
-            "detection_to_action_p95_under_5s": engine_p95 is not None and engine_p95 < 5
-        },
-    }
+    targets = {"detection_to_action_p95_under_5s": engine_p95 is not None and engine_p95 < 5}
     print(json.dumps(summary, indent=2))
-    print("targets:", json.dumps(record["targets_met"]))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print("targets:", json.dumps(targets))
+    record.write(
+        args.out,
+        "detection",
+        False,
+        rounds=hops,
+        cumulative_seconds_from_condition=summary,
+        targets_met=targets,
+    )
     return 0
 
 

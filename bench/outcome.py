@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from oomguard.twin.runner import CONFIGS, Outcome, run  # noqa: E402
 from oomguard.twin.traces import Trace, names  # noqa: E402
+
+from bench import record  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
 
@@ -63,13 +62,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "outcome.json"))
     args = parser.parse_args()
     chosen = args.trace or (list(QUICK) if args.quick else names())
-    record: dict[str, object] = {
-        "benchmark": "outcome",
-        "quick": args.quick,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "traces": {},
-    }
+    traces: dict[str, object] = {}
     for name in chosen:
         trace = Trace.load(name)
         if args.quick:
@@ -85,14 +78,12 @@ def main() -> int:
                 flush=True,
             )
         print(f"  targets: {json.dumps(checks)}", flush=True)
-        record["traces"][name] = {  # type: ignore[index]
+        traces[name] = {
             "trace": trace.model_dump(),
             "outcomes": {c: o.__dict__ for c, o in outcomes.items()},
             "targets": checks,
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+        record.write(args.out, "outcome", args.quick, traces=traces)  # after every trace
     return 0
 
 

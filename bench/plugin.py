@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from oomguard.vllm_plugin.engine import _wrap_schedule  # noqa: E402
 
+from bench import record  # noqa: E402
 from tests.vllm_server import AUTH, VllmServer, complete  # noqa: E402
 
 
@@ -197,17 +195,7 @@ def main() -> int:
         )
     for name, ok in targets.items():
         print(f"{'PASS' if ok else 'MISS'}  {name}")
-    record = {
-        "benchmark": "plugin",
-        "quick": args.quick,
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "results": results,
-        "targets_met": targets,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"recorded {args.out}")
+    record.write(args.out, "plugin", args.quick, results=results, targets_met=targets)
     return 0
 
 

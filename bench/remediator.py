@@ -25,8 +25,6 @@ import asyncio
 import itertools
 import json
 import multiprocessing
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from oomguard.twin.processes import RemediatorProcess  # noqa: E402
 
+from bench import record  # noqa: E402
 from tests.remediator_helpers import alert, payload  # noqa: E402
 from tests.vllm_server import AUTH, TOKEN, VllmServer, complete  # noqa: E402
 
@@ -286,17 +285,7 @@ def main() -> int:
         "webhook_to_cap_p99_under_100ms": results["webhook_to_cap_ms"]["p99"] < 100,
     }
     print("targets:", json.dumps(targets))
-    record = {
-        "benchmark": "remediator",
-        "quick": args.quick,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "results": results,
-        "targets_met": targets,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    record.write(args.out, "remediator", args.quick, results=results, targets_met=targets)
     return 0
 
 

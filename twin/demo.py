@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,7 +39,6 @@ from typing import Any
 import httpx
 from oomguard.alerts.generate import RULES
 from oomguard.alerts.generate import outputs as alert_outputs
-from oomguard.exporter.config import ExporterConfig, VllmTarget
 from oomguard.exporter.main import Exporter
 from oomguard.exporter.render import Family
 from oomguard.twin.charts import render
@@ -51,6 +51,8 @@ from oomguard.twin.processes import (
     VllmProcess,
     free_port,
     have_prometheus_stack,
+    start_all,
+    twin_exporter,
 )
 
 from oomguard.thresholds import AlertThresholds, PressureThresholds
@@ -182,33 +184,21 @@ class Demo:
 
     def start_engines(self, token: str) -> list[VllmProcess]:
         self.say("starting two vLLM 0.33 servers (model-free executor, oomguard plugin)...")
-        engines: list[VllmProcess | BaseException] = [None, None]  # type: ignore[list-item]
 
-        def launch(i: int) -> None:
-            try:
-                engines[i] = VllmProcess(
-                    "--max-num-seqs",
-                    "32",
-                    "--max-model-len",
-                    "4096",
-                    log=self.workdir / f"vllm-{i}.log",
-                    token=token,
-                    env={"OOMGUARD_TWIN_KV_BLOCKS": "1024", "OOMGUARD_TWIN_STEP_SECONDS": "0.01"},
-                )
-            except BaseException as exc:  # reported below, in the main thread
-                engines[i] = exc
+        def launch(i: int) -> Callable[[], VllmProcess]:
+            return lambda: VllmProcess(
+                "--max-num-seqs",
+                "32",
+                "--max-model-len",
+                "4096",
+                log=self.workdir / f"vllm-{i}.log",
+                token=token,
+                env={"OOMGUARD_TWIN_KV_BLOCKS": "1024", "OOMGUARD_TWIN_STEP_SECONDS": "0.01"},
+            )
 
-        threads = [threading.Thread(target=launch, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        started = [e for e in engines if isinstance(e, VllmProcess)]
-        self.processes.extend(started)
-        failed = [e for e in engines if not isinstance(e, VllmProcess)]
-        if failed:
-            raise RuntimeError(f"a vLLM server did not start: {failed[0]}")
-        return started  # type: ignore[return-value]
+        engines = start_all([launch(0), launch(1)])
+        self.processes.extend(engines)
+        return engines
 
     def run(self) -> int:
         plugin_token = secrets.token_hex(16)
@@ -228,22 +218,11 @@ class Demo:
             for i, engine in enumerate(engines):
                 # vLLM takes gpu_memory_utilization (0.9) of the device at start: weights + pool
                 nvml.set_process(i, engine.proc.pid, int(0.9 * gpus[i].total) - gpus[i].reserved)
-            port = free_port()
-            exporter = Exporter(
-                ExporterConfig(
-                    listen=f"127.0.0.1:{port}",
-                    interval_seconds=0.5,
-                    hostname="twin-node",
-                    vllm=[
-                        VllmTarget(name=TARGETS[i], url=f"{e.url}/metrics", gpus=[str(i)])
-                        for i, e in enumerate(engines)
-                    ],
-                    cgroups=[],
-                    allocator={"directory": str(self.workdir / "allocator")},
-                ),
-                nvml_backend=nvml,
+            exporter, port = twin_exporter(
+                {TARGETS[i]: e.url for i, e in enumerate(engines)},
+                nvml,
+                self.workdir / "allocator",
             )
-            exporter.start()
             self.say(f"exporter on http://127.0.0.1:{port}/metrics reading 2 simulated H100s")
             prom: Prometheus | None = None
             config = self.remediator_config(engines, token_file)

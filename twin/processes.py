@@ -13,9 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import yaml
@@ -26,6 +28,9 @@ EXECUTOR = "oomguard.twin.executor.ModelFreeExecutor"
 RULES = REPO / "alerts" / "generated" / "oomguard.rules.yaml"
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 ALERTMANAGER_CONFIG = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+
+
+P = TypeVar("P", bound="Process")
 
 
 def free_port() -> int:
@@ -84,6 +89,58 @@ class Process:
             self.log.close()
 
 
+def vllm_command(port: int, model: Path, args: tuple[str, ...]) -> list[str]:
+    """`vllm serve` on 127.0.0.1:port with the model-free executor."""
+    vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
+    return [
+        vllm,
+        "serve",
+        str(model),
+        "--skip-tokenizer-init",
+        "--distributed-executor-backend",
+        EXECUTOR,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
+
+
+def vllm_env(token: str, env: dict[str, str] | None) -> dict[str, str]:
+    """vLLM on the CPU platform with the oomguard plugin and its token."""
+    return {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_PLUGINS": "oomguard",
+        "OOMGUARD_PLUGIN_TOKEN": token,
+        **(env or {}),
+    }
+
+
+def start_all(factories: list[Callable[[], P]]) -> list[P]:
+    """Start processes in parallel (each vLLM takes seconds); all or none."""
+    results: list[P | BaseException | None] = [None] * len(factories)
+
+    def start(i: int) -> None:
+        try:
+            results[i] = factories[i]()
+        except BaseException as exc:  # reported below, in the caller's thread
+            results[i] = exc
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(factories))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    started = [r for r in results if isinstance(r, Process)]
+    failed = [r for r in results if not isinstance(r, Process)]
+    if failed:
+        for proc in started:
+            proc.stop()
+        raise RuntimeError(f"a process did not start: {failed[0]}")
+    return started  # type: ignore[return-value]
+
+
 class VllmProcess(Process):
     """`vllm serve` on the CPU with the model-free executor and the oomguard plugin."""
 
@@ -99,29 +156,7 @@ class VllmProcess(Process):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model)
-        vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
-        super().__init__(
-            [
-                vllm,
-                "serve",
-                self.model,
-                "--skip-tokenizer-init",
-                "--distributed-executor-backend",
-                EXECUTOR,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                *args,
-            ],
-            log,
-            {
-                "VLLM_TARGET_DEVICE": "cpu",
-                "VLLM_PLUGINS": "oomguard",
-                "OOMGUARD_PLUGIN_TOKEN": token,
-                **(env or {}),
-            },
-        )
+        super().__init__(vllm_command(self.port, model, args), log, vllm_env(token, env))
         self.wait_http(f"{self.url}/health", timeout)
 
 
@@ -273,7 +308,6 @@ class SupervisedVllm(Process):
         self.url = f"http://127.0.0.1:{self.port}"
         self.api = f"http://127.0.0.1:{free_port()}"
         self.token = supervisor_token_file.read_text().strip()
-        vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
         argv = [
             sys.executable,
             "-m",
@@ -293,28 +327,9 @@ class SupervisedVllm(Process):
             "30",
             *(["--keep-flags-on-crash"] if keep_flags_on_crash else []),
             "--",
-            vllm,
-            "serve",
-            str(TINY_MODEL),
-            "--skip-tokenizer-init",
-            "--distributed-executor-backend",
-            EXECUTOR,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *args,
+            *vllm_command(self.port, TINY_MODEL, args),
         ]
-        super().__init__(
-            argv,
-            workdir / "supervisor.log",
-            {
-                "VLLM_TARGET_DEVICE": "cpu",
-                "VLLM_PLUGINS": "oomguard",
-                "OOMGUARD_PLUGIN_TOKEN": plugin_token,
-                **(env or {}),
-            },
-        )
+        super().__init__(argv, workdir / "supervisor.log", vllm_env(plugin_token, env))
         self.wait_http(f"{self.url}/health", timeout)
 
     def status(self) -> dict[str, Any]:
@@ -332,6 +347,34 @@ class SupervisedVllm(Process):
         if pid:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # only if it outlived the supervisor
+
+
+def twin_exporter(
+    targets: dict[str, str], nvml: Any, allocator_dir: Path, interval: float = 0.5
+) -> tuple[Any, int]:
+    """The real exporter, in this process, reading twin GPUs through its NVML code path.
+
+    `targets`: vLLM target name -> base URL; target i sits on GPU i. Returns (exporter, port)."""
+    from oomguard.exporter.config import ExporterConfig, VllmTarget
+    from oomguard.exporter.main import Exporter
+
+    port = free_port()
+    exporter = Exporter(
+        ExporterConfig(
+            listen=f"127.0.0.1:{port}",
+            interval_seconds=interval,
+            hostname="twin-node",
+            vllm=[
+                VllmTarget(name=name, url=f"{url}/metrics", gpus=[str(i)])
+                for i, (name, url) in enumerate(targets.items())
+            ],
+            cgroups=[],
+            allocator={"directory": str(allocator_dir)},
+        ),
+        nvml_backend=nvml,
+    )
+    exporter.start()
+    return exporter, port
 
 
 def have_prometheus_stack() -> bool:

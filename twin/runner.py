@@ -29,11 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from oomguard.exporter.config import ExporterConfig, VllmTarget
 from oomguard.exporter.main import Exporter
 from oomguard.twin.gpu import TwinGpu, TwinNvml
 from oomguard.twin.physics import Physics
-from oomguard.twin.processes import TINY_MODEL, RemediatorProcess, SupervisedVllm, free_port
+from oomguard.twin.processes import (
+    TINY_MODEL,
+    RemediatorProcess,
+    SupervisedVllm,
+    start_all,
+    twin_exporter,
+)
 from oomguard.twin.traces import Request, Trace, requests
 
 CONFIGS = ("default", "static", "oomguard")
@@ -188,45 +193,17 @@ def run(
                 keep_flags_on_crash=config != "oomguard",
             )
 
-        results: list[Any] = [None, None]
-
-        def start(i: int) -> None:
-            try:
-                results[i] = launch(i)
-            except BaseException as exc:
-                results[i] = exc
-
-        threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        engines = [r for r in results if isinstance(r, SupervisedVllm)]
+        engines = start_all([lambda i=i: launch(i) for i in (0, 1)])
         procs.extend(engines)
-        if len(engines) != 2:
-            raise RuntimeError(f"an engine did not start: {results}")
 
         gpus = [
             TwinGpu(f"GPU-twin-{i}-0000-0000-0000-00000000000{i}", trace.gpu, i) for i in (0, 1)
         ]
         nvml = TwinNvml(gpus)
         if config == "oomguard":
-            port = free_port()
-            exporter = Exporter(
-                ExporterConfig(
-                    listen=f"127.0.0.1:{port}",
-                    interval_seconds=0.5,
-                    hostname="twin-node",
-                    vllm=[
-                        VllmTarget(name=f"engine-{i}", url=f"{e.url}/metrics", gpus=[str(i)])
-                        for i, e in enumerate(engines)
-                    ],
-                    cgroups=[],
-                    allocator={"directory": str(work / "allocator")},
-                ),
-                nvml_backend=nvml,
+            exporter, port = twin_exporter(
+                {f"engine-{i}": e.url for i, e in enumerate(engines)}, nvml, work / "allocator"
             )
-            exporter.start()
             rem = RemediatorProcess(
                 work / "remediator",
                 {
