@@ -57,6 +57,7 @@ class Outcome:
     lost: int = 0  # failed mid-flight (engine died under it) or never served
     crashes: int = 0  # CUDA OOMs
     goodput_tokens_per_s: float = 0.0  # output tokens/s of requests within the TTFT objective
+    good_tokens: int = 0
     ttft_p99_s: float | None = None
     preemptions: int = 0
     recovery_s: float | None = None  # pressure end -> engine 0 back at full admission
@@ -326,14 +327,14 @@ def run(
         if ttfts:
             ranked = sorted(ttfts)
             outcome.ttft_p99_s = round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 2)
-        span = max((s.done_s or 0) for s in sent) if sent else trace.duration_s
         good = sum(
             s.tokens
             for s in ok
             if s.first_token_s is not None and s.first_token_s - s.request.at_s <= trace.ttft_slo_s
         )
         # over the trace's own duration: the same requests served well give the same goodput
-        outcome.goodput_tokens_per_s = round(good / max(trace.duration_s, span, 1e-9), 2)
+        outcome.goodput_tokens_per_s = round(good / trace.duration_s, 2)
+        outcome.good_tokens = good
         outcome.preemptions = preempt_total[0]
         for e in engines:
             outcome.crashes += sum(1 for x in e.status()["exits"] if x["reason"] == "cuda_oom")
