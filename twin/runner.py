@@ -92,6 +92,7 @@ class Gateway:
             "max_tokens": r.output_tokens,
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_usage": True},  # chunks may carry several tokens
         }
         if r.prompt_logprobs:
             body["prompt_logprobs"] = 1
@@ -110,9 +111,11 @@ class Gateway:
                     async for line in resp.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
-                        if s.first_token_s is None:
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices") and s.first_token_s is None:
                             s.first_token_s = self.now()
-                        s.tokens += 1
+                        if chunk.get("usage"):
+                            s.tokens = int(chunk["usage"]["completion_tokens"])
                     s.done_s = self.now()
                     s.status = "ok" if s.tokens else "lost"
                     return
