@@ -485,7 +485,7 @@ class Controller:
         view: FlagView,
     ) -> None:
         self._restarted[name] = episode
-        self.safety.record(name)
+        self.safety.record(name, "restart")
         self.metrics.actions.labels(name, "restart", "started").inc()
         self.status[name].last_action = self.audit.record(
             "acted",
@@ -601,7 +601,7 @@ class Controller:
         state = response.get("state", response)
         result = "dry_run" if self.dry_run else "ok"
         if kind in DISRUPTIVE:
-            self.safety.record(name)
+            self.safety.record(name, kind)
         self.metrics.actions.labels(name, kind, result).inc()
         entry = self.audit.record(
             "acted",

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 
+OUT_OF_SERVICE = frozenset({"drain", "restart"})
+
+
 class SafetyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -41,7 +44,7 @@ class Safety:
     def __init__(self, config: SafetyConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
-        self._history: dict[str, deque[float]] = {}
+        self._history: dict[str, deque[tuple[float, str]]] = {}
 
     def check(self, target: str, action: str, fleet: Mapping[str, EngineView]) -> str | None:
         """The limit that withholds `action` on `target` now, or None to go ahead."""
@@ -50,13 +53,16 @@ class Safety:
             return "pause"
         now = self.clock()
         history = self._history.get(target, deque())
-        while history and now - history[0] > c.window_seconds:
+        while history and now - history[0][0] > c.window_seconds:
             history.popleft()
-        if history and now - history[-1] < c.cooldown_seconds:
+        if history and now - history[-1][0] < c.cooldown_seconds:
             return "cooldown"
-        if len(history) >= c.max_actions:
+        # Lowering steps never use up the budget of a drain or restart: a long incident that
+        # stepped the cap down must still be able to take the engine out when it turns critical.
+        counted = [k for _, k in history if action not in OUT_OF_SERVICE or k in OUT_OF_SERVICE]
+        if len(counted) >= c.max_actions:
             return "rate_limit"
-        if action in ("drain", "restart"):  # both take the engine out of service
+        if action in OUT_OF_SERVICE:
             me = fleet[target]
             peers = {n: v for n, v in fleet.items() if v.model == me.model and n != target}
             if sum(v.draining for v in peers.values()) >= c.max_draining_per_model:
@@ -65,5 +71,5 @@ class Safety:
                 return "last_ready"
         return None
 
-    def record(self, target: str) -> None:
-        self._history.setdefault(target, deque()).append(self.clock())
+    def record(self, target: str, action: str = "lower_cap") -> None:
+        self._history.setdefault(target, deque()).append((self.clock(), action))

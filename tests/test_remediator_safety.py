@@ -47,3 +47,19 @@ def test_never_drain_the_last_ready_replica_or_past_the_budget():
     three = {**FLEET, "d": EngineView("llama", draining=False, reachable=True)}
     two_allowed = Safety(SafetyConfig(max_draining_per_model=2))
     assert two_allowed.check("a", "drain", {**three, "b": b_draining["b"]}) is None
+
+
+def test_lowering_steps_never_use_up_the_budget_of_a_drain():
+    clock = Clock()
+    s = Safety(SafetyConfig(cooldown_seconds=1, max_actions=3, window_seconds=1000), clock)
+    for _ in range(3):  # a long incident steps the cap down to the limit
+        clock.now += 30
+        assert s.check("a", "lower_cap", FLEET) is None
+        s.record("a", "lower_cap")
+    clock.now += 30
+    assert s.check("a", "lower_cap", FLEET) == "rate_limit"
+    assert s.check("a", "drain", FLEET) is None  # it turned critical: the drain may still go
+    for _ in range(3):
+        s.record("a", "drain")
+        clock.now += 30
+    assert s.check("a", "drain", FLEET) == "rate_limit"  # drains have their own limit

@@ -223,7 +223,7 @@ def run(
                     ],
                     # the remediator's clock runs in wall time: scale its trace-time settings
                     "policy": {"step_seconds": 30 / c},
-                    "safety": {"cooldown_seconds": 10 / c},
+                    "safety": {"cooldown_seconds": 10 / c, "window_seconds": 3600 / c},
                     "audit_log": str(work / "audit.jsonl"),
                     "reconcile_seconds": 0.25,
                     "mode": "standalone",
