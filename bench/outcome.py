@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,9 +61,16 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--trace", action="append", help="run only these traces")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "outcome.json"))
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other traces already recorded in --out (re-run some traces only)",
+    )
     args = parser.parse_args()
     chosen = args.trace or (list(QUICK) if args.quick else names())
     traces: dict[str, object] = {}
+    if args.merge and Path(args.out).exists():
+        traces = json.loads(Path(args.out).read_text()).get("traces", {})
     for name in chosen:
         trace = Trace.load(name)
         if args.quick:
@@ -79,6 +87,7 @@ def main() -> int:
             )
         print(f"  targets: {json.dumps(checks)}", flush=True)
         traces[name] = {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "trace": trace.model_dump(),
             "outcomes": {c: o.__dict__ for c, o in outcomes.items()},
             "targets": checks,
