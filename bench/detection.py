@@ -8,7 +8,9 @@ the time until the engine on that GPU is drained is measured hop by hop:
   4. engine: the plugin reports `draining`.
 The shipped Prometheus and Alertmanager configuration is used (1 s scrape and evaluation,
 `group_wait: 0s` on the remediator route); the rules are the generated ones with a short
-`keep_firing_for`, so that rounds can follow each other (it only delays the resolution).
+`keep_firing_for`, so that rounds can follow each other (it only delays the resolution), and
+a re-fire for the same engine waits for the remediator route's `group_interval` (2 s; with 10 s
+re-fires took up to 6-8 s here).
 
 Usage: python bench/detection.py [--rounds N]   (writes bench/results/detection.json)
 """
@@ -65,7 +67,14 @@ def main() -> int:
     hops: list[dict[str, float]] = []
     try:
         engines = [
-            VllmProcess("--max-num-seqs", "16", log=work / f"vllm{i}.log", token=TOKEN)
+            VllmProcess(
+                "--max-num-seqs",
+                "16",
+                "--max-model-len",
+                "2048",
+                log=work / f"vllm{i}.log",
+                token=TOKEN,
+            )
             for i in range(2)
         ]
         procs += engines
@@ -144,7 +153,7 @@ def main() -> int:
                     if any(
                         line.startswith("oomguard_engine_pressure_level{")
                         and 'target="llama-0"' in line
-                        and line.endswith(" 3")
+                        and float(line.rsplit(" ", 1)[1]) == 3
                         for line in text.splitlines()
                     ):
                         marks["exporter"] = now
@@ -175,6 +184,7 @@ def main() -> int:
                 ):
                     break
                 time.sleep(0.5)
+            time.sleep(2)
             # re-admission needs traffic; set the cap back so the next round starts at full
             client.put(
                 f"{engines[0].url}/oomguard/v1/admission",
