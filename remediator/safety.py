@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 OUT_OF_SERVICE = frozenset({"drain", "restart"})
 
 

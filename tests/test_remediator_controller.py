@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -354,3 +355,67 @@ def test_a_resync_from_alertmanager_reaches_the_target(tmp_path, local_server):
     server.serve_text("[]")
     assert c.resync()  # gone from Alertmanager: resolved (a lost `resolved` webhook heals)
     assert c.book.firing() == []
+
+
+class FakeBackend:
+    """A restart backend in memory: the 'restarted' engine comes back with the new flags."""
+
+    def __init__(self, engines: Engines, name: str, original, current, changed_at: float):
+        from oomguard.remediator.restart import FlagView
+
+        self.engines, self.name = engines, name
+        self.view = FlagView(original, current, changed_at)
+        self.restarts = []
+
+    def flags(self):
+        return self.view
+
+    def restart(self, flags, initial_cap, reason):
+        from oomguard.remediator.restart import FlagView
+
+        self.restarts.append((flags, initial_cap, reason))
+        self.view = FlagView(self.view.original, flags, time.time())
+        e = self.engines.engines[self.name]
+        e.startup, e.cap, e.draining = flags.max_num_seqs, initial_cap or flags.max_num_seqs, False
+        e.changed()
+
+
+def test_flags_walk_back_after_a_quiet_period_and_not_under_pressure(tmp_path):
+    from oomguard.remediator.flags import Flags
+
+    engines = Engines.of("a", "b", startup=51)
+    backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.86, 51), time.time() - 7200)
+    cfg = config(
+        tmp_path,
+        "a",
+        "b",
+        flags={"walk_back_after_seconds": 3600},
+    )
+    from oomguard.remediator.config import RestartConfig, SupervisorRef
+
+    cfg.targets[0] = cfg.targets[0].model_copy(  # the backend itself is the fake below
+        update={
+            "restart": RestartConfig(
+                supervisor=SupervisorRef(url="http://127.0.0.1:1"),
+                drain_timeout_seconds=5,
+                ready_timeout_seconds=5,
+            )
+        }
+    )
+    c = Controller(cfg, engines, AuditLog(cfg.audit_log), backends={"a": backend})
+    # pressure on the engine: no walking back while it lasts
+    send(c, alert("OomguardMemoryPressure", "a"))
+    assert backend.restarts == []
+    send(c, alert("OomguardMemoryPressure", "a", status="resolved"))
+    engines.engines["a"].cap = 51  # back at full admission
+    c.reconcile()
+    deadline = time.monotonic() + 10
+    while c._restarting and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [r[0] for r in backend.restarts] == [Flags(0.9, 64)]  # one step: 0.86 -> 0.9, 51 -> 64
+    (acted,) = [e for e in events(c, "acted") if e["action"] == "restart"]
+    assert acted["reason"] == "walk flags back"
+    # at the original flags there is nothing left to walk back
+    c.reconcile()
+    assert len(backend.restarts) == 1
+    c.close()
