@@ -36,7 +36,7 @@ from oomguard.remediator.policy import (
 )
 from oomguard.remediator.restart import FlagView, RestartBackend, RestartResult, RestartSequence
 from oomguard.remediator.safety import EngineView, Safety
-from oomguard.remediator.webhook import Alert, Webhook
+from oomguard.remediator.webhook import Alert, PayloadError, Webhook, labels_field, time_field
 
 log = logging.getLogger("oomguard.remediator")
 
@@ -71,6 +71,22 @@ def select(alert: Alert, targets: Iterable[TargetConfig]) -> list[str]:
     """Names of the allowlisted targets whose selector labels the alert carries exactly."""
     labels = alert.labels
     return [t.name for t in targets if all(labels.get(k) == v for k, v in t.selector().items())]
+
+
+def route(alert: Alert, targets: Iterable[TargetConfig]) -> tuple[str | None, str | None]:
+    """(the one target the alert selects, None) or (None, why it selects none or several)."""
+    names = select(alert, targets)
+    if len(names) == 1:
+        return names[0], None
+    if not names:
+        shown = {k: alert.labels.get(k, "") for k in ("target", "instance")}
+        return None, f"no allowlisted target matches {shown}"
+    return None, f"ambiguous: matches targets {', '.join(names)}"
+
+
+def make_target(cfg: TargetConfig, secret: SecretFile | None) -> Target:
+    """The actuator's view of an allowlisted engine, with its token as the file says now."""
+    return Target(cfg.name, cfg.url, secret.get() if secret else None, cfg.model)
 
 
 @dataclass
@@ -178,22 +194,13 @@ class Controller:
             self._actions[name][action] += sign
         self._names[name][alert.name] += sign
 
-    def unroutable(self, alert: Alert) -> str | None:
-        """Why an alert selects no single target (None: it selects exactly one)."""
-        names = select(alert, self.targets.values())
-        if not names:
-            shown = {k: alert.labels.get(k, "") for k in ("target", "instance")}
-            return f"no allowlisted target matches {shown}"
-        if len(names) > 1:
-            return f"ambiguous: matches targets {', '.join(names)}"
-        return None
-
     def receive(self, webhook: Webhook, source: str = "webhook") -> Receipt:
         """Record a payload durably, then apply it. Raises OSError when the audit log cannot be
         written: the caller answers 5xx and Alertmanager retries; nothing was applied."""
         with self._book_lock:
             new = [a for a in webhook.alerts if a.dedup_key not in self._seen]
-            ignored = {a.fingerprint: why for a in new if (why := self.unroutable(a))}
+            routes = {a.fingerprint: route(a, self.targets.values()) for a in new}
+            ignored = {fp: why for fp, (_, why) in routes.items() if why}
             if new:
                 self.audit.record(
                     "received",
@@ -207,9 +214,12 @@ class Controller:
                     },
                     fingerprints=[a.fingerprint for a in new],
                 )
-            routable = [a for a in new if a.fingerprint not in ignored]
-            for a in routable:  # selectors are evaluated once per alert, not once per pass
-                self._routes[a.fingerprint] = select(a, self.targets.values())[0]
+            routable = []
+            for a in new:  # selectors are evaluated once per alert, not once per pass
+                name = routes[a.fingerprint][0]
+                if name is not None:
+                    self._routes[a.fingerprint] = name
+                    routable.append(a)
             changed = self.book.apply_all(routable)
             for a in new:
                 self._seen[a.dedup_key] = None
@@ -240,10 +250,12 @@ class Controller:
             timeout=5.0,
         )
         r.raise_for_status()
-        active = [a for a in _am_alerts(r.json()) if self.unroutable(a) is None]
+        routed = [(a, route(a, self.targets.values())[0]) for a in _am_alerts(r.json())]
+        active = [a for a, name in routed if name is not None]
         with self._book_lock:
-            for a in active:  # routes first: the book's listener indexes by them
-                self._routes[a.fingerprint] = select(a, self.targets.values())[0]
+            for a, name in routed:  # routes first: the book's listener indexes by them
+                if name is not None:
+                    self._routes[a.fingerprint] = name
             before = {a.fingerprint for a in self.book.current()}
             changed = self.book.sync(active, as_of)
             after = {a.fingerprint for a in self.book.current()}
@@ -289,9 +301,7 @@ class Controller:
             self._pass_lock.release()
 
     def target(self, name: str) -> Target:
-        cfg = self.targets[name]
-        secret = self._tokens.get(name)
-        return Target(name, cfg.url, secret.get() if secret else None, cfg.model)
+        return make_target(self.targets[name], self._tokens.get(name))
 
     def _read(self, name: str) -> dict[str, Any] | ActuatorError:
         try:
@@ -637,10 +647,10 @@ class Controller:
         st.desired = {"cap": desired.cap, "draining": desired.draining, "phase": desired.phase}
         st.alerts = firing.names
         m = self.metrics
-        if isinstance(state.get("admission_cap"), int):
-            m.cap.labels(name).set(state["admission_cap"])
-        if isinstance(state.get("startup_max_num_seqs"), int):
-            m.startup.labels(name).set(state["startup_max_num_seqs"])
+        if isinstance(cap, int):
+            m.cap.labels(name).set(cap)
+        if isinstance(startup, int):
+            m.startup.labels(name).set(startup)
         m.set_mode(name, mode)
         m.stage.labels(name).set(cap if mode == "readmitting" and isinstance(cap, int) else 0)
 
@@ -672,15 +682,16 @@ def _am_alerts(body: Any) -> list[Alert]:
     if not isinstance(body, list):
         raise ValueError("Alertmanager /api/v2/alerts did not return a list")
     out = []
-    for raw in body:
+    for i, raw in enumerate(body):
+        where = f"/api/v2/alerts[{i}]"
         try:
             if raw.get("status", {}).get("state") != "active":
                 continue
-            labels = raw["labels"]
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-                continue
-            starts = datetime.fromisoformat(str(raw["startsAt"]).replace("Z", "+00:00"))
+            labels = labels_field(raw.get("labels"), f"{where}.labels")
+            starts = time_field(raw.get("startsAt"), f"{where}.startsAt")
+            if starts is None:
+                raise PayloadError(f"{where}.startsAt is not set")
             out.append(Alert(str(raw["fingerprint"]), "firing", labels, starts, None))
-        except (AttributeError, KeyError, TypeError, ValueError):
-            log.warning("skipping an alert Alertmanager listed that cannot be read: %r", raw)
+        except (AttributeError, KeyError, PayloadError) as exc:
+            log.warning("skipping an alert Alertmanager listed that cannot be read: %s", exc)
     return out

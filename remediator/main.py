@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 from apscheduler.schedulers.background import BackgroundScheduler
 from oomguard.remediator import httpserve
-from oomguard.remediator.actuator import Actuator, DryRunActuator, PluginActuator, Target
+from oomguard.remediator.actuator import Actuator, DryRunActuator, PluginActuator
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig, SecretFile
-from oomguard.remediator.controller import Controller, decide_for, plan, select
+from oomguard.remediator.controller import Controller, decide_for, make_target, plan, select
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.policy import Observed
 from oomguard.remediator.restart import RestartBackend, SupervisorBackend
@@ -158,9 +158,8 @@ def explain(
     """
     reader = actuator or PluginActuator(timeout=config.actuation_timeout_seconds, attempts=1)
     out: list[dict[str, Any]] = []
-    firing = [a for a in webhook.alerts if a.status == "firing"]
-    for alert in webhook.alerts:
-        names = select(alert, config.targets)
+    selected = [(alert, select(alert, config.targets)) for alert in webhook.alerts]
+    for alert, names in selected:
         if len(names) != 1:
             out.append(
                 {
@@ -170,13 +169,14 @@ def explain(
                 }
             )
     for target in config.targets:
-        mine = [a for a in firing if select(a, config.targets) == [target.name]]
+        mine = [a for a, names in selected if a.status == "firing" and names == [target.name]]
         entry: dict[str, Any] = {"target": target.name, "alerts": [a.name for a in mine]}
         try:
             if states is not None and target.name in states:
                 state = states[target.name]
             else:
-                state = reader.state(_target(config, target.name))
+                secret = SecretFile(target.token_file) if target.token_file else None
+                state = reader.state(make_target(target, secret))
             observed = Observed.from_state(state)
         except Exception as exc:
             entry["held"] = f"cannot read the engine's state: {exc}"
@@ -193,9 +193,3 @@ def explain(
             entry["note"] = "paused or dry run: nothing would be changed"
         out.append(entry)
     return out
-
-
-def _target(config: RemediatorConfig, name: str) -> Target:
-    cfg = next(t for t in config.targets if t.name == name)
-    token = SecretFile(cfg.token_file).get() if cfg.token_file else None
-    return Target(name, cfg.url, token, cfg.model)

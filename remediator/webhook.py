@@ -50,7 +50,7 @@ class Webhook:
     truncated_alerts: int
 
 
-def _time(value: Any, where: str) -> datetime | None:
+def time_field(value: Any, where: str) -> datetime | None:
     if not isinstance(value, str):
         raise PayloadError(f"{where} must be an RFC 3339 time string, got {value!r}")
     if value.startswith("0001-01-01"):
@@ -61,7 +61,7 @@ def _time(value: Any, where: str) -> datetime | None:
         raise PayloadError(f"{where} is not an RFC 3339 time: {value!r}") from None
 
 
-def _labels(value: Any, where: str) -> dict[str, str]:
+def labels_field(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
@@ -94,13 +94,13 @@ def parse(body: bytes) -> Webhook:
         status = raw.get("status")
         if status not in ("firing", "resolved"):
             raise PayloadError(f"{where}.status must be firing or resolved, got {status!r}")
-        labels = _labels(raw.get("labels"), f"{where}.labels")
+        labels = labels_field(raw.get("labels"), f"{where}.labels")
         if not labels.get("alertname"):
             raise PayloadError(f"{where}.labels has no alertname")
         fingerprint = raw.get("fingerprint")
         if not isinstance(fingerprint, str) or not fingerprint:
             raise PayloadError(f"{where}.fingerprint must be a non-empty string")
-        starts_at = _time(raw.get("startsAt"), f"{where}.startsAt")
+        starts_at = time_field(raw.get("startsAt"), f"{where}.startsAt")
         if starts_at is None:
             raise PayloadError(f"{where}.startsAt is not set")
         alerts.append(
@@ -109,7 +109,7 @@ def parse(body: bytes) -> Webhook:
                 status,
                 labels,
                 starts_at,
-                _time(raw.get("endsAt", "0001-01-01T00:00:00Z"), f"{where}.endsAt"),
+                time_field(raw.get("endsAt", "0001-01-01T00:00:00Z"), f"{where}.endsAt"),
             )
         )
     truncated = data.get("truncatedAlerts", 0)
