@@ -467,7 +467,7 @@ def _add_serve(sub: Any) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from oomguard.remediator.config import SecretFile
+    from oomguard.remediator.config import AuthConfig
     from oomguard.remediator.supervisor import Supervisor, serve
 
     argv = args.vllm[1:] if args.vllm[:1] == ["--"] else args.vllm
@@ -484,7 +484,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         stop_timeout=args.stop_timeout,
         adjust_on_crash=not args.keep_flags_on_crash,
     )
-    return serve(sup, args.listen, SecretFile(args.token_file) if args.token_file else None)
+    auth = AuthConfig(
+        bearer_token_file=args.token_file, allow_unauthenticated=args.allow_unauthenticated
+    )
+    return serve(sup, args.listen, auth)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,15 +13,13 @@ carries the same credentials either way.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hmac
 import json
 import logging
 import time
 from typing import Any
 
-from oomguard.remediator.config import AuthConfig, SecretFile
+from oomguard.remediator.auth import Authenticator
+from oomguard.remediator.config import AuthConfig
 from oomguard.remediator.controller import Controller
 from oomguard.remediator.webhook import PayloadError, parse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,39 +34,6 @@ log = logging.getLogger("oomguard.remediator.server")
 
 class TooLarge(Exception):
     pass
-
-
-class Authenticator:
-    """Bearer token or basic auth, as Alertmanager's `http_config` sends them."""
-
-    def __init__(self, config: AuthConfig) -> None:
-        self.config = config
-        self.token = SecretFile(config.bearer_token_file) if config.bearer_token_file else None
-        self.password = SecretFile(config.basic.password_file) if config.basic else None
-
-    def allows(self, header: str) -> bool:
-        if self.config.allow_unauthenticated:
-            return True
-        scheme, _, value = header.partition(" ")
-        scheme, value = scheme.lower(), value.strip()
-        if scheme == "bearer" and self.token is not None:
-            token = self.token.get()
-            return token is not None and hmac.compare_digest(value.encode(), token.encode())
-        if scheme == "basic" and self.password is not None and self.config.basic is not None:
-            try:
-                user, _, given = base64.b64decode(value, validate=True).decode().partition(":")
-            except (binascii.Error, UnicodeDecodeError):
-                return False
-            password = self.password.get()
-            return (
-                password is not None
-                and hmac.compare_digest(user.encode(), self.config.basic.username.encode())
-                and hmac.compare_digest(given.encode(), password.encode())
-            )
-        return False
-
-    def challenge(self) -> str:
-        return "Basic" if self.config.basic and not self.config.bearer_token_file else "Bearer"
 
 
 async def read_body(request: Request, limit: int) -> bytes:

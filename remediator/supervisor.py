@@ -16,7 +16,6 @@ HTTP API (bearer token): GET /v1/status, POST /v1/restart; GET /healthz (no toke
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import signal
@@ -30,7 +29,8 @@ from typing import Any
 
 import httpx
 from oomguard.remediator import httpserve
-from oomguard.remediator.config import SecretFile
+from oomguard.remediator.auth import Authenticator
+from oomguard.remediator.config import AuthConfig
 from oomguard.remediator.flags import (
     SEQS,
     FlagLimits,
@@ -268,17 +268,11 @@ class Supervisor:
         }
 
 
-def create_app(sup: Supervisor, token: SecretFile | None) -> Starlette:
+def create_app(sup: Supervisor, auth: AuthConfig) -> Starlette:
+    authn = Authenticator(auth)
+
     def allowed(request: Request) -> bool:
-        if token is None:
-            return True
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        expected = token.get()
-        return (
-            scheme.lower() == "bearer"
-            and expected is not None
-            and hmac.compare_digest(given.strip().encode(), expected.encode())
-        )
+        return authn.allows(request.headers.get("authorization", ""))
 
     def denied() -> JSONResponse:
         return JSONResponse(
@@ -327,11 +321,11 @@ def create_app(sup: Supervisor, token: SecretFile | None) -> Starlette:
     )
 
 
-def serve(sup: Supervisor, listen: str, token: SecretFile | None) -> int:
+def serve(sup: Supervisor, listen: str, auth: AuthConfig) -> int:
     host, _, port = listen.rpartition(":")
     sup.start()
     try:
-        httpserve.run(create_app(sup, token), host or "127.0.0.1", int(port))
+        httpserve.run(create_app(sup, auth), host or "127.0.0.1", int(port))
     finally:
         sup.stop()  # vLLM runs in its own session: stop it, or it outlives us
     return 0
