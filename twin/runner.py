@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 from oomguard.exporter.main import Exporter
 from oomguard.twin.gpu import TwinGpu, TwinNvml
-from oomguard.twin.physics import Physics
 from oomguard.twin.processes import (
     TINY_MODEL,
     RemediatorProcess,
@@ -251,8 +249,6 @@ def run(
             while not stop.is_set():
                 t = (time.monotonic() - t0) * c
                 for i, e in enumerate(engines):
-                    with_events = i == 0
-                    neighbour, frag_curve = trace.gpu_at(t) if with_events else (0, 0)
                     try:
                         status = e.status()
                         if status["generation"] != generation[i]:
@@ -261,17 +257,15 @@ def run(
                         gmu = status["flags"]["current"]["gpu_memory_utilization"]
                     except (httpx.HTTPError, KeyError, ValueError):
                         gmu = trace.engine.gpu_memory_utilization
-                    # fragmentation builds up in a process: a restart starts it from zero
-                    frag = (
-                        (trace.gpu_at(t - restarted_at[i])[1] if with_events else 0)
-                        if restarted_at[i]
-                        else frag_curve
-                    )
+                    neighbour, frag = 0, 0
+                    if i == 0:  # the trace's GPU events hit engine 0's GPU only
+                        neighbour = trace.gpu_at(t)[0]
+                        # fragmentation builds up in a process: a restart starts it from zero
+                        frag = trace.gpu_at(t - restarted_at[i])[1]
                     states[i].write_text(
                         json.dumps({"neighbour_bytes": neighbour, "fragmentation_bytes": frag})
                     )
-                    phys = Physics.for_model(trace.model, gpu=trace.gpu, gpu_memory_utilization=gmu)
-                    nvml.set_process(i, 1000 + i, int(gmu * phys.total) + frag)
+                    nvml.set_process(i, 1000 + i, int(gmu * gpus[i].total) + frag)
                     nvml.set_process(i, NEIGHBOUR_PID, neighbour or None)
                     try:
                         st = httpx.get(f"{e.url}/oomguard/v1/state", timeout=1).json()
@@ -358,11 +352,3 @@ def run(
             p.stop()
     outcome.wall_s = round(time.monotonic() - wall0, 1)
     return outcome
-
-
-def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
-    return {f"{o.trace}/{o.config}": asdict(o) for o in outcomes}
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
