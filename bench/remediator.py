@@ -21,14 +21,11 @@ Usage: python bench/remediator.py [--quick]   (writes bench/results/remediator.j
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import json
 import multiprocessing
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -42,7 +39,7 @@ from oomguard.twin.processes import RemediatorProcess  # noqa: E402
 
 from bench import record  # noqa: E402
 from tests.remediator_helpers import alert, payload  # noqa: E402
-from tests.vllm_server import AUTH, TOKEN, VllmServer, complete  # noqa: E402
+from tests.vllm_server import AUTH, TOKEN, SteadyLoad, VllmServer  # noqa: E402
 
 RTOKEN = "bench-remediator-token"
 HEADERS = {"Authorization": f"Bearer {RTOKEN}"}
@@ -69,29 +66,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-class Load:
-    def __init__(self, url: str) -> None:
-        self.url, self.stop, self.statuses = url, threading.Event(), []
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-        self.thread.start()
-
-    async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=120) as client:
-
-            async def worker(k: int) -> None:
-                for i in itertools.count(k, 100):
-                    if self.stop.is_set():
-                        return
-                    r = await complete(client, self.url, i, 16, 8)
-                    self.statuses.append(r.status_code)
-
-            await asyncio.gather(*(worker(k) for k in range(4)))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(120)
 
 
 def _send_share(url: str, bodies: list[bytes]) -> list[tuple[float, float]]:
@@ -208,7 +182,7 @@ def main() -> int:
     (work / "ptoken").write_text(TOKEN)
     engine = VllmServer("--max-num-seqs", "16", "--max-model-len", "2048", log=work / "vllm.log")
     rem = None
-    load = Load(engine.url)
+    load = SteadyLoad(engine.url, clients=4, max_tokens=8, timeout=120)
     try:
         rem = RemediatorProcess(
             work / "rem",

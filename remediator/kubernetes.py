@@ -56,7 +56,6 @@ class KubernetesBackend:
 
     # -- reading -------------------------------------------------------------------------------
     def _get(self) -> dict[str, Any]:
-        from kubernetes.client.exceptions import ApiException
 
         read = (
             self.apps.read_namespaced_deployment
@@ -67,13 +66,8 @@ class KubernetesBackend:
             # raw JSON, not the client's models: what we patch is what the server stored
             response = read(self.ref.name, self.ref.namespace, _preload_content=False)
             obj = json.loads(response.data)
-        except ApiException as exc:
-            raise RestartError(
-                "auth" if exc.status in (401, 403) else "rejected",
-                f"GET {self.ref.kind} {self.ref.namespace}/{self.ref.name}: HTTP {exc.status}",
-            ) from exc
-        except Exception as exc:  # connection errors surface as urllib3 exceptions
-            raise RestartError("unreachable", f"Kubernetes API: {exc}") from exc
+        except Exception as exc:
+            raise self._failed("GET", exc) from exc
         if not isinstance(obj, dict) or "spec" not in obj:
             raise RestartError("bad_response", f"{self.ref.kind} {self.ref.name}: not an object")
         return obj
@@ -155,7 +149,6 @@ class KubernetesBackend:
         return ops
 
     def restart(self, flags: Flags, initial_cap: int | None, reason: str) -> None:
-        from kubernetes.client.exceptions import ApiException
 
         obj = self._get()
         ops = self.patch_for(obj, flags, initial_cap, reason)
@@ -172,11 +165,17 @@ class KubernetesBackend:
                 _content_type=JSON_PATCH,
                 _preload_content=False,
             )
-        except ApiException as exc:
-            raise RestartError(
-                "auth" if exc.status in (401, 403) else "rejected",
-                f"PATCH {self.ref.kind} {self.ref.namespace}/{self.ref.name}: HTTP "
-                f"{exc.status} {str(exc.body)[:200]}",
-            ) from exc
         except Exception as exc:
-            raise RestartError("unreachable", f"Kubernetes API: {exc}") from exc
+            raise self._failed("PATCH", exc) from exc
+
+    def _failed(self, verb: str, exc: Exception) -> RestartError:
+        """An API refusal (auth or rejected, with its status) or an unreachable API server."""
+        from kubernetes.client.exceptions import ApiException
+
+        if not isinstance(exc, ApiException):  # connection errors surface from urllib3
+            return RestartError("unreachable", f"Kubernetes API: {exc}")
+        return RestartError(
+            "auth" if exc.status in (401, 403) else "rejected",
+            f"{verb} {self.ref.kind} {self.ref.namespace}/{self.ref.name}: HTTP "
+            f"{exc.status} {str(exc.body)[:200]}",
+        )

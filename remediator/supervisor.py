@@ -117,7 +117,6 @@ class Supervisor:
         self._tail: deque[str] = deque(maxlen=200)
         self._lock = threading.RLock()
         self._stopping = False
-        self._expected_exit = False
 
     # -- the child -----------------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -133,7 +132,6 @@ class Supervisor:
                 env[INITIAL_CAP_ENV] = str(initial_cap)
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._tail.clear()
-            self._expected_exit = False
             self.child = subprocess.Popen(
                 self.command(),
                 env=env,
@@ -160,9 +158,9 @@ class Supervisor:
                 self._tail.append(line.decode(errors="replace"))
         code = child.wait()
         with self._lock:
+            # a child we stopped: restart() started the next generation under this lock, or
+            # stop() is shutting everything down
             if generation != self.generation or self._stopping:
-                return
-            if self._expected_exit:
                 return
             reason = classify(code, list(self._tail))
             self._record(code, reason)
@@ -196,7 +194,6 @@ class Supervisor:
         child = self.child
         if child is None or child.poll() is not None:
             return
-        self._expected_exit = True
         group = os.getpgid(child.pid)
         os.killpg(group, signal.SIGTERM)
         try:

@@ -3,10 +3,8 @@ remediator` -> a real vLLM 0.33 server with the plugin (model-free executor), un
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-import threading
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -15,7 +13,7 @@ import pytest
 from oomguard.twin.processes import Alertmanager, RemediatorProcess, free_port
 
 from oomguard.catalog import exported_names
-from tests.vllm_server import TOKEN, VllmServer, complete, require_vllm
+from tests.vllm_server import TOKEN, SteadyLoad, VllmServer, require_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -29,33 +27,6 @@ LABELS = {
     "target": "llama",
     "engine": "0",
 }
-
-
-class Load:
-    """Steady short completions from 6 clients; every response is kept to check none was lost."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.statuses: list[int] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-        self.thread.start()
-
-    async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=60) as client:
-
-            async def worker(k: int) -> None:
-                i = k
-                while not self.stop.is_set():
-                    r = await complete(client, self.url, i, 16, 4)
-                    self.statuses.append(r.status_code)
-                    i += 100
-
-            await asyncio.gather(*(worker(k) for k in range(6)))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(90)
 
 
 def fire(am: Alertmanager, resolved: bool = False) -> None:
@@ -123,7 +94,7 @@ def test_alerts_lower_the_cap_and_resolution_readmits_to_startup_across_restarts
             return proc
 
         rem = remediator()
-        load = Load(engine.url)
+        load = SteadyLoad(engine.url, clients=6, max_tokens=4)
 
         def cap() -> int:
             return engine.state()["admission_cap"]

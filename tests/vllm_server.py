@@ -3,7 +3,9 @@ oomguard plugin, for tests."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +66,32 @@ async def complete(
             "ignore_eos": True,
         },
     )
+
+
+class SteadyLoad:
+    """Short completions from `clients` concurrent clients until closed; every status is kept, so
+    a test can check that none was lost."""
+
+    def __init__(self, url: str, clients: int, max_tokens: int, timeout: float = 60) -> None:
+        self.url, self.clients, self.max_tokens = url, clients, max_tokens
+        self.timeout = timeout
+        self.statuses: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self.thread.start()
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
+
+            async def worker(k: int) -> None:
+                i = k
+                while not self.stop.is_set():
+                    r = await complete(client, self.url, i, 16, self.max_tokens)
+                    self.statuses.append(r.status_code)
+                    i += 100
+
+            await asyncio.gather(*(worker(k) for k in range(self.clients)))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(self.timeout + 30)

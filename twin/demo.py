@@ -4,8 +4,7 @@ What runs, all on 127.0.0.1:
 - two real vLLM 0.33 servers (model-free executor) with the oomguard plugin, under steady load;
 - two simulated H100s (twin/gpu.py) that the exporter reads through its normal NVML code path;
 - the oomguard exporter; the real Prometheus with the generated rules and the real Alertmanager
-  with the shipped routes (when installed), whose webhooks land in a local inbox.
-
+  with the shipped routes (when installed); the on-call receivers' webhooks land in a local inbox;
 - the oomguard remediator: fed by Alertmanager, or, without Prometheus and Alertmanager, in
   standalone mode watching the exporter's pressure levels.
 
@@ -72,7 +71,7 @@ class Options:
 
 
 class Inbox:
-    """Receives Alertmanager webhooks (what the remediator and the pager would get)."""
+    """Receives the on-call receivers' webhooks (what the pager and the ticket queue would get)."""
 
     def __init__(self) -> None:
         self.received: list[dict[str, Any]] = []
@@ -176,7 +175,6 @@ class Demo:
     processes: list[Process] = field(default_factory=list)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
-    remediator: RemediatorProcess | None = None
     t0_wall: float = 0.0
 
     def say(self, text: str) -> None:
@@ -268,7 +266,6 @@ class Demo:
                 )
             remediator = RemediatorProcess(self.workdir / "remediator", config)
             self.processes.append(remediator)
-            self.remediator = remediator
             self.say(f"remediator {remediator.url} ({config.get('mode', 'alertmanager')} mode)")
             load = Load(engines)
             load.start()
