@@ -4,17 +4,35 @@ A snapshot is rendered once, when it is collected, and the bytes are served to e
 The text renderer caches each series' `name{labels}` prefix across snapshots, since label sets
 rarely change between polls: that is what makes rendering cheap enough to poll every 100 ms.
 OpenMetrics is rendered on demand through prometheus_client, from the same families.
+
+Rendering never raises on a bad value: one sample that cannot be rendered (a value that is not a
+number or overflows a float, a label value that is not a string, a wrong label count) is dropped
+and counted in `dropped` by reason, so that one bad input cannot freeze every metric the exporter
+serves. Each reason is also logged once.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections import Counter
 from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from oomguard.catalog import MetricSpec, spec
+
+log = logging.getLogger("oomguard.exporter")
+
+# What a sample's value or labels can raise on the way to text: counted, never propagated.
+_BAD_SAMPLE = (TypeError, ValueError, OverflowError, AttributeError)
+
+
+def _count_drop(dropped: Counter[str], reason: str, name: str, exc: BaseException) -> None:
+    if not dropped[reason]:
+        log.warning("dropping a sample of %s that cannot be rendered (%s): %s", name, reason, exc)
+    dropped[reason] += 1
 
 
 class Family:
@@ -35,10 +53,15 @@ class Family:
 
 
 class FamilyBuilder:
-    """Collects families by name so that several sources can add to the same metric."""
+    """Collects families by name so that several sources can add to the same metric.
 
-    def __init__(self) -> None:
+    `dropped` counts samples refused by reason; pass a long-lived Counter to accumulate it
+    across snapshots (it feeds a counter metric).
+    """
+
+    def __init__(self, dropped: Counter[str] | None = None) -> None:
         self._families: dict[str, Family] = {}
+        self.dropped: Counter[str] = dropped if dropped is not None else Counter()
 
     def add(self, name: str, labels: tuple[str, ...], value: float | None) -> None:
         if value is None:
@@ -46,7 +69,10 @@ class FamilyBuilder:
         family = self._families.get(name)
         if family is None:
             family = self._families[name] = Family(name)
-        family.add(labels, value)
+        try:
+            family.add(labels, value)
+        except _BAD_SAMPLE as exc:
+            _count_drop(self.dropped, "unrenderable", name, exc)
 
     def families(self) -> list[Family]:
         return list(self._families.values())
@@ -84,6 +110,7 @@ class TextRenderer:
         self._prefixes: dict[tuple[str, tuple[str, ...]], str] = {}
         self._headers: dict[str, str] = {}
         self._max = max_cached_series
+        self.dropped: Counter[str] = Counter()  # samples refused, over the renderer's life
 
     def _prefix(self, spec: MetricSpec, labels: tuple[str, ...]) -> str:
         key = (spec.name, labels)
@@ -113,15 +140,38 @@ class TextRenderer:
         for family in families:
             if not family.samples:
                 continue
-            parts.append(self._header(family.spec))
-            prefix = self._prefix
-            fam_spec = family.spec
-            append = parts.append
-            for labels, value in family.samples:
-                append(prefix(fam_spec, labels))
-                append(format_value(value))
-                append("\n")
+            try:
+                body = self._body(family)
+            except _BAD_SAMPLE:
+                # Rare: a sample added around FamilyBuilder's checks. Redo the family one
+                # sample at a time and drop only the bad ones.
+                body = self._body_checked(family)
+            if body:
+                parts.append(self._header(family.spec))
+                parts.append(body)
         return "".join(parts).encode()
+
+    def _body(self, family: Family) -> str:
+        parts: list[str] = []
+        prefix = self._prefix
+        fam_spec = family.spec
+        append = parts.append
+        for labels, value in family.samples:
+            append(prefix(fam_spec, labels))
+            append(format_value(value))
+            append("\n")
+        return "".join(parts)
+
+    def _body_checked(self, family: Family) -> str:
+        parts: list[str] = []
+        for labels, value in family.samples:
+            try:
+                line = f"{self._prefix(family.spec, labels)}{format_value(float(value))}\n"
+            except _BAD_SAMPLE as exc:
+                _count_drop(self.dropped, "unrenderable", family.spec.name, exc)
+                continue
+            parts.append(line)
+        return "".join(parts)
 
 
 class _FamiliesCollector:
@@ -137,6 +187,8 @@ class _FamiliesCollector:
             else:
                 metric = GaugeMetricFamily(s.name, s.help, labels=s.labels)
             for labels, value in family.samples:
+                if not all(isinstance(v, str) for v in labels):
+                    continue  # the text renderer counts these; this path is on demand only
                 if s.type == "counter" and (math.isnan(value) or value < 0):
                     continue
                 metric.add_metric(list(labels), value)

@@ -24,12 +24,29 @@ File: `<directory>/pid-<pid>.json`, one JSON object:
 Unknown keys are ignored, so the format can grow; a missing required key or a wrong type makes
 the file invalid (the exporter counts it and serves nothing from it). A file whose timestamp is
 older than the exporter's `stale_after_seconds` is stale: its process stopped publishing.
+
+The directory is untrusted input (any process that can write to it can put anything there), so
+the reader is strict, and each refusal is counted under a reason:
+- only regular files named exactly `pid-<pid>.json` are read, opened with O_NOFOLLOW|O_NONBLOCK
+  and checked with fstat: symlinks (`symlink`), FIFOs and device files (`not_regular_file`) are
+  never read, so a FIFO cannot block the collector and a link to /dev/zero cannot be read;
+- at most MAX_FILE_BYTES are read from a file (`too_large`), at most MAX_FILES files per poll
+  (`too_many_files`);
+- numbers must be integers in [0, 2**63) (ids below 2**31) or finite timestamps (`out_of_range`):
+  a 400-digit integer cannot reach the renderer;
+- the pid inside must match the file name (`name_mismatch`): one (pid, rank) has one file, so two
+  files cannot alternate their counts and fake an OOM on every poll;
+- a timestamp further in the future than `stale_after` (`future_timestamp`) would never go stale.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import re
+import stat
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -40,6 +57,12 @@ from oomguard.errors import HandoffError
 
 SCHEMA = "oomguard.allocator.v1"
 MAX_FILE_BYTES = 64 * 1024
+MAX_FILES = 1024  # ranks on one node: 8 GPUs x a few processes; far more is a runaway writer
+MAX_COUNT = 2**63 - 1  # torch's counters are int64; anything larger is not a real figure
+MAX_ID = 2**31 - 1  # pid, rank, device index
+MAX_TEXT = 256  # target, engine, device UUID: label values, kept short
+
+_NAME = re.compile(r"pid-([1-9][0-9]{0,9})\.json")
 
 _INT_FIELDS = (
     "allocated_bytes",
@@ -61,6 +84,14 @@ TORCH_STATS_KEYS = {
     "alloc_retries": "num_alloc_retries",
     "ooms": "num_ooms",
 }
+
+
+class InvalidReport(HandoffError):
+    """A hand-off file that is refused; `reason` is the invalid-sample label value."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -92,23 +123,27 @@ class AllocatorReport:
         return json.dumps({"schema": SCHEMA, **asdict(self)}, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> AllocatorReport:
+    def from_json(cls, text: str | bytes) -> AllocatorReport:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise HandoffError(f"not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            # ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit;
+            # RecursionError a deeply nested document.
+            raise InvalidReport("not_json", f"not JSON: {exc}"[:200]) from None
         if not isinstance(data, dict):
-            raise HandoffError("not a JSON object")
+            raise InvalidReport("not_json", "not a JSON object")
         if data.get("schema") != SCHEMA:
-            raise HandoffError(f"schema is {data.get('schema')!r}, expected {SCHEMA!r}")
+            raise InvalidReport(
+                "schema", f"schema is {str(data.get('schema'))[:64]!r}, expected {SCHEMA!r}"
+            )
         try:
             kwargs: dict[str, Any] = {
-                "timestamp": _number(data, "timestamp"),
-                "pid": _int(data, "pid"),
-                "rank": _int(data, "rank"),
+                "timestamp": _timestamp(data, "timestamp"),
+                "pid": _int(data, "pid", MAX_ID),
+                "rank": _int(data, "rank", MAX_ID),
                 "target": _str(data, "target"),
                 "engine": _str(data, "engine"),
-                "device_index": _int(data, "device_index"),
+                "device_index": _int(data, "device_index", MAX_ID),
                 "device_uuid": _str(data, "device_uuid"),
             }
             for name in _INT_FIELDS:
@@ -118,30 +153,51 @@ class AllocatorReport:
                 None if free is None else _int(data, "free_after_gc_bytes")
             )
             gc_ts = data.get("gc_timestamp")
-            kwargs["gc_timestamp"] = None if gc_ts is None else _number(data, "gc_timestamp")
+            kwargs["gc_timestamp"] = None if gc_ts is None else _timestamp(data, "gc_timestamp")
         except KeyError as exc:
-            raise HandoffError(f"missing field {exc.args[0]!r}") from None
+            raise InvalidReport("missing_field", f"missing field {exc.args[0]!r}") from None
         return cls(**kwargs)
 
 
-def _int(data: dict[str, Any], key: str) -> int:
+def _shown(value: Any) -> str:
+    return repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
+
+
+def _int(data: dict[str, Any], key: str, limit: int = MAX_COUNT) -> int:
     value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise HandoffError(f"field {key!r} must be a non-negative integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidReport(
+            "bad_type", f"field {key!r} must be a non-negative integer, got {_shown(value)[:64]}"
+        )
+    if not 0 <= value <= limit:
+        raise InvalidReport(
+            "out_of_range",
+            f"field {key!r} must be a non-negative integer up to {limit}, got {_shown(value)}",
+        )
     return value
 
 
-def _number(data: dict[str, Any], key: str) -> float:
+def _timestamp(data: dict[str, Any], key: str) -> float:
     value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        raise HandoffError(f"field {key!r} must be a number, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidReport("bad_type", f"field {key!r} must be a number, got {_shown(value)[:64]}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise InvalidReport(
+            "out_of_range", f"field {key!r} must be a finite unix time, got {_shown(value)}"
+        )
+    return number
 
 
 def _str(data: dict[str, Any], key: str) -> str:
     value = data[key]
     if not isinstance(value, str):
-        raise HandoffError(f"field {key!r} must be a string, got {value!r}")
+        raise InvalidReport("bad_type", f"field {key!r} must be a string, got {_shown(value)[:64]}")
+    if len(value) > MAX_TEXT:
+        raise InvalidReport("out_of_range", f"field {key!r} is over {MAX_TEXT} characters")
     return value
 
 
@@ -164,33 +220,101 @@ def write_report(directory: str | os.PathLike[str], report: AllocatorReport) -> 
     return path
 
 
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _read_file(dir_fd: int, name: str) -> bytes:
+    """At most MAX_FILE_BYTES of one regular file, never following a link or blocking."""
+    try:
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink (swapped in after listing)
+            raise InvalidReport("symlink", f"{name} is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidReport("not_regular_file", f"{name} is not a regular file")
+        if st.st_size > MAX_FILE_BYTES:
+            raise InvalidReport("too_large", f"{name} is over {MAX_FILE_BYTES} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_FILE_BYTES:  # the file may grow after fstat: read one byte past
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_FILE_BYTES:
+            raise InvalidReport("too_large", f"{name} is over {MAX_FILE_BYTES} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _candidates(dir_fd: int, problems: Counter[str]) -> list[tuple[str, int]]:
+    """(file name, pid from the name) of the report files, sorted, at most MAX_FILES."""
+    found: list[tuple[str, int]] = []
+    with os.scandir(dir_fd) as it:
+        for entry in it:
+            name = entry.name
+            if not (name.startswith("pid-") and name.endswith(".json")):
+                continue  # temp files of writers, anything else
+            match = _NAME.fullmatch(name)
+            if match is None:
+                problems["bad_name"] += 1
+            elif entry.is_symlink():
+                problems["symlink"] += 1
+            elif not entry.is_file(follow_symlinks=False):
+                problems["not_regular_file"] += 1  # FIFOs, devices, sockets: never opened
+            elif len(found) >= MAX_FILES:
+                problems["too_many_files"] += 1
+            else:
+                found.append((name, int(match.group(1))))
+    found.sort()
+    return found
+
+
 def read_reports(
     directory: str | os.PathLike[str], now: float, stale_after: float
 ) -> tuple[list[AllocatorReport], Counter[str]]:
-    """Fresh reports in the directory, and a count of files skipped by reason.
+    """Fresh reports in the directory, and a count of files refused by reason.
 
-    A missing directory means no rank is publishing: no reports, no problem counted.
+    A missing directory means no rank is publishing: no reports, no problem counted. A directory
+    that exists but cannot be listed raises InvalidReport("unreadable_directory").
     """
     problems: Counter[str] = Counter()
     reports: list[AllocatorReport] = []
-    base = Path(directory)
     try:
-        entries = sorted(base.glob("pid-*.json"))
-    except OSError:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
         return reports, problems
-    for path in entries:
+    except OSError as exc:
+        raise InvalidReport("unreadable_directory", f"cannot open {directory}: {exc}") from exc
+    try:
         try:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                problems["too_large"] += 1
+            candidates = _candidates(dir_fd, problems)
+        except OSError as exc:
+            raise InvalidReport("unreadable_directory", f"cannot list {directory}: {exc}") from exc
+        for name, pid in candidates:
+            try:
+                report = AllocatorReport.from_json(_read_file(dir_fd, name))
+            except FileNotFoundError:
+                continue  # removed between listing and reading: the process exited
+            except InvalidReport as exc:
+                problems[exc.reason] += 1
                 continue
-            report = AllocatorReport.from_json(path.read_text())
-        except FileNotFoundError:
-            continue  # removed between listing and reading: the process exited
-        except (OSError, UnicodeDecodeError, HandoffError):
-            problems["invalid_file"] += 1
-            continue
-        if now - report.timestamp > stale_after:
-            problems["stale"] += 1
-            continue
-        reports.append(report)
+            except OSError:
+                problems["unreadable"] += 1
+                continue
+            if report.pid != pid:
+                problems["name_mismatch"] += 1
+            elif now - report.timestamp > stale_after:
+                problems["stale"] += 1
+            elif report.timestamp - now > stale_after:
+                problems["future_timestamp"] += 1
+            else:
+                reports.append(report)
+    finally:
+        os.close(dir_fd)
     return reports, problems

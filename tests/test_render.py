@@ -63,3 +63,42 @@ def test_values_round_trip_including_special_ones():
         assert float(format_value(v)) == v
     assert format_value(float("nan")) == "NaN"
     assert format_value(float("inf")) == "+Inf" and format_value(float("-inf")) == "-Inf"
+
+
+def test_builder_drops_and_counts_values_that_cannot_be_rendered():
+    from collections import Counter
+
+    from oomguard.exporter.render import FamilyBuilder
+
+    lifetime: Counter[str] = Counter()
+    for _ in range(2):  # a long-lived counter accumulates across snapshots
+        out = FamilyBuilder(lifetime)
+        out.add("oomguard_vllm_up", ("ok",), 1)
+        out.add("oomguard_vllm_up", ("huge",), 10**400)  # OverflowError in float()
+        out.add("oomguard_vllm_up", ("text",), "12abc")  # ValueError
+        out.add("oomguard_vllm_up", ("obj",), object())  # TypeError
+        out.add("oomguard_vllm_up", ("a", "b"), 1)  # wrong label count
+        out.add("oomguard_vllm_up", ("none",), None)  # absent, not a drop
+        text = TextRenderer().render(out.families()).decode()
+        assert text.count("oomguard_vllm_up{") == 1 and 'target="ok"' in text
+    assert lifetime == {"unrenderable": 8}
+
+
+def test_renderer_drops_only_the_bad_sample_of_a_family():
+    f = fam("oomguard_vllm_up", (("a",), 1), (("c",), 3))
+    f.samples.insert(1, ((7,), 2.0))  # a label that is not a string, added around the builder
+    r = TextRenderer()
+    text = r.render([f, fam("oomguard_exporter_polls_total", ((), 5))]).decode()
+    parsed = {
+        (s.name, s.labels.get("target")): s.value
+        for fm in text_string_to_metric_families(text)
+        for s in fm.samples
+    }
+    assert parsed == {
+        ("oomguard_vllm_up", "a"): 1,
+        ("oomguard_vllm_up", "c"): 3,
+        ("oomguard_exporter_polls_total", None): 5,
+    }
+    assert r.dropped == {"unrenderable": 1}
+    om = render_openmetrics([f]).decode()  # the OpenMetrics path skips it too
+    assert [s.labels["target"] for fm in om_parse(om) for s in fm.samples] == ["a", "c"]

@@ -2,8 +2,9 @@
 
 The exporter never calls torch.cuda itself (that would create a CUDA context on every GPU).
 Ranks inside vLLM publish their statistics as files (format: oomguard/handoff.py); this collector
-reads the fresh ones. Stale files (a process that stopped publishing) and malformed ones are
-counted as invalid and serve nothing.
+reads the fresh ones. Stale files (a process that stopped publishing) and malformed or hostile
+ones (oomguard/handoff.py lists the checks) are counted as invalid, by reason, and serve nothing;
+a directory that exists but cannot be read makes the collector fail with a reason.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
 
-from oomguard.handoff import AllocatorReport, read_reports
+from oomguard.errors import CollectorError
+from oomguard.handoff import AllocatorReport, InvalidReport, read_reports
 
 
 @dataclass
@@ -42,7 +44,10 @@ class AllocatorCollector:
         self._clock = clock
 
     def collect(self) -> AllocatorReading:
-        reports, problems = read_reports(self.directory, self._clock(), self.stale_after)
+        try:
+            reports, problems = read_reports(self.directory, self._clock(), self.stale_after)
+        except InvalidReport as exc:
+            raise CollectorError(exc.reason, str(exc)) from exc
         reading = AllocatorReading(reports=reports)
         reading.invalid.update(problems)
         return reading
