@@ -456,6 +456,13 @@ def _add_serve(sub: Any) -> None:
     )
     p.add_argument("--stop-timeout", type=float, default=60.0, metavar="SECONDS")
     p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=6,
+        help="requested restarts allowed within --restart-window; beyond it the API answers 429",
+    )
+    p.add_argument("--restart-window", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument(
         "--keep-flags-on-crash",
         action="store_true",
         help="restart a crashed vLLM with the same flags and full admission (a plain restart "
@@ -483,6 +490,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         restart_delay=args.restart_delay,
         stop_timeout=args.stop_timeout,
         adjust_on_crash=not args.keep_flags_on_crash,
+        max_restarts=args.max_restarts,
+        restart_window_seconds=args.restart_window,
     )
     auth = AuthConfig(
         bearer_token_file=args.token_file, allow_unauthenticated=args.allow_unauthenticated

@@ -9,14 +9,24 @@ The local backend of the restart actuator, for single boxes, the demo and the tw
   code); a child that dies on its own comes back after `restart_delay`: after a CUDA OOM with
   flags one step lower and capped at the first re-admission stage, never at full admission;
 - crashloop guard: after `max_crashes` within `crash_window_seconds` it stops restarting and
-  reports `gave_up` until an operator (or the remediator) asks for a restart.
+  reports `gave_up` until an operator (or the remediator) asks for a restart;
+- restart rate limit: at most `max_restarts` requested restarts within `restart_window_seconds`
+  (each one drops the KV cache and reloads the model); beyond it the API answers 429 with
+  Retry-After.
 
 HTTP API (bearer token): GET /v1/status, POST /v1/restart; GET /healthz (no token).
+POST /v1/restart body, checked strictly after authentication (400 names the field):
+  {"flags": {"gpu_memory_utilization": <number>, "max_num_seqs": <integer>} | null,
+   "initial_cap": <integer> | null, "reason": <string> | null}
+No coercion: `true`, `2.9` or `"0.85"` where an integer or a number belongs is a 400. An
+`initial_cap` outside 1..max_num_seqs is clamped (the answer says what was applied).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -39,6 +49,16 @@ from oomguard.remediator.flags import (
     apply,
     read,
 )
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -51,6 +71,35 @@ from oomguard.errors import ConfigError
 log = logging.getLogger("oomguard.supervisor")
 
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+MAX_BODY_BYTES = 16 * 1024
+
+
+class RestartFlags(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu_memory_utilization: StrictFloat | StrictInt
+    max_num_seqs: StrictInt
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return float(value)
+
+
+class RestartRequest(BaseModel):
+    """What POST /v1/restart accepts: strict types, nothing coerced, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    flags: RestartFlags | None = None
+    initial_cap: StrictInt | None = None
+    reason: StrictStr | None = Field(None, max_length=500)
+
+
+class RateLimited(Exception):
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"restart rate limit reached; retry in {retry_after:.0f} s")
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -93,6 +142,8 @@ class Supervisor:
         readmit_start: int = 1,
         env: dict[str, str] | None = None,
         adjust_on_crash: bool = True,
+        max_restarts: int = 6,
+        restart_window_seconds: float = 600.0,
     ) -> None:
         if not argv:
             raise ConfigError("nothing to run: give the vLLM command after --")
@@ -107,6 +158,8 @@ class Supervisor:
         self.restart_delay, self.stop_timeout = restart_delay, stop_timeout
         self.readmit_start = readmit_start
         self.adjust_on_crash = adjust_on_crash  # False: a plain restart policy (baselines)
+        self.max_restarts, self.restart_window = max_restarts, restart_window_seconds
+        self._restarts: deque[float] = deque()  # monotonic times of requested restarts
         self.env = env or {}
         self.host, self.port = _port(argv)
         self.exits: deque[Exit] = deque(maxlen=50)
@@ -203,11 +256,33 @@ class Supervisor:
             os.killpg(group, signal.SIGKILL)
             child.wait(10)
 
+    def _admit_restart(self) -> None:
+        """Raise RateLimited when `max_restarts` already happened within the window."""
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] >= self.restart_window:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.max_restarts:
+            raise RateLimited(self.restart_window - (now - self._restarts[0]))
+        self._restarts.append(now)
+
+    def clamp_cap(self, initial_cap: int | None, flags: Flags | None) -> int | None:
+        """An initial cap within 1..max_num_seqs of the flags the child will start with."""
+        if initial_cap is None:
+            return None
+        ceiling = (flags or self.flags.current).max_num_seqs
+        return max(1, min(initial_cap, ceiling))
+
     def restart(self, flags: Flags | None, initial_cap: int | None, reason: str) -> int:
-        """Stop the child and start it with `flags` (persisted first). Returns the generation."""
+        """Stop the child and start it with `flags` (persisted first). Returns the generation.
+
+        Raises ValueError for flags outside the limits, RateLimited beyond the restart budget.
+        """
         with self._lock:
             if flags is not None:
                 self._check(flags)
+            self._admit_restart()
+            initial_cap = self.clamp_cap(initial_cap, flags)
+            if flags is not None:
                 self.flags.set(flags, reason)
                 self.store.save(self.flags)
             self._stop_child()
@@ -265,6 +340,35 @@ class Supervisor:
         }
 
 
+class BadBody(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_restart_request(request: Request) -> RestartRequest:
+    """The restart body, bounded in size and depth, validated strictly (BadBody names why)."""
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise BadBody(f"body larger than {MAX_BODY_BYTES} bytes", 413)
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise BadBody("body is nested too deeply") from None
+    except ValueError as exc:  # not JSON, bad UTF-8, an integer beyond the digit limit
+        raise BadBody(f"not valid JSON: {exc}") from None
+    try:
+        return RestartRequest.model_validate(data)
+    except ValidationError as exc:
+        raise BadBody(
+            "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+            )
+        ) from None
+
+
 def create_app(sup: Supervisor, auth: AuthConfig) -> Starlette:
     authn = Authenticator(auth)
 
@@ -282,29 +386,34 @@ def create_app(sup: Supervisor, auth: AuthConfig) -> Starlette:
         return JSONResponse(sup.status())
 
     async def restart(request: Request) -> Response:
-        if not allowed(request):
+        if not allowed(request):  # before the body: strangers learn nothing of its schema
             return denied()
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-            raw = body.get("flags")
-            flags = (
-                Flags(float(raw["gpu_memory_utilization"]), int(raw["max_num_seqs"]))
-                if raw is not None
-                else None
-            )
-            cap = body.get("initial_cap")
-            if cap is not None and (not isinstance(cap, int) or cap < 1):
-                raise ValueError("initial_cap must be a positive integer or null")
-            reason = str(body.get("reason") or "requested over the API")
-        except (ValueError, KeyError, TypeError) as exc:
-            return JSONResponse({"error": f"bad restart request: {exc}"}, 400)
+            body = await read_restart_request(request)
+        except BadBody as exc:
+            return JSONResponse({"error": f"bad restart request: {exc}"}, exc.status)
+        flags = (
+            Flags(body.flags.gpu_memory_utilization, body.flags.max_num_seqs)
+            if body.flags is not None
+            else None
+        )
+        reason = body.reason or "requested over the API"
         try:
-            generation = await run_in_threadpool(sup.restart, flags, cap, reason)
+            generation = await run_in_threadpool(sup.restart, flags, body.initial_cap, reason)
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, 400)
-        return JSONResponse({"generation": generation}, 202)
+        except RateLimited as exc:
+            return JSONResponse(
+                {"error": str(exc)}, 429, headers={"Retry-After": str(math.ceil(exc.retry_after))}
+            )
+        return JSONResponse(
+            {
+                "generation": generation,
+                "initial_cap": sup.initial_cap,
+                "flags": asdict(sup.flags.current),
+            },
+            202,
+        )
 
     async def healthz(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
