@@ -4,6 +4,10 @@ vLLM's /metrics is about 750 lines per engine, most of them histogram buckets th
 not need. Lines are filtered by metric name before they are parsed, which
 keeps parsing cheap at short poll intervals: a regex finds the wanted sample lines (the scan runs in
 C) and a strict line grammar reads them.
+
+Upstream pages are untrusted input. A series that appears twice (same name, same label set, in
+any label order) is a broken page, not two processes to add up: the first sample is kept, as
+Prometheus keeps it, and each repeat is dropped and counted as `duplicate_series`.
 """
 
 from __future__ import annotations
@@ -130,25 +134,39 @@ def parse(text: str, wanted: Iterable[str] | None = None, openmetrics: bool = Fa
         lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     else:
         lines = _wanted_lines(text, frozenset(wanted))
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
     for line in lines:
         m = _SAMPLE.match(line)
         if m is None:
             raise CollectorError("parse_error", f"not a sample line: {line[:120]!r}")
+        raw = m.group(3)
         try:
-            value = float(m.group(3))
+            if "_" in raw:  # Python's float() takes "1_000"; the exposition format does not
+                raise ValueError(raw)
+            value = float(raw)
         except ValueError:
             raise CollectorError("parse_error", f"bad value in line {line[:120]!r}") from None
         if math.isnan(value) or math.isinf(value):
             out.drop("nan")
             continue
         name = m.group(1)
-        out.samples.setdefault(name, []).append(Sample(name, _labels(m.group(2), line), value))
+        _keep(out, seen, Sample(name, _labels(m.group(2), line), value))
     return out
+
+
+def _keep(out: Parsed, seen: set[tuple[str, tuple[tuple[str, str], ...]]], s: Sample) -> None:
+    key = (s.name, tuple(sorted(s.labels.items())))
+    if key in seen:
+        out.drop("duplicate_series")
+        return
+    seen.add(key)
+    out.samples.setdefault(s.name, []).append(s)
 
 
 def _parse_openmetrics(text: str, keep: set[str] | None, out: Parsed) -> Parsed:
     if not text.rstrip().endswith("# EOF"):
         raise CollectorError("parse_error", "OpenMetrics text without '# EOF' (truncated?)")
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
     try:
         for family in openmetrics_families(text):
             for s in family.samples:
@@ -157,7 +175,7 @@ def _parse_openmetrics(text: str, keep: set[str] | None, out: Parsed) -> Parsed:
                 if math.isnan(s.value) or math.isinf(s.value):
                     out.drop("nan")
                     continue
-                out.samples.setdefault(s.name, []).append(Sample(s.name, dict(s.labels), s.value))
+                _keep(out, seen, Sample(s.name, dict(s.labels), float(s.value)))
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise CollectorError("parse_error", f"not valid OpenMetrics text: {exc}") from exc
     return out

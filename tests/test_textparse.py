@@ -70,3 +70,29 @@ def test_filtered_parse_equals_full_parse_restricted_to_the_wanted_names():
     full = parse(text)
     filtered = parse(text, WANTED)
     assert filtered.samples == {k: v for k, v in full.samples.items() if k in WANTED}
+
+
+def test_repeated_series_keep_the_first_sample_in_any_label_order():
+    text = (
+        '# TYPE c_total counter\nc_total{a="1",b="2"} 36\nc_total{b="2",a="1"} 36\n'
+        'c_total{a="1",b="3"} 5\nc_total{a="1",b="2"} 40\n'
+    )
+    for p in (parse(text), parse(text, ["c_total"])):
+        assert [(s.labels["b"], s.value) for s in p.get("c_total")] == [("2", 36), ("3", 5)]
+        assert p.dropped == {"duplicate_series": 2}
+
+
+def test_repeated_series_in_openmetrics_are_never_summed():
+    adjacent = '# TYPE c counter\nc_total{a="1"} 36\nc_total{a="1"} 36\n# EOF\n'
+    assert [s.value for s in parse(adjacent, openmetrics=True).get("c_total")] == [36]
+    # Interleaved, prometheus_client refuses the grouping: the whole page is a parse error.
+    apart = '# TYPE c counter\nc_total{a="1"} 36\nc_total{a="2"} 7\nc_total{a="1"} 36\n# EOF\n'
+    with pytest.raises(CollectorError) as exc:
+        parse(apart, openmetrics=True)
+    assert exc.value.reason == "parse_error"
+
+
+@pytest.mark.parametrize("value", ["1_000", "0x10", "1e5000x"])
+def test_values_python_accepts_but_the_format_does_not_are_parse_errors(value):
+    with pytest.raises(CollectorError):
+        parse(f"a {value}\n")

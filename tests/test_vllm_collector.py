@@ -161,3 +161,39 @@ def test_slow_engine_times_out(local_server):
         VllmCollector("t", server.url, timeout=0.3).collect()
     assert exc.value.reason == "timeout"
     assert time.monotonic() - t0 < 1.4
+
+
+def test_a_repeated_series_is_dropped_not_summed():
+    # Before: the fixture's preemption counter, repeated once (a broken page or a proxy that
+    # concatenates), read 72 instead of 36.
+    lines = VLLM_FIXTURE.read_text().splitlines(keepends=True)
+    i = next(n for n, ln in enumerate(lines) if ln.startswith("vllm:num_preemptions_total{"))
+    text = "".join([*lines[: i + 1], lines[i], *lines[i + 1 :]])
+    reading = reading_of(text)
+    assert reading.engines[0].preemptions == 36
+    assert reading.invalid["duplicate_series"] == 1
+
+
+CACHE = 'num_gpu_blocks="-1",block_size="16",gpu_memory_utilization="1.5",kv_cache_size_tokens="x"'
+
+
+def test_negative_counters_counts_and_cache_figures_are_refused():
+    text = f"""# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{{{M},engine="0"}} -5
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{{{M},engine="0",finished_reason="stop"}} -1
+vllm:request_success_total{{{M},engine="0",finished_reason="length"}} 4
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{{M},engine="0"}} -3
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{{M},engine="0"}} 2
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{engine="0",{CACHE}}} 1
+"""
+    reading = reading_of(text)
+    (e,) = reading.engines
+    assert e.preemptions is None and e.running is None and e.waiting == 2
+    assert e.finished == {"length": 4}
+    assert (e.kv_blocks, e.block_size, e.gpu_memory_utilization) == (None, 16, None)
+    assert e.kv_capacity_tokens is None
+    assert reading.invalid == {"negative": 3, "out_of_range": 2, "not_a_number": 1}

@@ -7,10 +7,16 @@ largest value, since every process reports the same engine.
 
 `vllm:cache_config_info` carries the KV pool's size as label strings, which PromQL cannot do
 arithmetic on: oomguard turns them into numeric gauges.
+
+The page is untrusted: a repeated series is dropped by the parser (never added twice), and a
+negative counter or count, a KV usage outside 0-1, or a cache figure out of range (blocks or
+block size not positive, `gpu_memory_utilization` outside (0, 1]) is dropped and counted in the
+reading's `invalid` by reason.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from oomguard.exporter.collectors.base import Reading
@@ -82,23 +88,31 @@ class VllmReading(Reading):
     engines: list[EngineReading] = field(default_factory=list)
 
 
-def _number(raw: str | None) -> float | None:
+def _number(
+    labels: dict[str, str], key: str, invalid: Counter[str], upper: float = 2.0**63
+) -> float | None:
+    """A cache_config_info label as a number in (0, upper]; "None" or absent is None."""
+    raw = labels.get(key)
     if raw is None or raw in ("", "None"):
         return None
     try:
         value = float(raw)
     except ValueError:
+        invalid["not_a_number"] += 1
         return None
-    return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if not 0.0 < value <= upper:  # also refuses NaN
+        invalid["out_of_range"] += 1
+        return None
+    return value
 
 
-def _apply_cache_config(e: EngineReading, labels: dict[str, str]) -> None:
-    e.kv_blocks = _number(labels.get("num_gpu_blocks"))
-    e.block_size = _number(labels.get("block_size"))
-    e.kv_capacity_tokens = _number(labels.get("kv_cache_size_tokens"))
+def _apply_cache_config(e: EngineReading, labels: dict[str, str], invalid: Counter[str]) -> None:
+    e.kv_blocks = _number(labels, "num_gpu_blocks", invalid)
+    e.block_size = _number(labels, "block_size", invalid)
+    e.kv_capacity_tokens = _number(labels, "kv_cache_size_tokens", invalid)
     if e.kv_capacity_tokens is None and e.kv_blocks and e.block_size:
         e.kv_capacity_tokens = e.kv_blocks * e.block_size
-    e.gpu_memory_utilization = _number(labels.get("gpu_memory_utilization"))
+    e.gpu_memory_utilization = _number(labels, "gpu_memory_utilization", invalid, upper=1.0)
 
 
 class VllmCollector:
@@ -139,6 +153,9 @@ class VllmCollector:
 
         def gauge(name: str, attr: str) -> None:
             for s in parsed.get(name):
+                if s.value < 0:  # request counts and KV usage are never negative
+                    reading.invalid["negative"] += 1
+                    continue
                 e = engine_of(s.labels)
                 current = getattr(e, attr)
                 setattr(e, attr, s.value if current is None else max(current, s.value))
@@ -155,6 +172,9 @@ class VllmCollector:
         # the legacy gauge counts only for engines that do not report the current one
         current = {id(engine_of(s.labels)) for s in parsed.get(KV_USAGE)}
         for s in parsed.get(KV_USAGE_LEGACY):
+            if s.value < 0:
+                reading.invalid["negative"] += 1
+                continue
             e = engine_of(s.labels)
             if id(e) not in current:
                 e.kv_usage = s.value if e.kv_usage is None else max(e.kv_usage, s.value)
@@ -168,6 +188,9 @@ class VllmCollector:
         counter(f"{GENERATION_HIST}_sum", "generation_sum")
         counter(f"{GENERATION_HIST}_count", "generation_count")
         for s in parsed.get(FINISHED):
+            if s.value < 0:
+                reading.invalid["negative"] += 1
+                continue
             e = engine_of(s.labels)
             reason = s.labels.get("finished_reason", "")
             e.finished[reason] = e.finished.get(reason, 0.0) + s.value
@@ -175,7 +198,7 @@ class VllmCollector:
         for s in parsed.get(CACHE_CONFIG):
             index = s.labels.get("engine", "0")
             for e in [x for x in engines.values() if x.engine == index] or [engine_of(s.labels)]:
-                _apply_cache_config(e, s.labels)
+                _apply_cache_config(e, s.labels, reading.invalid)
         for e in engines.values():
             if e.kv_usage is not None and not 0.0 <= e.kv_usage <= 1.0:
                 reading.invalid["out_of_range"] += 1
