@@ -107,14 +107,30 @@ _SPECS: tuple[MetricSpec, ...] = (
     ),
     _gauge(
         "oomguard_gpu_free_floor_bytes",
-        "Free device memory below which oomguard calls the GPU critical (pressure level 3).",
+        "Free-memory floor of a GPU with no planned vLLM engine: below it the GPU is at "
+        "caution (level 1), never higher.",
+        "bytes",
+        GPU_LABELS,
+    ),
+    _gauge(
+        "oomguard_gpu_planned_bytes",
+        "Device memory the vLLM engines on this GPU plan to use at their peak: the sum of "
+        "gpu_memory_utilization x usable memory over its engines.",
+        "bytes",
+        GPU_LABELS,
+    ),
+    _gauge(
+        "oomguard_gpu_headroom_bytes",
+        "Free device memory left once every engine on this GPU reaches its planned peak "
+        "(negative: the next peak does not fit). Pressure levels compare it with shares of "
+        "usable memory.",
         "bytes",
         GPU_LABELS,
     ),
     _gauge(
         "oomguard_gpu_pressure_level",
-        "Danger of a CUDA out-of-memory error on this GPU: 0 ok, 1 caution, 2 pressure, "
-        "3 critical; `reason` names the signal that set the level.",
+        "Danger of a CUDA out-of-memory error on this GPU: -1 blind (cannot be read), 0 ok, "
+        "1 caution, 2 pressure, 3 critical; `reason` names the signal that set the level.",
         "",
         (*GPU_LABELS, "reason"),
     ),
@@ -258,10 +274,18 @@ _SPECS: tuple[MetricSpec, ...] = (
     ),
     _gauge(
         "oomguard_engine_pressure_level",
-        "Danger of a CUDA out-of-memory error for this engine (its own signals and its "
-        "GPUs'): 0 ok, 1 caution, 2 pressure, 3 critical; `reason` names the signal.",
+        "Danger of a CUDA out-of-memory error for this engine (its own allocator events and "
+        "its GPUs' levels): -1 blind (the engine or one of its GPUs cannot be read), 0 ok, "
+        "1 caution, 2 pressure, 3 critical; `reason` names the signal.",
         "",
         (*ENGINE_LABELS, "reason"),
+    ),
+    _gauge(
+        "oomguard_engine_gpu_info",
+        "The GPUs an engine runs on (1 per GPU), and where oomguard learned it: `source` "
+        "config, allocator (its ranks' reports) or single_gpu (the node's only GPU).",
+        "",
+        (*ENGINE_LABELS, "gpu", "UUID", "GPU_I_ID", "source"),
     ),
     # --- Host memory (cgroup) ---------------------------------------------------------------
     _gauge(
@@ -395,6 +419,20 @@ _SPECS: tuple[MetricSpec, ...] = (
         "oomguard_remediator_paused",
         "1 while the global pause switch is on.",
         "",
+        (),
+        component="remediator",
+    ),
+    _counter(
+        "oomguard_remediator_pass_failures_total",
+        "Reconcile passes that failed as a whole (nothing was converged in them).",
+        "",
+        (),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_last_pass_timestamp_seconds",
+        "When the last reconcile pass completed (Unix time); stops moving when passes fail.",
+        "seconds",
         (),
         component="remediator",
     ),

@@ -1,58 +1,49 @@
 """The alerts firing now, from webhook snapshots: the level the remediator reconciles toward.
 
 Idempotent and order-safe, because Alertmanager retries, HA peers send duplicates, and
-deliveries can arrive out of order. Each alert (fingerprint) has episodes identified by their
-`startsAt`. An episode fires until a `resolved` for it (or for a later episode) arrives; a
-`resolved` for an older episode never clears a newer one, and a replayed `firing` of an episode
-that already ended does not bring it back. So whatever the order or repetition of the same
-deliveries, the book ends in the same state: an alert fires exactly when its latest `firing`
-episode is newer than its latest `resolved` one.
+deliveries can arrive out of order. Each alert (its `key`: fingerprint and labels) has episodes
+identified by their `startsAt`. An episode fires until a `resolved` for it (or for a later
+episode) arrives; a `resolved` for an older episode never clears a newer one, and a replayed
+`firing` of an episode that already ended does not bring it back. So whatever the order or
+repetition of the same deliveries, the book ends in the same state: an alert fires exactly when
+its latest `firing` episode is newer than its latest `resolved` one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 
 from oomguard.remediator.webhook import Alert
 
 
 class AlertBook:
-    def __init__(self, listener: Callable[[Alert, bool], None] | None = None) -> None:
-        # told (alert, True) when an alert starts firing and (alert, False) when it stops, so an
-        # index kept beside the book never has to scan it
-        self.listener = listener
-        self._firing: dict[str, Alert] = {}
-        self._resolved: dict[str, datetime] = {}  # fingerprint -> latest resolved startsAt
-        self._learned: dict[str, float] = {}  # fingerprint -> when its firing episode arrived
+    def __init__(self) -> None:
+        self._firing: dict[str, Alert] = {}  # alert key -> its firing episode
+        self._resolved: dict[str, datetime] = {}  # alert key -> latest resolved startsAt
+        self._learned: dict[str, float] = {}  # alert key -> when its firing episode arrived
 
     def apply(self, alert: Alert) -> bool:
         """Record one alert from a webhook; True when the set of firing alerts changed."""
-        fp = alert.fingerprint
+        key = alert.key
         if alert.status == "firing":
-            ended = self._resolved.get(fp)
+            ended = self._resolved.get(key)
             if ended is not None and alert.starts_at <= ended:
                 return False  # a late copy of an episode that already resolved
-            current = self._firing.get(fp)
+            current = self._firing.get(key)
             if current is not None and current.starts_at >= alert.starts_at:
                 return False  # already known (a duplicate), or an older episode
-            if current is not None and self.listener:
-                self.listener(current, False)
-            self._firing[fp] = alert
-            self._learned[fp] = time.monotonic()
-            if self.listener:
-                self.listener(alert, True)
+            self._firing[key] = alert
+            self._learned[key] = time.monotonic()
             return True
-        ended = self._resolved.get(fp)
+        ended = self._resolved.get(key)
         if ended is None or alert.starts_at > ended:
-            self._resolved[fp] = alert.starts_at
-        current = self._firing.get(fp)
+            self._resolved[key] = alert.starts_at
+        current = self._firing.get(key)
         if current is not None and current.starts_at <= alert.starts_at:
-            del self._firing[fp]
-            self._learned.pop(fp, None)
-            if self.listener:
-                self.listener(current, False)
+            del self._firing[key]
+            self._learned.pop(key, None)
             return True
         return False
 
@@ -71,11 +62,11 @@ class AlertBook:
         """
         active = list(active)
         changed = self.apply_all(active)
-        listed = {a.fingerprint for a in active}
-        for fp, alert in list(self._firing.items()):
-            if fp not in listed and self._learned.get(fp, 0.0) < as_of:
+        listed = {a.key for a in active}
+        for key, alert in list(self._firing.items()):
+            if key not in listed and self._learned.get(key, 0.0) < as_of:
                 changed |= self.apply(
-                    Alert(fp, "resolved", alert.labels, alert.starts_at, alert.ends_at)
+                    Alert(alert.fingerprint, "resolved", alert.labels, alert.starts_at, None)
                 )
         return changed
 
@@ -87,17 +78,17 @@ class AlertBook:
         return len(self._firing)
 
     def firing(self) -> list[Alert]:
-        return sorted(self._firing.values(), key=lambda a: (a.name, a.fingerprint))
+        return sorted(self._firing.values(), key=lambda a: (a.name, a.key))
 
     def prune(
         self, now: datetime, keep: timedelta = timedelta(hours=24), most: int = 50_000
     ) -> int:
-        """Forget resolutions older than `keep`, and beyond the `most` recent (bounded memory);
-        returns how many."""
-        old = [fp for fp, ended in self._resolved.items() if now - ended > keep]
+        """Forget resolutions more than `keep` away from `now` (either side: a start time in the
+        future must age out too), and beyond the `most` recent (bounded memory); how many."""
+        old = [key for key, ended in self._resolved.items() if abs(now - ended) > keep]
         if len(self._resolved) - len(old) > most:
             by_age = sorted(self._resolved, key=self._resolved.__getitem__)
             old = list(set(old) | set(by_age[: len(self._resolved) - most]))
-        for fp in old:
-            del self._resolved[fp]
+        for key in old:
+            del self._resolved[key]
         return len(old)

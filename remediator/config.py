@@ -156,7 +156,10 @@ class RemediatorConfig(BaseModel):
     reconcile_seconds: float = Field(1.0, gt=0, description="Level-triggered pass interval.")
     actuation_timeout_seconds: float = Field(3.0, gt=0)
     actuation_attempts: int = Field(3, ge=1)
-    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    unhealthy_after_failed_passes: int = Field(
+        3, ge=1, description="/healthz answers 503 after this many failed passes in a row."
+    )
     dry_run: bool = False
     alertmanager: AlertmanagerSource | None = None
     standalone: StandaloneConfig | None = None

@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -25,42 +25,35 @@ from oomguard.remediator.actuator import Actuator, ActuatorError, DryRunActuator
 from oomguard.remediator.alertbook import AlertBook
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig, SecretFile, TargetConfig
-from oomguard.remediator.flags import Flags
-from oomguard.remediator.metrics import RemediatorMetrics
-from oomguard.remediator.policy import (
-    Desired,
-    Observed,
-    PolicyConfig,
-    actions_for,
-    decide,
+from oomguard.remediator.decision import (
+    Context,
+    EngineInput,
+    Step,
+    Unreadable,
+    Verdict,
+    decide_fleet,
+    needs_flags,
+    plan,
 )
+from oomguard.remediator.metrics import RemediatorMetrics
+from oomguard.remediator.policy import Desired, Observed, PolicyConfig, actions_for, decide
 from oomguard.remediator.restart import FlagView, RestartBackend, RestartResult, RestartSequence
-from oomguard.remediator.safety import EngineView, Safety
-from oomguard.remediator.webhook import Alert, PayloadError, Webhook, labels_field, time_field
+from oomguard.remediator.safety import DISRUPTIVE, Safety
+from oomguard.remediator.webhook import (
+    Alert,
+    PayloadError,
+    Webhook,
+    labels_field,
+    start_field,
+    text_field,
+)
 
 log = logging.getLogger("oomguard.remediator")
 
-DISRUPTIVE = frozenset({"drain", "lower_cap", "restart"})  # cooldown, rate limit, budget
-FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})  # drain refused: cap instead
 SEEN_LIMIT = 20_000  # dedup keys remembered (FIFO): retries and HA copies come within minutes
+RESTARTED_LIMIT = 64  # restart episodes remembered per target
 
-Step = tuple[str, int | None]  # (drain | resume | lower_cap | raise_cap | readmit, cap)
-
-
-def plan(observed: Observed, desired: Desired) -> list[Step]:
-    """The writes that take an engine from `observed` to `desired`, in a safe order."""
-    if desired.draining:
-        return [] if observed.draining else [("drain", None)]
-    steps: list[Step] = []
-    if desired.cap != observed.admission_cap:
-        if observed.draining:
-            kind = "readmit"  # the first stage's cap, set while still drained: costs nothing
-        else:
-            kind = "lower_cap" if desired.cap < observed.admission_cap else "raise_cap"
-        steps.append((kind, desired.cap))
-    if observed.draining:
-        steps.append(("resume", None))  # after the cap: never resume at the old, higher cap
-    return steps
+__all__ = ["Controller", "decide_for", "make_target", "plan", "route", "select"]
 
 
 def decide_for(alerts: Iterable[Alert], observed: Observed, policy: PolicyConfig) -> Desired:
@@ -89,6 +82,31 @@ def make_target(cfg: TargetConfig, secret: SecretFile | None) -> Target:
     return Target(cfg.name, cfg.url, secret.get() if secret else None, cfg.model)
 
 
+def observe(state: dict[str, Any] | ActuatorError) -> Observed | Unreadable:
+    """The plugin's state document as the decision reads it, or why it cannot be used."""
+    if isinstance(state, ActuatorError):
+        return Unreadable(state.reason, str(state))
+    try:
+        return Observed.from_state(state)
+    except (KeyError, TypeError, ValueError, AssertionError, OverflowError) as exc:
+        return Unreadable("bad_state", f"unexpected state from the plugin: {exc!r}")
+
+
+def restarted_from(entries: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
+    """Per target, the alert episodes a restart already answered (from the audit log)."""
+    out: dict[str, set[str]] = {}
+    for entry in entries:
+        if entry.get("event") == "acted" and entry.get("action") == "restart":
+            after = entry.get("after") or {}
+            if not isinstance(after, dict):
+                continue
+            eps = after.get("episodes") or [after.get("episode")]
+            target = entry.get("target")
+            if isinstance(target, str) and isinstance(eps, list):
+                out.setdefault(target, set()).update(e for e in eps if isinstance(e, str))
+    return out
+
+
 @dataclass
 class Receipt:
     alerts: int
@@ -96,16 +114,6 @@ class Receipt:
     duplicates: int
     ignored: dict[str, str]  # fingerprint -> why
     changed: bool
-
-
-@dataclass(frozen=True)
-class Firing:
-    """What one target's firing alerts amount to in a pass."""
-
-    actions: set[str]  # the action classes they ask for
-    fingerprints: list[str]
-    names: dict[str, int]  # alert name -> how many
-    restart_episode: str | None = None  # the newest episode of an alert asking for a restart
 
 
 @dataclass
@@ -130,7 +138,7 @@ class Controller:
         actuator: Actuator,
         audit: AuditLog,
         metrics: RemediatorMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
         backends: Mapping[str, RestartBackend] | None = None,
     ) -> None:
         self.config = config
@@ -141,66 +149,43 @@ class Controller:
         self.safety = Safety(config.safety, clock)
         self.targets = {t.name: t for t in config.targets}
         self._tokens = {t.name: SecretFile(t.token_file) for t in config.targets if t.token_file}
-        self.book = AlertBook(listener=self._indexed)
+        self.book = AlertBook()
         self.status = {t.name: TargetStatus(t.name, t.url, t.model) for t in config.targets}
         self.wake: Callable[[], None] = lambda: None  # the runner points this at its scheduler
+        self.resync_soon: Callable[[], None] = lambda: None  # and this at the resync job
         self._book_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._dirty = False
         self._seen: OrderedDict[tuple[str, datetime, str], None] = OrderedDict()
-        self._routes: dict[str, str] = {}  # fingerprint -> target (an alert's labels are fixed)
-        # per target: its firing alerts, and how many ask for each action class / carry each name
-        self._index: dict[str, dict[str, Alert]] = {n: {} for n in self.targets}
-        self._actions: dict[str, Counter[str]] = {n: Counter() for n in self.targets}
-        self._names: dict[str, Counter[str]] = {n: Counter() for n in self.targets}
+        self._routes: dict[str, str | None] = {}  # alert key -> target (its labels are fixed)
         self._pruned = time.monotonic()
         self._noted: dict[tuple[str, str], Any] = {}  # (target, topic) -> last audited value
         self._pool = ThreadPoolExecutor(max_workers=min(16, len(self.targets)))
         self.backends: dict[str, RestartBackend] = dict(backends or {})
         self._restarting: dict[str, threading.Thread] = {}
-        self._restarted: dict[str, str] = {}  # target -> restart episode already handled
         self._flag_views: dict[str, tuple[float, FlagView]] = {}
-        for entry in audit.entries():  # what was restarted survives a remediator restart
-            if entry.get("event") == "acted" and entry.get("action") == "restart":
-                episode = (entry.get("after") or {}).get("episode")
-                if episode:
-                    self._restarted[entry["target"]] = episode
-        self.metrics.paused.set(1 if config.safety.paused else 0)
-
-    def _restart_episode(self, name: str) -> str | None:
-        """Under the book lock: the newest (fingerprint@startsAt) asking this target to restart."""
-        if self._actions[name]["restart"] <= 0:
-            return None
-        asking = [
-            a
-            for a in self._index[name].values()
-            if "restart" in actions_for([a], self.config.policy)
-        ]
-        newest = max(asking, key=lambda a: a.starts_at, default=None)
-        return f"{newest.fingerprint}@{newest.starts_at.isoformat()}" if newest else None
+        self.failed_passes = 0  # consecutive passes that raised (/healthz degrades on these)
+        # what survives a remediator restart: the pause switch, each target's recent actions
+        # (cooldowns, rate limits) and the episodes already answered by a restart
+        entries = audit.entries()
+        self.safety.restore(entries)
+        self._restarted = restarted_from(entries)
+        self.metrics.paused.set(1 if self.paused else 0)
 
     # -- input ---------------------------------------------------------------------------------
-    def _indexed(self, alert: Alert, firing: bool) -> None:
-        """The book's listener (called under the book lock): keep the per-target index."""
-        name = self._routes.get(alert.fingerprint)
-        if name is None:
-            return
-        sign = 1 if firing else -1
-        if firing:
-            self._index[name][alert.fingerprint] = alert
-        else:
-            self._index[name].pop(alert.fingerprint, None)
-        for action in actions_for([alert], self.config.policy):
-            self._actions[name][action] += sign
-        self._names[name][alert.name] += sign
+    def _route(self, alert: Alert) -> str | None:
+        """Under the book lock: the alert's target (cached by alert key: labels never change)."""
+        if alert.key not in self._routes:
+            self._routes[alert.key] = route(alert, self.targets.values())[0]
+        return self._routes[alert.key]
 
     def receive(self, webhook: Webhook, source: str = "webhook") -> Receipt:
         """Record a payload durably, then apply it. Raises OSError when the audit log cannot be
         written: the caller answers 5xx and Alertmanager retries; nothing was applied."""
         with self._book_lock:
             new = [a for a in webhook.alerts if a.dedup_key not in self._seen]
-            routes = {a.fingerprint: route(a, self.targets.values()) for a in new}
-            ignored = {fp: why for fp, (_, why) in routes.items() if why}
+            routes = {a.key: route(a, self.targets.values()) for a in new}
+            ignored = {a.fingerprint: why for a in new if (why := routes[a.key][1])}
             if new:
                 self.audit.record(
                     "received",
@@ -214,11 +199,20 @@ class Controller:
                     },
                     fingerprints=[a.fingerprint for a in new],
                 )
+            if webhook.truncated_alerts:
+                # Alertmanager left alerts out of this payload: what is firing is only known
+                # from its API, so read it now rather than at the next periodic resync
+                self.audit.record(
+                    "truncated",
+                    result="resync",
+                    reason=f"{source} {webhook.group_key}: {webhook.truncated_alerts} alerts "
+                    "left out of the payload; resyncing from Alertmanager".strip(),
+                )
             routable = []
             for a in new:  # selectors are evaluated once per alert, not once per pass
-                name = routes[a.fingerprint][0]
+                name = routes[a.key][0]
+                self._routes[a.key] = name
                 if name is not None:
-                    self._routes[a.fingerprint] = name
                     routable.append(a)
             changed = self.book.apply_all(routable)
             for a in new:
@@ -226,7 +220,10 @@ class Controller:
             while len(self._seen) > SEEN_LIMIT:
                 self._seen.popitem(last=False)
         for fp, why in ignored.items():
-            log.warning("ignoring alert %s: %s", fp, why)
+            log.warning("ignoring alert %r: %s", fp, why)
+        if webhook.truncated_alerts:
+            log.warning("%d alerts left out of a payload: resyncing", webhook.truncated_alerts)
+            self.resync_soon()
         if changed:
             self.request()
         total = len(webhook.alerts)
@@ -250,12 +247,9 @@ class Controller:
             timeout=5.0,
         )
         r.raise_for_status()
-        routed = [(a, route(a, self.targets.values())[0]) for a in _am_alerts(r.json())]
-        active = [a for a, name in routed if name is not None]
+        listed = _am_alerts(r.json())
         with self._book_lock:
-            for a, name in routed:  # routes first: the book's listener indexes by them
-                if name is not None:
-                    self._routes[a.fingerprint] = name
+            active = [a for a in listed if self._route(a) is not None]
             before = {a.fingerprint for a in self.book.current()}
             changed = self.book.sync(active, as_of)
             after = {a.fingerprint for a in self.book.current()}
@@ -271,15 +265,16 @@ class Controller:
         return changed
 
     def set_paused(self, paused: bool, reason: str) -> None:
-        self.safety.config.paused = paused
-        self.metrics.paused.set(1 if paused else 0)
+        # audited first: the audit log is where a restarted remediator finds the switch again
         self.audit.record("paused" if paused else "unpaused", reason=reason)
+        self.safety.paused = paused
+        self.metrics.paused.set(1 if paused else 0)
         log.warning("remediator %s: %s", "paused" if paused else "unpaused", reason)
         self.request()
 
     @property
     def paused(self) -> bool:
-        return self.safety.config.paused
+        return self.safety.paused
 
     # -- the loop ------------------------------------------------------------------------------
     def request(self) -> None:
@@ -294,7 +289,15 @@ class Controller:
         try:
             while True:
                 self._dirty = False
-                self._pass()
+                try:
+                    self._pass()
+                except Exception:  # a pass that fails is counted and visible, never silent
+                    self.failed_passes += 1
+                    self.metrics.pass_failures.inc()
+                    log.exception("reconcile pass failed (%d in a row)", self.failed_passes)
+                    break
+                self.failed_passes = 0
+                self.metrics.last_pass.set(time.time())
                 if not self._dirty:
                     break
         finally:
@@ -309,43 +312,103 @@ class Controller:
         except ActuatorError as exc:
             return exc
 
-    def _pass(self) -> None:
+    def firing_by_target(self) -> dict[str, list[Alert]]:
+        """Each target's firing alerts, derived from the book (never a counter kept beside it,
+        which a reused fingerprint could drive out of step)."""
         with self._book_lock:
-            firing = {
-                name: Firing(
-                    {a for a, n in self._actions[name].items() if n > 0},
-                    list(self._index[name]),
-                    {k: n for k, n in self._names[name].items() if n > 0},
-                    self._restart_episode(name),
-                )
-                for name in self.targets
-            }
+            out: dict[str, list[Alert]] = {name: [] for name in self.targets}
+            for a in self.book.current():
+                name = self._route(a)
+                if name is not None:
+                    out[name].append(a)
             if time.monotonic() - self._pruned > 60:
                 self.book.prune(datetime.now(UTC))
                 self._pruned = time.monotonic()
             if len(self._routes) > 2 * len(self.book) + 1000:  # forget resolved alerts' routes
-                self._routes = {fp: n for n, idx in self._index.items() for fp in idx}
+                self._routes = {a.key: self._routes.get(a.key) for a in self.book.current()}
+        return out
+
+    def inputs(
+        self, firing: Mapping[str, list[Alert]], states: Mapping[str, Any]
+    ) -> list[EngineInput]:
+        """What the decision needs for every target (the restart backends' flags read only
+        where a restart may be wanted)."""
+        out = []
+        for name, cfg in self.targets.items():
+            engine = EngineInput(
+                name,
+                cfg.model,
+                tuple(firing.get(name, ())),
+                observe(states[name]),
+                restartable=name in self.backends and not self.dry_run,
+                restarted=frozenset(self._restarted.get(name, ())),
+                restarting=name in self._restarting,
+            )
+            if needs_flags(engine, self.config.policy):
+                engine = EngineInput(**{**engine.__dict__, "flags": self._flags(name)})
+            out.append(engine)
+        return out
+
+    def context(self) -> Context:
+        c = self.config
+        return Context(c.policy, c.safety, c.flags, self.safety.state(), self.safety.clock())
+
+    def _pass(self) -> None:
+        firing = self.firing_by_target()
         names = list(self.targets)
         states = dict(zip(names, self._pool.map(self._read, names), strict=True))
-        fleet = {
-            name: EngineView(
-                self.targets[name].model,
-                draining=(isinstance(s, dict) and s.get("mode") == "draining")
-                or name in self._restarting,
-                reachable=isinstance(s, dict),
-            )
-            for name, s in states.items()
-        }
-        for name in names:
-            if name in self._restarting:
-                self.status[name].mode = "restarting"
-                self.metrics.set_mode(name, "restarting")
-                continue  # the restart sequence owns the engine until it is back
+        verdicts = decide_fleet(self.inputs(firing, states), self.context())
+        for verdict in verdicts:
+            name = verdict.target
             try:
-                self._converge(name, firing[name], states[name], fleet)
+                self._carry_out(verdict, states[name], firing[name])
             except Exception as exc:  # one target's surprise never stops the others
                 log.exception("reconciling %s failed", name)
-                self._hold(name, "internal", f"{type(exc).__name__}: {exc}", firing[name])
+                self._hold(name, "internal", f"{type(exc).__name__}: {exc}", verdict)
+
+    def _carry_out(self, v: Verdict, state: Any, alerts: list[Alert]) -> None:
+        name = v.target
+        if v.held == "restarting":
+            self.status[name].mode = "restarting"
+            self.metrics.set_mode(name, "restarting")
+            return
+        if v.observed is None or v.desired is None:
+            self._hold(name, v.held or "unknown", v.message, v)
+            return
+        if v.held is not None:  # blind: the engine's state is read, nothing is changed
+            self._hold(name, v.held, v.message, v, error=False)
+            self._publish(name, state, v.desired, alerts, mode="held")
+            return
+        self._note(name, "held", None)
+        observed, desired = v.observed, v.desired
+        decision = (desired.phase, desired.cap, desired.draining, desired.reason)
+        prev = self._noted.get((name, "decision"))
+        if self._note(name, "decision", decision) and (
+            v.steps or desired.phase != "serving" or (prev is not None and prev[0] != "serving")
+        ):  # a change worth explaining; not "full admission" for every target at start
+            self.audit.record(
+                "decided",
+                target=name,
+                before=_brief(observed),
+                after={"cap": desired.cap, "draining": desired.draining, "phase": desired.phase},
+                reason=desired.reason,
+                fingerprints=v.fingerprints,
+            )
+        last = state
+        for step in v.steps:
+            if step.withheld is not None:
+                # the decision adds nothing after a withheld step but a fallback (cap, not drain)
+                self._withheld(name, step.kind, step.withheld, v)
+                continue
+            self._note(name, "withheld", None)
+            if step.kind == "restart":
+                self._start_restart(name, step, list(v.fingerprints))
+                return
+            result = self._act(name, step.kind, step.cap, observed, desired, list(v.fingerprints))
+            if result is None:
+                break
+            last = result
+        self._publish(name, last, desired, alerts)
 
     def _note(self, target: str, topic: str, value: Any) -> bool:
         """True when `value` differs from the last one noted (audit changes, not every pass)."""
@@ -355,85 +418,24 @@ class Controller:
         self._noted[key] = value
         return True
 
-    def _hold(self, name: str, reason: str, message: str, firing: Firing) -> None:
+    def _hold(self, name: str, reason: str, message: str, v: Verdict, error: bool = True) -> None:
         st = self.status[name]
-        st.mode, st.reason, st.error = "held", f"{reason}: {message}", message
+        st.mode, st.reason = "held", f"{reason}: {message}"
+        st.error = message if error else None
         st.updated = time.time()
-        self.metrics.reconcile_errors.labels(name).inc()
+        if error:
+            self.metrics.reconcile_errors.labels(name).inc()
         self.metrics.set_mode(name, "held")
         if self._note(name, "held", reason):
+            why = (
+                f"no action while the engine cannot be read: {message}"
+                if error
+                else f"no action while the exporter is blind to the engine: {message}"
+            )
             self.audit.record(
-                "held",
-                target=name,
-                result=reason,
-                reason=f"no action while the engine cannot be read: {message}",
-                fingerprints=firing.fingerprints,
+                "held", target=name, result=reason, reason=why, fingerprints=v.fingerprints
             )
             log.warning("holding %s: %s", name, message)
-
-    def _converge(
-        self,
-        name: str,
-        firing: Firing,
-        state: dict[str, Any] | ActuatorError,
-        fleet: dict[str, EngineView],
-    ) -> None:
-        if isinstance(state, ActuatorError):
-            self._hold(name, state.reason, str(state), firing)
-            return
-        try:
-            observed = Observed.from_state(state)
-        except (KeyError, TypeError, ValueError, AssertionError) as exc:
-            self._hold(name, "bad_state", f"unexpected state from the plugin: {exc!r}", firing)
-            return
-        self._note(name, "held", None)
-        policy = self.config.policy
-        wanted = set(firing.actions)
-        if name in self.backends and self._maybe_restart(name, firing, observed, fleet):
-            return
-        wanted.discard("restart")
-        if "restart" in firing.actions:
-            wanted.add("lower_cap")  # no restart (none configured, done, or withheld): cap
-        desired = decide(wanted, observed, policy)
-        steps = plan(observed, desired)
-        if steps and steps[0][0] == "drain":
-            limit = self._limit(name, "drain", fleet)
-            if limit in FALLBACK_LIMITS:
-                # draining would take the model's last capacity: hold it at a lower cap instead
-                self._withheld(name, "drain", limit, firing)
-                desired = decide((wanted - {"drain"}) | {"lower_cap"}, observed, policy)
-                desired = Desired(False, desired.cap, "capped", f"{limit}: capping, not draining")
-                steps = plan(observed, desired)
-        fps = firing.fingerprints
-        decision = (desired.phase, desired.cap, desired.draining, desired.reason)
-        prev = self._noted.get((name, "decision"))
-        if self._note(name, "decision", decision) and (
-            steps or desired.phase != "serving" or (prev is not None and prev[0] != "serving")
-        ):  # a change worth explaining; not "full admission" for every target at start
-            self.audit.record(
-                "decided",
-                target=name,
-                before=_brief(observed),
-                after={"cap": desired.cap, "draining": desired.draining, "phase": desired.phase},
-                reason=desired.reason,
-                fingerprints=fps,
-            )
-        last = state
-        for kind, cap in steps:
-            limit = self._limit(name, kind, fleet)
-            if limit is not None:
-                self._withheld(name, kind, limit, firing)
-                break
-            self._note(name, "withheld", None)
-            result = self._act(name, kind, cap, observed, desired, fps)
-            if result is None:
-                break
-            last = result
-            if kind == "drain":
-                fleet[name] = EngineView(fleet[name].model, draining=True, reachable=True)
-            elif kind == "resume":
-                fleet[name] = EngineView(fleet[name].model, draining=False, reachable=True)
-        self._publish(name, last, desired, firing)
 
     def _flags(self, name: str) -> FlagView | None:
         cached = self._flag_views.get(name)
@@ -447,54 +449,14 @@ class Controller:
         self._flag_views[name] = (time.monotonic(), view)
         return view
 
-    def _maybe_restart(
-        self, name: str, firing: Firing, observed: Observed, fleet: dict[str, EngineView]
-    ) -> bool:
-        """Start a restart when an alert asks for one (once per episode), or walk the flags back
-        after a quiet period. True when a restart sequence was started."""
-        limits = self.config.flags
-        episode = firing.restart_episode
-        if episode is not None and episode != self._restarted.get(name):
-            view = self._flags(name)
-            if view is None:
-                return False
-            flags, reason = view.current.lower(limits), "restart with lower memory flags"
-        elif (
-            not firing.actions
-            and not observed.draining
-            and observed.admission_cap >= observed.startup_max_num_seqs
-        ):
-            view = self._flags(name)
-            if (
-                view is None
-                or view.current == view.original
-                or time.time() - view.changed_at < limits.walk_back_after_seconds
-            ):
-                return False
-            flags, reason = view.current.toward(view.original, limits), "walk flags back"
-            episode = f"walk-back@{view.changed_at}"
-        else:
-            return False
-        if flags == view.current and episode.startswith("walk-back"):
-            return False
-        limit = self._limit(name, "restart", fleet)
-        if limit is not None:
-            self._withheld(name, "restart", limit, firing)
-            return False
-        self._start_restart(name, flags, episode, reason, firing.fingerprints, view)
-        fleet[name] = EngineView(fleet[name].model, draining=True, reachable=True)
-        return True
-
-    def _start_restart(
-        self,
-        name: str,
-        flags: Flags,
-        episode: str,
-        reason: str,
-        fps: list[str],
-        view: FlagView,
-    ) -> None:
-        self._restarted[name] = episode
+    def _start_restart(self, name: str, step: Step, fps: list[str]) -> None:
+        assert step.flags is not None and step.episode is not None
+        flags, reason = step.flags, step.reason
+        view = self._flag_views.get(name)
+        done = self._restarted.setdefault(name, set())
+        done.update(step.covers or (step.episode,))
+        while len(done) > RESTARTED_LIMIT:
+            done.pop()
         self.safety.record(name, "restart")
         self.metrics.actions.labels(name, "restart", "started").inc()
         self.status[name].last_action = self.audit.record(
@@ -502,13 +464,16 @@ class Controller:
             target=name,
             action="restart",
             before={
-                "gpu_memory_utilization": view.current.gpu_memory_utilization,
-                "max_num_seqs": view.current.max_num_seqs,
-            },
+                "gpu_memory_utilization": view[1].current.gpu_memory_utilization,
+                "max_num_seqs": view[1].current.max_num_seqs,
+            }
+            if view
+            else None,
             after={
                 "gpu_memory_utilization": flags.gpu_memory_utilization,
                 "max_num_seqs": flags.max_num_seqs,
-                "episode": episode,
+                "episode": step.episode,
+                "episodes": sorted(step.covers or (step.episode,)),
             },
             result="started",
             reason=reason,
@@ -524,6 +489,7 @@ class Controller:
             ready_timeout=cfg.ready_timeout_seconds,
             readmit_start=self.config.policy.readmit_start,
         )
+        covers = set(step.covers or (step.episode,))
 
         def run() -> None:
             try:
@@ -533,7 +499,7 @@ class Controller:
                 result = RestartResult(False, "internal", str(exc))
             self.metrics.actions.labels(name, "restart", "ok" if result.ok else "failed").inc()
             if not result.ok and result.step in ("drain", "wait_idle", "restart"):
-                self._restarted.pop(name, None)  # not restarted: may be tried again, in limits
+                self._restarted.get(name, set()).difference_update(covers)  # may be tried again
             self._flag_views.pop(name, None)
             log.log(
                 logging.INFO if result.ok else logging.ERROR,
@@ -552,12 +518,7 @@ class Controller:
         log.warning("restarting %s: %s", name, reason)
         thread.start()
 
-    def _limit(self, name: str, kind: str, fleet: Mapping[str, EngineView]) -> str | None:
-        if kind in DISRUPTIVE:
-            return self.safety.check(name, kind, fleet)
-        return "pause" if self.paused else None  # restoring capacity is paced by the policy
-
-    def _withheld(self, name: str, kind: str, limit: str, firing: Firing) -> None:
+    def _withheld(self, name: str, kind: str, limit: str, v: Verdict) -> None:
         if self._note(name, "withheld", (kind, limit)):
             self.metrics.safety_limited.labels(name, limit).inc()
             self.audit.record(
@@ -566,7 +527,7 @@ class Controller:
                 action=kind,
                 result=limit,
                 reason=f"{kind} withheld by the {limit} limit",
-                fingerprints=firing.fingerprints,
+                fingerprints=v.fingerprints,
             )
             log.warning("%s on %s withheld by the %s limit", kind, name, limit)
 
@@ -628,11 +589,20 @@ class Controller:
         log.info("%s on %s (%s): %s", kind, name, result, desired.reason)
         return state
 
-    def _publish(self, name: str, state: dict[str, Any], desired: Desired, firing: Firing) -> None:
+    def _publish(
+        self,
+        name: str,
+        state: dict[str, Any],
+        desired: Desired,
+        alerts: list[Alert],
+        mode: str | None = None,
+    ) -> None:
         st = self.status[name]
         # the mode the engine is in now (an action may have been withheld, failed or dry run)
         cap, startup = state.get("admission_cap"), state.get("startup_max_num_seqs")
-        if state.get("mode") == "draining":
+        if mode is not None:
+            pass
+        elif state.get("mode") == "draining":
             mode = "draining"
         elif isinstance(cap, int) and isinstance(startup, int) and cap >= startup:
             mode = "serving"
@@ -645,7 +615,10 @@ class Controller:
         }
         st.observed["kv_cache_usage"] = state.get("kv_cache_usage")
         st.desired = {"cap": desired.cap, "draining": desired.draining, "phase": desired.phase}
-        st.alerts = firing.names
+        names: dict[str, int] = {}
+        for a in alerts:
+            names[a.name] = names.get(a.name, 0) + 1
+        st.alerts = names
         m = self.metrics
         if isinstance(cap, int):
             m.cap.labels(name).set(cap)
@@ -685,13 +658,12 @@ def _am_alerts(body: Any) -> list[Alert]:
     for i, raw in enumerate(body):
         where = f"/api/v2/alerts[{i}]"
         try:
-            if raw.get("status", {}).get("state") != "active":
+            if not isinstance(raw, dict) or (raw.get("status") or {}).get("state") != "active":
                 continue
             labels = labels_field(raw.get("labels"), f"{where}.labels")
-            starts = time_field(raw.get("startsAt"), f"{where}.startsAt")
-            if starts is None:
-                raise PayloadError(f"{where}.startsAt is not set")
-            out.append(Alert(str(raw["fingerprint"]), "firing", labels, starts, None))
-        except (AttributeError, KeyError, PayloadError) as exc:
+            starts = start_field(raw.get("startsAt"), f"{where}.startsAt")
+            fingerprint = text_field(raw.get("fingerprint"), f"{where}.fingerprint")
+            out.append(Alert(fingerprint, "firing", labels, starts, None))
+        except (AttributeError, PayloadError) as exc:
             log.warning("skipping an alert Alertmanager listed that cannot be read: %s", exc)
     return out

@@ -10,19 +10,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 from apscheduler.schedulers.background import BackgroundScheduler
 from oomguard.remediator import httpserve
-from oomguard.remediator.actuator import Actuator, DryRunActuator, PluginActuator
+from oomguard.remediator.actuator import Actuator, ActuatorError, DryRunActuator, PluginActuator
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig, SecretFile
-from oomguard.remediator.controller import Controller, decide_for, make_target, plan, select
+from oomguard.remediator.controller import (
+    Controller,
+    make_target,
+    observe,
+    restarted_from,
+    select,
+)
+from oomguard.remediator.decision import Context, EngineInput, decide_fleet, needs_flags
 from oomguard.remediator.metrics import RemediatorMetrics
-from oomguard.remediator.policy import Observed
-from oomguard.remediator.restart import RestartBackend, SupervisorBackend
+from oomguard.remediator.restart import FlagView, RestartBackend, SupervisorBackend
+from oomguard.remediator.safety import Safety
 from oomguard.remediator.server import create_app
 from oomguard.remediator.standalone import PressureWatcher
 from oomguard.remediator.webhook import Webhook
@@ -73,12 +81,22 @@ class Remediator:
         # scheduler's "skipped: maximum number of running instances" notice is expected then.
         logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
         logging.getLogger("apscheduler.executors.default").setLevel(logging.ERROR)
-        self.app = create_app(self.controller, config.auth, config.max_body_bytes)
+        self.app = create_app(
+            self.controller,
+            config.auth,
+            config.max_body_bytes,
+            config.unhealthy_after_failed_passes,
+        )
 
     def _wake(self) -> None:
         # not started yet, or shutting down: the interval covers it
         with contextlib.suppress(Exception):
             self.scheduler.modify_job("reconcile", next_run_time=datetime.now(UTC))
+
+    def _resync_soon(self) -> None:
+        # a payload said alerts were left out of it: read Alertmanager now, not at the next tick
+        with contextlib.suppress(Exception):
+            self.scheduler.modify_job("resync", next_run_time=datetime.now(UTC))
 
     def _resync(self) -> None:
         try:
@@ -99,6 +117,7 @@ class Remediator:
             self._resync()
         c.reconcile()  # the engines' own state: a re-admission in progress carries on
         c.wake = self._wake
+        c.resync_soon = self._resync_soon
         s = self.scheduler
         s.add_job(
             c.reconcile,
@@ -111,7 +130,12 @@ class Remediator:
         am = self.config.alertmanager
         if self.config.mode == "alertmanager" and am and am.resync_seconds > 0:
             s.add_job(
-                self._resync, "interval", id="resync", seconds=am.resync_seconds, coalesce=True
+                self._resync,
+                "interval",
+                id="resync",
+                seconds=am.resync_seconds,
+                coalesce=True,
+                max_instances=1,
             )
         if self.watcher is not None and self.config.standalone:
             s.add_job(
@@ -151,12 +175,19 @@ def explain(
     webhook: Webhook,
     states: dict[str, dict[str, Any]] | None = None,
     actuator: Actuator | None = None,
+    backends: dict[str, RestartBackend] | None = None,
+    now: float | None = None,
 ) -> list[dict[str, Any]]:
     """What the remediator would do for this payload alone, target by target; changes nothing.
 
-    Engine states come from `states` (offline) or are read live through the actuator.
+    The same decision as the reconcile loop (decision.decide_fleet), with the same safety state:
+    the pause switch, cooldowns, budgets and answered restart episodes are rebuilt from the
+    audit log when it can be read. Engine states come from `states` (offline) or are read live
+    through the actuator; restart backends' flags are read live where a restart may be wanted.
     """
     reader = actuator or PluginActuator(timeout=config.actuation_timeout_seconds, attempts=1)
+    if backends is None:
+        backends = {} if config.dry_run else restart_backends(config)
     out: list[dict[str, Any]] = []
     selected = [(alert, select(alert, config.targets)) for alert in webhook.alerts]
     for alert, names in selected:
@@ -168,28 +199,70 @@ def explain(
                     "ignored": "not on the allowlist" if not names else f"ambiguous: {names}",
                 }
             )
+    try:
+        entries = AuditLog(config.audit_log).entries()
+    except OSError:
+        entries = []
+    safety = Safety(config.safety)
+    safety.restore(entries)
+    restarted = restarted_from(entries)
+    inputs = []
     for target in config.targets:
         mine = [a for a, names in selected if a.status == "firing" and names == [target.name]]
-        entry: dict[str, Any] = {"target": target.name, "alerts": [a.name for a in mine]}
-        try:
-            if states is not None and target.name in states:
-                state = states[target.name]
-            else:
-                secret = SecretFile(target.token_file) if target.token_file else None
+        if states is not None and target.name in states:
+            state: Any = states[target.name]
+        else:
+            secret = SecretFile(target.token_file) if target.token_file else None
+            try:
                 state = reader.state(make_target(target, secret))
-            observed = Observed.from_state(state)
-        except Exception as exc:
-            entry["held"] = f"cannot read the engine's state: {exc}"
+            except ActuatorError as exc:
+                state = exc
+        engine = EngineInput(
+            target.name,
+            target.model,
+            tuple(mine),
+            observe(state),
+            restartable=target.name in backends and not config.dry_run,
+            restarted=frozenset(restarted.get(target.name, ())),
+        )
+        if needs_flags(engine, config.policy):
+            view: FlagView | None
+            try:
+                view = backends[target.name].flags()
+            except (ActuatorError, KeyError, TypeError, ValueError):
+                view = None
+            engine = EngineInput(**{**engine.__dict__, "flags": view})
+        inputs.append(engine)
+    ctx = Context(
+        config.policy,
+        config.safety,
+        config.flags,
+        safety.state(),
+        time.time() if now is None else now,
+    )
+    for v in decide_fleet(inputs, ctx):
+        entry: dict[str, Any] = {
+            "target": v.target,
+            "alerts": sorted(a.name for a in next(e for e in inputs if e.name == v.target).alerts),
+        }
+        if v.observed is None or v.desired is None:
+            entry["held"] = f"cannot read the engine's state: {v.message}"
             out.append(entry)
             continue
-        desired = decide_for(mine, observed, config.policy)
         entry.update(
-            observed={"cap": observed.admission_cap, "draining": observed.draining},
-            desired={"cap": desired.cap, "draining": desired.draining, "phase": desired.phase},
-            reason=desired.reason,
-            steps=[f"{k} {cap}" if cap is not None else k for k, cap in plan(observed, desired)],
+            observed={"cap": v.observed.admission_cap, "draining": v.observed.draining},
+            desired={
+                "cap": v.desired.cap,
+                "draining": v.desired.draining,
+                "phase": v.desired.phase,
+            },
+            reason=v.desired.reason,
+            steps=[s.describe() for s in v.taken],
+            withheld=[s.describe() for s in v.steps if s.withheld],
         )
-        if config.safety.paused or config.dry_run:
+        if v.held:
+            entry["held"] = v.message
+        if safety.paused or config.dry_run:
             entry["note"] = "paused or dry run: nothing would be changed"
         out.append(entry)
     return out

@@ -74,6 +74,16 @@ class RemediatorMetrics:
         self.paused = Gauge(
             "oomguard_remediator_paused", _help("oomguard_remediator_paused"), registry=r
         )
+        self.pass_failures = Counter(
+            "oomguard_remediator_pass_failures",
+            _help("oomguard_remediator_pass_failures_total"),
+            registry=r,
+        )
+        self.last_pass = Gauge(
+            "oomguard_remediator_last_pass_timestamp_seconds",
+            _help("oomguard_remediator_last_pass_timestamp_seconds"),
+            registry=r,
+        )
         for outcome in WEBHOOK_OUTCOMES:  # present at 0 from the start, so rate() works
             self.webhooks.labels(outcome)
 

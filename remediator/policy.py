@@ -10,9 +10,13 @@ Defaults from the field:
 - `lower_cap` (sustained preemptions, memory pressure): lower the cap by 20 % per step, at once
   from full admission, then one step per `step_seconds`, never below `floor`;
 - `drain` (critical memory): stop admitting; running requests finish;
-- when nothing asks for action: resume if draining, then staged re-admission: cap 1, raise only
-  after `readmit_successes` admissions that finished with no preemption since the last change,
-  doubling per stage up to the engine's startup `max_num_seqs`.
+- `hold` (the exporter is blind to the engine: no data, stale data): change nothing, in either
+  direction, until it can see again;
+- when nothing asks for action: resume if draining, then staged re-admission, by the field rule
+  of a long-context serving team (docs/remediator.md): admit one request at a time (cap
+  `readmit_start`), and go back to full admission after `readmit_successes` admissions that
+  finished with no preemption since the last change (`readmit_stages: field`); or, with
+  `readmit_stages: doubling`, multiply the cap by `readmit_growth` per clean stage.
 KV-cache usage alone never leads to an action.
 """
 
@@ -26,8 +30,8 @@ from typing import Literal
 from oomguard.remediator.webhook import Alert
 from pydantic import BaseModel, ConfigDict, Field
 
-Action = Literal["lower_cap", "drain", "restart"]
-ACTIONS: tuple[Action, ...] = ("drain", "lower_cap", "restart")  # in order of precedence
+Action = Literal["lower_cap", "drain", "restart", "hold"]
+ACTIONS: tuple[Action, ...] = ("hold", "drain", "lower_cap", "restart")  # in order of precedence
 # Alerts that never act, whatever a label or the policy says: KV near 100 % is normal for vLLM.
 NEVER_ACT = frozenset({"OomguardKVCacheUsageHigh", "OomguardMemoryCaution", "Watchdog"})
 
@@ -42,7 +46,14 @@ class PolicyConfig(BaseModel):
     readmit_successes: int = Field(
         5, ge=1, description="Clean admissions needed before the next re-admission stage."
     )
-    readmit_growth: float = Field(2.0, gt=1, description="Cap multiplier per re-admission stage.")
+    readmit_stages: Literal["field", "doubling"] = Field(
+        "field",
+        description="field: after the first clean stage, full admission; doubling: multiply "
+        "the cap by readmit_growth per clean stage.",
+    )
+    readmit_growth: float = Field(
+        2.0, gt=1, description="Cap multiplier per stage (readmit_stages: doubling)."
+    )
     actions: dict[str, Action] = Field(
         default_factory=dict,
         description="Alert name -> action; overrides the alert's oomguard_action label.",
@@ -60,6 +71,13 @@ class Observed:
     admitted_since_cap_change: int
     finished_since_cap_change: int
     preemptions_since_cap_change: int
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and nothing queued: a restart now loses no request."""
+        return self.running == 0 and self.waiting == 0
 
     @classmethod
     def from_state(cls, state: dict[str, object]) -> Observed:
@@ -73,10 +91,12 @@ class Observed:
             admitted_since_cap_change=int(since["admitted"]),
             finished_since_cap_change=int(since["finished"]),
             preemptions_since_cap_change=int(since["preemptions"]),
+            running=int(state.get("running", 0)),  # type: ignore[call-overload]
+            waiting=int(state.get("waiting", 0)),  # type: ignore[call-overload]
         )
 
 
-Phase = Literal["serving", "capped", "draining", "readmitting"]
+Phase = Literal["serving", "capped", "draining", "readmitting", "held"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +126,10 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
     def clamp(cap: float) -> int:
         return max(1, min(startup, int(cap)))
 
+    if "hold" in actions:
+        return Desired(
+            observed.draining, clamp(current), "held", "the exporter is blind to this engine: hold"
+        )
     if "drain" in actions:
         return Desired(True, clamp(current), "draining", "critical memory: drain")
     if "lower_cap" in actions or "restart" in actions:
@@ -139,6 +163,8 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
         and observed.finished_since_cap_change >= policy.readmit_successes
     )
     if clean:
+        if policy.readmit_stages == "field":
+            return Desired(False, startup, "readmitting", "clean admissions: full admission")
         grown = max(current + 1, math.ceil(current * policy.readmit_growth))
         return Desired(False, clamp(grown), "readmitting", "clean stage: raise the cap")
     return Desired(

@@ -1,6 +1,6 @@
-"""The restart actuator: drain, let in-flight requests finish, restart with adjusted flags, wait
-for ready, hand over to staged re-admission. Every step is audited; a step that fails stops the
-sequence, leaves the engine serving if it still can, and reports.
+"""The restart actuator: drain, let in-flight and queued requests finish, restart with adjusted
+flags, wait for ready, hand over to staged re-admission. Every step is audited; a step that fails
+stops the sequence, leaves the engine serving if it still can, and reports.
 
 Backends restart the engine with new flags and report the flags in force:
 - `SupervisorBackend`: `oomguard serve` on the engine's host (remediator/supervisor.py);
@@ -127,20 +127,16 @@ class RestartSequence:
         note("drain", "ok", "admissions stopped; waiting for in-flight requests")
 
         deadline = self.clock() + self.drain_timeout
-        while True:
-            try:
-                running = int(self.plugin.state(target)["running"])
-            except (ActuatorError, KeyError, TypeError, ValueError):
-                running = -1
-            if running == 0:
-                break
+        while not self._idle(target):
             if self.clock() > deadline:
-                message = f"in-flight requests did not finish in {self.drain_timeout:.0f} s"
+                message = (
+                    f"requests in flight or queued did not finish in {self.drain_timeout:.0f} s"
+                )
                 self._resume(target)
                 note("wait_idle", "failed", message + "; resumed, not restarted")
                 return RestartResult(False, "wait_idle", message)
             time.sleep(self.poll)
-        note("wait_idle", "ok", "no request in flight")
+        note("wait_idle", "ok", "no request in flight or queued")
 
         try:
             self.backend.restart(flags, self.readmit_start, reason)
@@ -180,6 +176,17 @@ class RestartSequence:
         message = f"not ready {self.ready_timeout:.0f} s after the restart"
         note("wait_ready", "failed", message)
         return RestartResult(False, "wait_ready", message)
+
+    def _idle(self, target: Target) -> bool:
+        """Nothing running and nothing queued (or the plugin says it is drained): a restart now
+        drops no request. Running alone is not enough: a queued request would be lost."""
+        try:
+            state = self.plugin.state(target)
+            if state.get("drained") is True:
+                return True
+            return int(state["running"]) == 0 and int(state["waiting"]) == 0
+        except (ActuatorError, KeyError, TypeError, ValueError):
+            return False
 
     def _resume(self, target: Target) -> None:
         # a failure here is reported by the step that failed; the reconcile loop sees the state

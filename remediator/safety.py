@@ -1,21 +1,28 @@
 """Safety limits between a decision and an action: pause, cooldown, rate limit, disruption budget.
 
-`check` names the limit that withholds an action (counted in
-oomguard_remediator_safety_limited_total{limit}) or returns None. Draining is held to a budget per
-model: never more than `max_draining_per_model` engines of one model at once, and never the last
-one that is ready (draining every replica is an outage the remediator would have caused).
+`limit` is pure: it names the limit that withholds an action (counted in
+oomguard_remediator_safety_limited_total{limit}) or returns None, from a `SafetyState` snapshot.
+Draining is held to a budget per model: never more than `max_draining_per_model` engines of one
+model at once, and never the last one that is ready (draining every replica is an outage the
+remediator would have caused) unless `allow_last_replica` says a single replica may go.
+
+The state (pause, each target's recent actions) survives restarts: it is rebuilt from the audit
+log, where every action and every pause is recorded and fsynced before it counts. A remediator
+that crash-loops therefore cannot reset its own cooldowns and budget.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 OUT_OF_SERVICE = frozenset({"drain", "restart"})
+DISRUPTIVE = frozenset({"drain", "lower_cap", "restart"})  # cooldown, rate limit, budget
+COUNTED_RESULTS = frozenset({"ok", "started", "dry_run"})  # audited actions that used budget
 
 
 class SafetyConfig(BaseModel):
@@ -30,6 +37,12 @@ class SafetyConfig(BaseModel):
     max_draining_per_model: int = Field(
         1, ge=1, description="Engines of one model draining at once."
     )
+    allow_last_replica: bool = Field(
+        False,
+        description="Let a drain or a restart take a model's last ready engine (a single "
+        "replica). Off by default: it is an outage. On: 503 with Retry-After beats a CUDA OOM "
+        "that loses every request in flight.",
+    )
 
 
 @dataclass(frozen=True)
@@ -39,36 +52,93 @@ class EngineView:
     reachable: bool
 
 
+@dataclass(frozen=True)
+class SafetyState:
+    """What the limits look at: the pause switch and each target's recent actions."""
+
+    paused: bool = False
+    history: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
+
+    def with_action(self, target: str, at: float, action: str) -> SafetyState:
+        history = dict(self.history)
+        history[target] = (*history.get(target, ()), (at, action))
+        return SafetyState(self.paused, history)
+
+
+def limit(
+    config: SafetyConfig,
+    state: SafetyState,
+    now: float,
+    target: str,
+    action: str,
+    fleet: Mapping[str, EngineView],
+) -> str | None:
+    """The limit that withholds `action` on `target` at `now`, or None to go ahead."""
+    if state.paused:
+        return "pause"
+    if action not in DISRUPTIVE:
+        return None  # restoring capacity is paced by the policy, not by these limits
+    c = config
+    recent = [(t, k) for t, k in state.history.get(target, ()) if now - t <= c.window_seconds]
+    if recent and now - recent[-1][0] < c.cooldown_seconds:
+        return "cooldown"
+    # Lowering steps never use up the budget of a drain or restart: a long incident that
+    # stepped the cap down must still be able to take the engine out when it turns critical.
+    counted = [k for _, k in recent if action not in OUT_OF_SERVICE or k in OUT_OF_SERVICE]
+    if len(counted) >= c.max_actions:
+        return "rate_limit"
+    if action in OUT_OF_SERVICE:
+        me = fleet[target]
+        peers = {n: v for n, v in fleet.items() if v.model == me.model and n != target}
+        if sum(v.draining for v in peers.values()) >= c.max_draining_per_model:
+            return "disruption_budget"
+        if not c.allow_last_replica and not any(
+            v.reachable and not v.draining for v in peers.values()
+        ):
+            return "last_ready"
+    return None
+
+
 class Safety:
-    def __init__(self, config: SafetyConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    """The live safety state of one remediator (the controller's), around the pure `limit`."""
+
+    def __init__(self, config: SafetyConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
-        self.clock = clock
-        self._history: dict[str, deque[tuple[float, str]]] = {}
+        self.clock = clock  # wall time: the history is rebuilt from audited wall times
+        self.paused = config.paused
+        self._history: dict[str, list[tuple[float, str]]] = {}
+
+    def state(self) -> SafetyState:
+        now = self.clock()
+        window = self.config.window_seconds
+        history = {
+            t: tuple(h for h in entries if now - h[0] <= window)
+            for t, entries in self._history.items()
+        }
+        return SafetyState(self.paused, history)
 
     def check(self, target: str, action: str, fleet: Mapping[str, EngineView]) -> str | None:
-        """The limit that withholds `action` on `target` now, or None to go ahead."""
-        c = self.config
-        if c.paused:
-            return "pause"
-        now = self.clock()
-        history = self._history.get(target, deque())
-        while history and now - history[0][0] > c.window_seconds:
-            history.popleft()
-        if history and now - history[-1][0] < c.cooldown_seconds:
-            return "cooldown"
-        # Lowering steps never use up the budget of a drain or restart: a long incident that
-        # stepped the cap down must still be able to take the engine out when it turns critical.
-        counted = [k for _, k in history if action not in OUT_OF_SERVICE or k in OUT_OF_SERVICE]
-        if len(counted) >= c.max_actions:
-            return "rate_limit"
-        if action in OUT_OF_SERVICE:
-            me = fleet[target]
-            peers = {n: v for n, v in fleet.items() if v.model == me.model and n != target}
-            if sum(v.draining for v in peers.values()) >= c.max_draining_per_model:
-                return "disruption_budget"
-            if not any(v.reachable and not v.draining for v in peers.values()):
-                return "last_ready"
-        return None
+        return limit(self.config, self.state(), self.clock(), target, action, fleet)
 
-    def record(self, target: str, action: str = "lower_cap") -> None:
-        self._history.setdefault(target, deque()).append((self.clock(), action))
+    def record(self, target: str, action: str = "lower_cap", at: float | None = None) -> None:
+        entries = self._history.setdefault(target, [])
+        entries.append((self.clock() if at is None else at, action))
+        del entries[: max(0, len(entries) - 10 * self.config.max_actions)]  # bounded
+
+    def restore(self, entries: Iterable[Mapping[str, Any]]) -> None:
+        """Rebuild the pause switch and the recent actions from the audit log (oldest first).
+        The configuration's `paused: true` wins over an audited unpause."""
+        now = self.clock()
+        for e in entries:
+            event, at = e.get("event"), e.get("time")
+            if event in ("paused", "unpaused"):
+                self.paused = self.config.paused or event == "paused"
+            elif (
+                event == "acted"
+                and e.get("action") in DISRUPTIVE
+                and e.get("result") in COUNTED_RESULTS
+                and isinstance(at, int | float)
+                and now - at <= self.config.window_seconds
+                and isinstance(e.get("target"), str)
+            ):
+                self.record(e["target"], e["action"], float(at))

@@ -5,7 +5,7 @@
   GET  /v1/targets        every allowlisted target's desired and observed state (authenticated)
   PUT  /v1/pause          {"paused": bool, "reason": str}: the global pause switch (authenticated)
   GET  /metrics           the remediator's own metrics
-  GET  /healthz           liveness
+  GET  /healthz           liveness: 503 after `unhealthy_after_failed_passes` failed passes
 
 TLS: terminate it in front (ingress, service mesh, or a local proxy); Alertmanager's `http_config`
 carries the same credentials either way.
@@ -13,7 +13,6 @@ carries the same credentials either way.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from oomguard.remediator.auth import Authenticator
 from oomguard.remediator.config import AuthConfig
 from oomguard.remediator.controller import Controller
-from oomguard.remediator.webhook import PayloadError, parse
+from oomguard.remediator.webhook import BodyTooLarge, PayloadError, load_json, parse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -49,7 +48,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_app(controller: Controller, auth: AuthConfig, max_body_bytes: int) -> Starlette:
+def create_app(
+    controller: Controller, auth: AuthConfig, max_body_bytes: int, unhealthy_after: int = 3
+) -> Starlette:
     authn = Authenticator(auth)
     webhooks = controller.metrics.webhooks
 
@@ -74,7 +75,9 @@ def create_app(controller: Controller, auth: AuthConfig, max_body_bytes: int) ->
         except TooLarge as exc:
             return refuse(413, "too_large", str(exc))
         try:
-            webhook = parse(body)
+            webhook = parse(body, max_body_bytes)
+        except BodyTooLarge as exc:
+            return refuse(413, "too_large", str(exc))
         except PayloadError as exc:
             log.warning("refused a webhook: %s", exc)
             return refuse(400, "invalid", str(exc))
@@ -107,8 +110,8 @@ def create_app(controller: Controller, auth: AuthConfig, max_body_bytes: int) ->
         if not authn.allows(request.headers.get("authorization", "")):
             return unauthorized()
         try:
-            data: Any = json.loads(await read_body(request, 4096))
-        except (TooLarge, ValueError):
+            data: Any = load_json(await read_body(request, 4096))
+        except (TooLarge, PayloadError):
             data = None
         if (
             not isinstance(data, dict)
@@ -131,7 +134,12 @@ def create_app(controller: Controller, auth: AuthConfig, max_body_bytes: int) ->
         )
 
     async def healthz(_: Request) -> Response:
-        return JSONResponse({"status": "ok", "paused": controller.paused})
+        failed = controller.failed_passes
+        if failed >= unhealthy_after:
+            return JSONResponse(
+                {"status": "failing", "failed_passes": failed, "paused": controller.paused}, 503
+            )
+        return JSONResponse({"status": "ok", "failed_passes": failed, "paused": controller.paused})
 
     return Starlette(
         routes=[

@@ -55,21 +55,29 @@ def test_critical_drains_and_resolution_resumes_at_the_first_stage():
     assert not resumed.draining and resumed.cap == 1 and resumed.phase == "readmitting"
 
 
-def test_staged_readmission_doubles_after_clean_admissions_up_to_startup():
+def test_readmission_goes_to_full_after_five_clean_single_admissions():
+    # the field rule: admit one at a time, full admission after 5 clean single admissions
     waiting = decide(set(), obs(cap=1, admitted=4, finished=4), POLICY)
     assert waiting.cap == 1  # 4 of 5
     preempted = decide(set(), obs(cap=1, admitted=9, finished=9, preempted=1), POLICY)
     assert preempted.cap == 1  # not clean
-    caps = [1]
-    while caps[-1] < 64:
-        caps.append(decide(set(), obs(cap=caps[-1], admitted=5, finished=5), POLICY).cap)
-    assert caps == [1, 2, 4, 8, 16, 32, 64]
+    assert decide(set(), obs(cap=1, admitted=5, finished=5), POLICY).cap == 64
     assert decide(set(), obs(cap=64), POLICY).phase == "serving"
 
 
+def test_doubling_stages_when_configured():
+    doubling = POLICY.model_copy(update={"readmit_stages": "doubling"})
+    caps = [1]
+    while caps[-1] < 64:
+        caps.append(decide(set(), obs(cap=caps[-1], admitted=5, finished=5), doubling).cap)
+    assert caps == [1, 2, 4, 8, 16, 32, 64]
+
+
 def test_a_restarted_remediator_continues_a_readmission_where_the_engine_is():
-    # nothing but the engine's own state is needed to pick up at stage 8
-    assert decide(set(), obs(cap=8, admitted=6, finished=5), POLICY).cap == 16
+    # nothing but the engine's own state is needed to pick up at the stage it is in
+    assert decide(set(), obs(cap=8, admitted=6, finished=5), POLICY).cap == 64
+    doubling = POLICY.model_copy(update={"readmit_stages": "doubling"})
+    assert decide(set(), obs(cap=8, admitted=6, finished=5), doubling).cap == 16
 
 
 observed = st.builds(

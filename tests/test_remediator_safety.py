@@ -26,14 +26,15 @@ def test_cooldown_then_rate_limit_per_target():
     clock = Clock()
     s = Safety(SafetyConfig(cooldown_seconds=10, max_actions=3, window_seconds=100), clock)
     for _ in range(3):
-        assert s.check("a", "set_cap", FLEET) is None
+        assert s.check("a", "lower_cap", FLEET) is None
         s.record("a")
-        assert s.check("a", "set_cap", FLEET) == "cooldown"
-        assert s.check("b", "set_cap", FLEET) is None  # other targets are not held
+        assert s.check("a", "lower_cap", FLEET) == "cooldown"
+        assert s.check("b", "lower_cap", FLEET) is None  # other targets are not held
+        assert s.check("a", "raise_cap", FLEET) is None  # restoring capacity is never held
         clock.now += 11
-    assert s.check("a", "set_cap", FLEET) == "rate_limit"
+    assert s.check("a", "lower_cap", FLEET) == "rate_limit"
     clock.now += 100  # the window slides
-    assert s.check("a", "set_cap", FLEET) is None
+    assert s.check("a", "lower_cap", FLEET) is None
 
 
 def test_never_drain_the_last_ready_replica_or_past_the_budget():

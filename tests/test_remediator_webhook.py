@@ -50,7 +50,8 @@ def test_parses_a_version_4_payload_and_reads_each_alerts_own_status():
     assert [(a.fingerprint, a.status) for a in hook.alerts] == [("a", "firing"), ("b", "resolved")]
     assert hook.alerts[0].ends_at is None and hook.alerts[1].ends_at is not None
     assert hook.alerts[0].starts_at == T0 and hook.alerts[0].name == "OomguardMemoryCritical"
-    assert hook.alerts[0].dedup_key == ("a", T0, "firing")
+    assert hook.alerts[0].dedup_key == (hook.alerts[0].key, T0, "firing")
+    assert hook.alerts[0].key.startswith("a/")
     assert hook.receiver == "remediator"
 
 

@@ -1,0 +1,275 @@
+"""The remediator's one decision: firing alerts + engine states + safety state -> steps.
+
+Pure (no I/O, no clock of its own): the reconcile loop (controller.py) and `explain` (main.py)
+both call `decide_fleet`, so what `explain` prints is what the loop does, withheld steps and
+their limits included. Per target, in this order:
+
+1. hold when the restart sequence owns the engine, when its state cannot be read, or when an
+   alert says the exporter is blind to it (`hold`): blind is not healthy, so nothing is changed
+   in either direction, re-admission included;
+2. restart with lower memory flags (targets with a restart backend): when an alert asks for one,
+   or when memory stays critical after a drain (the engine is drained and idle and the drain
+   alert still fires: only a restart with a lower gpu_memory_utilization gives KV-pool memory
+   back); once per alert episode. Or walk the flags back after a quiet period. A restart held
+   back by a safety limit falls through to capping;
+3. the policy's desired state, planned into steps; a drain refused by the disruption budget or
+   the last-ready rule caps instead; every step goes through the safety limits.
+
+Targets are decided in order, and each drain or restart decided counts against the next targets'
+disruption budget and its own cooldown, as the loop will have executed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from oomguard.remediator.flags import FlagLimits, Flags
+from oomguard.remediator.policy import Desired, Observed, PolicyConfig, actions_for, decide
+from oomguard.remediator.restart import FlagView
+from oomguard.remediator.safety import (
+    DISRUPTIVE,
+    EngineView,
+    SafetyConfig,
+    SafetyState,
+    limit,
+)
+from oomguard.remediator.webhook import Alert
+
+FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})  # drain refused: cap instead
+OUT_OF_SERVICE_STEPS = frozenset({"drain", "restart"})
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """Why an engine's state is not known this pass (the engine is held)."""
+
+    reason: str  # a short label: unreachable, timeout, auth, bad_state, ...
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    name: str
+    model: str
+    alerts: tuple[Alert, ...]  # the firing alerts routed to this engine
+    state: Observed | Unreadable
+    restartable: bool = False  # a restart backend is configured (and not a dry run)
+    flags: FlagView | None = None  # the backend's flags, when a restart may be wanted
+    restarted: frozenset[str] = frozenset()  # alert episodes a restart already answered
+    restarting: bool = False  # a restart sequence owns the engine now
+
+
+@dataclass(frozen=True)
+class Context:
+    policy: PolicyConfig
+    safety: SafetyConfig
+    limits: FlagLimits
+    state: SafetyState
+    now: float  # wall clock, the safety history's time base
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # drain | resume | lower_cap | raise_cap | readmit | restart
+    cap: int | None = None
+    reason: str = ""
+    withheld: str | None = None  # the safety limit holding it back (not executed)
+    flags: Flags | None = None  # restart: the flags to restart with
+    episode: str | None = None  # restart: the episode it answers
+    covers: tuple[str, ...] = ()  # restart: every drain/restart episode it answers
+
+    def describe(self) -> str:
+        what = self.kind
+        if self.cap is not None:
+            what += f" {self.cap}"
+        if self.flags is not None:
+            what += (
+                f" gpu_memory_utilization={self.flags.gpu_memory_utilization:g}"
+                f" max_num_seqs={self.flags.max_num_seqs}"
+            )
+        return what + (f" (withheld: {self.withheld})" if self.withheld else "")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: str
+    observed: Observed | None
+    desired: Desired | None
+    steps: tuple[Step, ...] = ()
+    held: str | None = None  # restarting | blind | the reason the state cannot be read
+    message: str = ""
+    fingerprints: tuple[str, ...] = field(default=())
+
+    @property
+    def taken(self) -> list[Step]:
+        """The steps the loop executes (the withheld ones are only recorded)."""
+        return [s for s in self.steps if s.withheld is None]
+
+
+def plan(observed: Observed, desired: Desired) -> list[tuple[str, int | None]]:
+    """The writes that take an engine from `observed` to `desired`, in a safe order."""
+    if desired.draining:
+        return [] if observed.draining else [("drain", None)]
+    steps: list[tuple[str, int | None]] = []
+    if desired.cap != observed.admission_cap:
+        if observed.draining:
+            kind = "readmit"  # the first stage's cap, set while still drained: costs nothing
+        else:
+            kind = "lower_cap" if desired.cap < observed.admission_cap else "raise_cap"
+        steps.append((kind, desired.cap))
+    if observed.draining:
+        steps.append(("resume", None))  # after the cap: never resume at the old, higher cap
+    return steps
+
+
+def episodes(alerts: Iterable[Alert], action: str, policy: PolicyConfig) -> list[str]:
+    """The episodes (fingerprint@startsAt) of the alerts asking for `action`, newest last."""
+    asking = [a for a in alerts if action in actions_for([a], policy)]
+    return [a.episode for a in sorted(asking, key=lambda a: (a.starts_at, a.key))]
+
+
+def needs_flags(engine: EngineInput, policy: PolicyConfig) -> bool:
+    """Whether deciding this engine may need its restart backend's flags (read them only then:
+    a backend call per engine per pass would be wasted)."""
+    if not engine.restartable or not isinstance(engine.state, Observed):
+        return False
+    o, done = engine.state, engine.restarted
+    actions = actions_for(engine.alerts, policy)
+    if "hold" in actions:
+        return False
+    if any(e not in done for e in episodes(engine.alerts, "restart", policy)):
+        return True
+    critical = episodes(engine.alerts, "drain", policy)
+    if o.draining and o.idle and any(e not in done for e in critical):
+        return True
+    return not actions and not o.draining and o.admission_cap >= o.startup_max_num_seqs
+
+
+def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
+    """The restart this engine needs now, if any (before safety limits)."""
+    view, done, policy = engine.flags, engine.restarted, ctx.policy
+    if not engine.restartable or view is None:
+        return None
+    asked = [e for e in episodes(engine.alerts, "restart", policy) if e not in done]
+    critical = [e for e in episodes(engine.alerts, "drain", policy) if e not in done]
+    covers = tuple(asked + critical)
+    if asked:
+        reason = "restart with lower memory flags"
+        return Step(
+            "restart",
+            reason=reason,
+            flags=view.current.lower(ctx.limits),
+            episode=asked[-1],
+            covers=covers,
+        )
+    if critical and o.draining and o.idle:
+        reason = "memory stays critical after the drain: restart with lower memory flags"
+        return Step(
+            "restart",
+            reason=reason,
+            flags=view.current.lower(ctx.limits),
+            episode=critical[-1],
+            covers=covers,
+        )
+    quiet = ctx.now - view.changed_at >= ctx.limits.walk_back_after_seconds
+    if (
+        not actions_for(engine.alerts, policy)
+        and not o.draining
+        and o.admission_cap >= o.startup_max_num_seqs
+        and view.current != view.original
+        and quiet
+    ):
+        flags = view.current.toward(view.original, ctx.limits)
+        if flags != view.current:
+            episode = f"walk-back@{view.changed_at}"
+            return Step(
+                "restart", reason="walk flags back", flags=flags, episode=episode, covers=(episode,)
+            )
+    return None
+
+
+def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
+    """Every engine's verdict, in order (see the module's docstring)."""
+    fleet = {
+        e.name: EngineView(
+            e.model,
+            draining=e.restarting or (isinstance(e.state, Observed) and e.state.draining),
+            reachable=isinstance(e.state, Observed),
+        )
+        for e in engines
+    }
+    safety = ctx.state
+    verdicts: list[Verdict] = []
+
+    def check(name: str, kind: str) -> str | None:
+        return limit(ctx.safety, safety, ctx.now, name, kind, fleet)
+
+    for e in engines:
+        fps = tuple(sorted({a.fingerprint for a in e.alerts}))
+        o = e.state if isinstance(e.state, Observed) else None
+        if e.restarting:
+            verdicts.append(Verdict(e.name, o, None, held="restarting", fingerprints=fps))
+            continue
+        if isinstance(e.state, Unreadable):
+            verdicts.append(
+                Verdict(
+                    e.name,
+                    None,
+                    None,
+                    held=e.state.reason,
+                    message=e.state.message,
+                    fingerprints=fps,
+                )
+            )
+            continue
+        assert o is not None
+        actions = actions_for(e.alerts, ctx.policy)
+        if "hold" in actions:
+            desired = decide(actions, o, ctx.policy)
+            verdicts.append(
+                Verdict(e.name, o, desired, held="blind", message=desired.reason, fingerprints=fps)
+            )
+            continue
+        steps: list[Step] = []
+        restart = _restart(e, o, ctx)
+        if restart is not None:
+            why = check(e.name, "restart")
+            if why is None:
+                safety = safety.with_action(e.name, ctx.now, "restart")
+                fleet[e.name] = EngineView(e.model, draining=True, reachable=True)
+                desired = Desired(True, o.admission_cap, "draining", restart.reason)
+                verdicts.append(Verdict(e.name, o, desired, (restart,), fingerprints=fps))
+                continue
+            steps.append(replace(restart, withheld=why))
+        # A restart asked for but not possible here (none configured, done, or withheld) caps;
+        # an episode a restart already answered asks for no more than a cap.
+        wanted = set(actions) - {"restart"}
+        if "restart" in actions:
+            wanted.add("lower_cap")
+        drains = episodes(e.alerts, "drain", ctx.policy)
+        if drains and all(ep in e.restarted for ep in drains):
+            wanted.discard("drain")
+            wanted.add("lower_cap")
+        desired = decide(wanted, o, ctx.policy)  # type: ignore[arg-type]
+        planned = plan(o, desired)
+        if planned and planned[0][0] == "drain":
+            why = check(e.name, "drain")
+            if why in FALLBACK_LIMITS:
+                # draining would take the model's last capacity: hold it at a lower cap instead
+                steps.append(Step("drain", reason=desired.reason, withheld=why))
+                capped = decide((wanted - {"drain"}) | {"lower_cap"}, o, ctx.policy)  # type: ignore[arg-type]
+                desired = Desired(False, capped.cap, "capped", f"{why}: capping, not draining")
+                planned = plan(o, desired)
+        for kind, cap in planned:
+            why = check(e.name, kind)
+            if why is not None:
+                steps.append(Step(kind, cap, desired.reason, withheld=why))
+                break
+            steps.append(Step(kind, cap, desired.reason))
+            if kind in DISRUPTIVE:
+                safety = safety.with_action(e.name, ctx.now, kind)
+            if kind in ("drain", "resume"):
+                fleet[e.name] = EngineView(e.model, draining=kind == "drain", reachable=True)
+        verdicts.append(Verdict(e.name, o, desired, tuple(steps), fingerprints=fps))
+    return verdicts
