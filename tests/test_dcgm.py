@@ -5,7 +5,11 @@ from oomguard.exporter.collectors.dcgm import MIB, DcgmCollector
 from oomguard.exporter.render import FamilyBuilder
 
 from oomguard.errors import CollectorError
-from tests.conftest import DCGM_K8S, DCGM_MIG
+from tests.conftest import DCGM_K8S, DCGM_MIG, FIXTURES
+
+DCGM_OLD_NAMESPACE = FIXTURES / "dcgm" / "h100x2-old-namespace.constructed.prom"
+DCGM_A100_MIG_REAL = FIXTURES / "dcgm" / "a100-mig-gpu-operator.real.prom"
+DCGM_T4_POD_REAL = FIXTURES / "dcgm" / "t4-whole-gpu-pod.real.prom"
 
 LABELS = 'gpu="0",UUID="GPU-x",pci_bus_id="00000000:18:00.0",device="nvidia0",modelName="H100"'
 
@@ -22,7 +26,7 @@ def test_k8s_fixture_converts_mib_and_keeps_pod_usage_apart():
     g0 = by_gpu["0"]
     assert g0.used == 73402 * MIB and g0.free == 7590 * MIB and g0.reserved == 567 * MIB
     assert g0.total == (73402 + 7590 + 567) * MIB  # FB_TOTAL is optional: derived
-    assert g0.identity.hostname == "gpu-node-01"  # `Hostname` spelling (<= 4.5.x)
+    assert g0.identity.hostname == "fallback"  # the node name is ours, never dcgm's label
     assert by_gpu["1"].used == 1 * MIB
     assert [(p[2], p[4]) for p in reading.pods] == [
         ("vllm-llama3-70b-7d9c6b5f4-x2k8q", 73402 * MIB)
@@ -33,7 +37,7 @@ def test_k8s_fixture_converts_mib_and_keeps_pod_usage_apart():
 def test_mig_fixture_instances_are_separate_and_never_summed():
     reading = DcgmCollector("fallback", file=str(DCGM_MIG)).collect()
     assert sorted(g.identity.gpu_instance_id for g in reading.gpus) == ["2", "9"]
-    assert all(g.identity.hostname == "gpu-node-07" for g in reading.gpus)  # lowercase label
+    assert all(g.identity.hostname == "fallback" for g in reading.gpus)  # not dcgm's label
     i2 = next(g for g in reading.gpus if g.identity.gpu_instance_id == "2")
     assert i2.used == 39180 * MIB and i2.free == 1204 * MIB
     assert i2.identity.gpu_instance_profile == "3g.40gb"
@@ -99,3 +103,62 @@ def test_reads_from_an_http_endpoint(local_server):
     collector.families(reading, out)
     names = {f.spec.name for f in out.families()}
     assert names == {"oomguard_gpu_pod_memory_used_bytes", "oomguard_gpu_last_xid"}
+
+
+def test_old_namespace_labels_keep_two_gpus_apart_and_map_pods():
+    # Before: `uuid` was not read, both GPUs had UUID "" and merged into one; GPU 1 vanished.
+    reading = DcgmCollector("node-a", file=str(DCGM_OLD_NAMESPACE)).collect()
+    by_uuid = {g.identity.uuid: g for g in reading.gpus}
+    assert set(by_uuid) == {
+        "GPU-3f7c1a2e-5b1d-4c0e-9a7f-2d6b8e4c1a90",
+        "GPU-8a2d4c6e-1f3b-4e5d-8c7a-9b0e1d2c3f45",
+    }
+    assert by_uuid["GPU-3f7c1a2e-5b1d-4c0e-9a7f-2d6b8e4c1a90"].used == 73402 * MIB
+    assert by_uuid["GPU-8a2d4c6e-1f3b-4e5d-8c7a-9b0e1d2c3f45"].used == 1 * MIB
+    ((identity, namespace, pod, container, used),) = reading.pods
+    assert identity.uuid == "GPU-3f7c1a2e-5b1d-4c0e-9a7f-2d6b8e4c1a90"
+    assert (namespace, pod, container, used) == (
+        "llm-serving",
+        "vllm-llama3-70b-7d9c6b5f4-x2k8q",
+        "vllm",
+        73402 * MIB,
+    )
+
+
+def test_the_node_name_is_the_exporters_not_the_dcgm_exporter_pods():
+    # Real GPU Operator capture: Hostname is "nvidia-dcgm-exporter-q28k4", the exporter's pod.
+    assert 'Hostname="nvidia-dcgm-exporter-q28k4"' in DCGM_A100_MIG_REAL.read_text()
+    reading = DcgmCollector("gpu-node-7", file=str(DCGM_A100_MIG_REAL)).collect()
+    assert {g.identity.hostname for g in reading.gpus} == {"gpu-node-7"}
+    used = {g.identity.gpu_instance_id: g.used for g in reading.gpus}
+    assert used == {"7": 98 * MIB, "9": 4384 * MIB, "5": 153 * MIB}
+    profiles = sorted(g.identity.gpu_instance_profile for g in reading.gpus)
+    assert profiles == ["1g.5gb", "1g.5gb", "2g.10gb"]
+    assert reading.pods == []  # pod="" labels: no pod on these instances
+
+
+def test_real_capture_where_every_series_carries_the_pod():
+    reading = DcgmCollector("ip-172-20-10-26", file=str(DCGM_T4_POD_REAL)).collect()
+    (gpu,) = reading.gpus
+    assert (gpu.used, gpu.free) == (120 * MIB, 14796 * MIB)
+    assert gpu.identity.model_name == "Tesla T4"
+    assert [(p[1], p[2], p[3]) for p in reading.pods] == [
+        ("runai-pa", "burn-whole-0-0", "burn-whole")
+    ]
+
+
+def test_gpus_without_any_uuid_label_are_not_merged(tmp_path):
+    text = """# TYPE DCGM_FI_DEV_FB_USED gauge
+DCGM_FI_DEV_FB_USED{gpu="0",device="nvidia0"} 100
+DCGM_FI_DEV_FB_USED{gpu="1",device="nvidia1"} 200
+"""
+    reading = collect_text(tmp_path, text)
+    assert sorted(g.used for g in reading.gpus) == [100 * MIB, 200 * MIB]
+    assert len({g.identity.key for g in reading.gpus}) == 2
+
+
+def test_a_repeated_series_is_counted_and_read_once(tmp_path):
+    line = f'DCGM_FI_DEV_FB_USED{{{LABELS},pod="p",namespace="n",container="c"}} 100\n'
+    reading = collect_text(tmp_path, "# TYPE DCGM_FI_DEV_FB_USED gauge\n" + line + line)
+    assert [p[4] for p in reading.pods] == [100 * MIB]
+    assert reading.invalid == {"duplicate_series": 1}

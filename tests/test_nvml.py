@@ -114,3 +114,15 @@ def test_process_families_carry_gpu_labels_and_pid(monkeypatch):
     (family,) = out.families()
     assert family.spec.name == "oomguard_gpu_process_memory_used_bytes"
     assert family.samples[0][0][-1] == "101"
+
+
+def test_a_pid_listed_twice_on_one_gpu_is_exported_once(monkeypatch):
+    FakeNvml(monkeypatch, [FakeGpu("GPU-aaaa", processes=[(101, 40 * GIB), (101, 2 * GIB)])])
+    collector = NvmlCollector("node-1")
+    reading = collector.collect()
+    assert [(pid, used) for _, pid, used in reading.processes] == [(101, 40 * GIB)]
+    assert reading.invalid == {"duplicate_process": 1}
+    out = FamilyBuilder()
+    collector.families(reading, out)
+    (family,) = out.families()
+    assert len(family.samples) == 1

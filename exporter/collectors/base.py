@@ -58,8 +58,9 @@ class GpuIdentity:
 
     @property
     def key(self) -> tuple[str, str]:
-        """A GPU or MIG instance: the parent's UUID plus the GPU instance id."""
-        return (self.uuid, self.gpu_instance_id)
+        """A GPU or MIG instance: the parent's UUID plus the GPU instance id. Without a UUID
+        (a source that does not label it) the index stands in, so two GPUs never merge."""
+        return (self.uuid or f"index:{self.gpu}", self.gpu_instance_id)
 
 
 @dataclass

@@ -2,7 +2,11 @@
 
 dcgm-exporter reports framebuffer fields in MiB; oomguard converts them to bytes. Rules that keep
 the numbers honest:
-- both hostname spellings (`Hostname` up to 4.5.x, `hostname` later) map to `Hostname`;
+- the node name is the exporter's own (`--hostname`, `$NODE_NAME`, config), never dcgm's
+  `Hostname`/`hostname` label: on the GPU Operator that label holds the dcgm-exporter pod's name;
+- `--use-old-namespace` labels are read like the current ones: `uuid` as `UUID`, `pod_name`,
+  `pod_namespace`, `container_name` as `pod`, `namespace`, `container`;
+- a GPU is keyed by its UUID (by its index when no UUID label exists), so two GPUs never merge;
 - MIG series (GPU_I_ID set) are instances of their own; they are never added up into the parent;
 - with per-pod GPU sharing a device has a device-level series plus one per pod: the device value
   comes from the series without pod labels (or, where every series carries pod labels, from the
@@ -42,23 +46,27 @@ def is_blank(value: float) -> bool:
     return value >= _BLANK_INT32
 
 
-def _identity(labels: dict[str, str], hostname_fallback: str) -> GpuIdentity:
+def _identity(labels: dict[str, str], hostname: str) -> GpuIdentity:
     return GpuIdentity(
         gpu=labels.get("gpu", ""),
-        uuid=labels.get("UUID", ""),
+        uuid=labels.get("UUID") or labels.get("uuid", ""),
         pci_bus_id=labels.get("pci_bus_id", ""),
         device=labels.get("device", ""),
         model_name=labels.get("modelName", ""),
-        hostname=labels.get("Hostname") or labels.get("hostname") or hostname_fallback,
+        hostname=hostname,
         gpu_instance_id=labels.get("GPU_I_ID", ""),
         gpu_instance_profile=labels.get("GPU_I_PROFILE", ""),
     )
 
 
 def _pod(labels: dict[str, str]) -> tuple[str, str, str] | None:
-    if labels.get("pod"):
-        return labels.get("namespace", ""), labels["pod"], labels.get("container", "")
-    return None
+    """(namespace, pod, container) of a pod-mapped series, in either label namespace."""
+    pod = labels.get("pod") or labels.get("pod_name")
+    if not pod:
+        return None
+    namespace = labels.get("namespace") or labels.get("pod_namespace", "")
+    container = labels.get("container") or labels.get("container_name", "")
+    return namespace, pod, container
 
 
 @dataclass

@@ -156,12 +156,19 @@ class NvmlCollector:
             processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission):
             return
+        seen: set[int] = set()
         for proc in processes:
             used = getattr(proc, "usedGpuMemory", None)
             if used is None:
                 reading.invalid["not_available"] += 1
                 continue
-            reading.processes.append((identity, int(proc.pid), float(used)))
+            pid = int(proc.pid)
+            if pid in seen:
+                # One series per (GPU, pid): a repeat would be a duplicate series on our page.
+                reading.invalid["duplicate_process"] += 1
+                continue
+            seen.add(pid)
+            reading.processes.append((identity, pid, float(used)))
 
     def _read_mig(self, device: _Device, reading: GpuReading) -> None:
         nvml = self.nvml
