@@ -82,7 +82,9 @@ class ExporterConfig(_Strict):
     interval_seconds: float = Field(1.0, ge=0.1, le=60, description="Poll interval.")
     hostname: str = Field(
         default_factory=lambda: os.environ.get("NODE_NAME") or socket.gethostname(),
-        description="Value of the Hostname label (defaults to $NODE_NAME, then the host name).",
+        description="The node's name, the Hostname label of every GPU series (flag --hostname, "
+        "then this field, then $NODE_NAME, then the host name). Never taken from dcgm-exporter: "
+        "on the GPU Operator its Hostname label is the dcgm-exporter pod's name.",
     )
     nvml: NvmlConfig = Field(default_factory=NvmlConfig)
     dcgm: DcgmConfig = Field(default_factory=DcgmConfig)
@@ -90,6 +92,14 @@ class ExporterConfig(_Strict):
     allocator: AllocatorConfig = Field(default_factory=AllocatorConfig)
     cgroups: list[CgroupTarget] = Field(default_factory=lambda: [CgroupTarget()])
     pressure: PressureThresholds = Field(default_factory=PressureThresholds)
+
+    @field_validator("hostname")
+    @classmethod
+    def _hostname(cls, v: str) -> str:
+        v = v.strip()
+        if not 0 < len(v) <= 253 or not all(c.isprintable() and not c.isspace() for c in v):
+            raise ValueError("must be the node's name: 1-253 printable characters, no spaces")
+        return v
 
     @field_validator("listen")
     @classmethod

@@ -76,3 +76,21 @@ def test_shipped_example_config_is_valid(repo_root):
         )
     )
     assert [t.name for t in c.vllm] == ["llama-3-8b-0", "llama-3-8b-1"]
+
+
+def test_node_name_comes_from_flag_then_config_then_node_name_env(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("NODE_NAME", "node-from-env")
+    assert config_from(tmp_path, None).hostname == "node-from-env"
+    assert config_from(tmp_path, "hostname: node-from-file\n").hostname == "node-from-file"
+    flagged = config_from(tmp_path, "hostname: node-from-file\n", "--hostname", "node-from-flag")
+    assert flagged.hostname == "node-from-flag"
+    monkeypatch.setenv("NODE_NAME", "")  # set but empty (a missing fieldRef): the host name
+    assert config_from(tmp_path, None).hostname == socket.gethostname()
+
+
+@pytest.mark.parametrize("name", ["", "   ", "two words", "tab\there", "x" * 254, "new\nline"])
+def test_a_hostname_that_cannot_name_a_node_is_refused(tmp_path, name):
+    with pytest.raises(ConfigError, match="hostname"):
+        config_from(tmp_path, f"hostname: {name!r}\n".replace("'", '"'))
