@@ -130,8 +130,8 @@ def _add_budget(sub: Any) -> None:
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="vLLM's --gpu-memory-utilization (default 0.9)",
+        default=0.92,
+        help="vLLM's --gpu-memory-utilization (default 0.92, vLLM 0.33's)",
     )
     p.add_argument(
         "--max-model-len",
@@ -139,7 +139,9 @@ def _add_budget(sub: Any) -> None:
         help="vLLM's --max-model-len (default: the model's max_position_embeddings)",
     )
     p.add_argument(
-        "--max-num-seqs", type=int, default=256, help="vLLM's --max-num-seqs (default 256)"
+        "--max-num-seqs",
+        type=int,
+        help="vLLM's --max-num-seqs (default: what vllm serve picks for this GPU size)",
     )
     p.add_argument(
         "-tp",
@@ -149,16 +151,30 @@ def _add_budget(sub: Any) -> None:
         help="vLLM's --tensor-parallel-size (default 1)",
     )
     p.add_argument(
+        "-pp", "--pipeline-parallel-size", type=int, default=1, help="vLLM's -pp (default 1)"
+    )
+    p.add_argument(
+        "-dp", "--data-parallel-size", type=int, default=1, help="vLLM's -dp (default 1)"
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="spread MoE experts over TP x DP ranks, as vLLM's flag does",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
+    p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="vLLM's --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2 (default auto)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument(
+        "--block-size", type=int, help="KV block size in tokens (default 16, 64 for MLA)"
+    )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=8192,
-        help="largest prefill chunk, drives the activation estimate (default 8192)",
+        help="largest prefill chunk, drives the activation estimate (default: vllm serve's "
+        "for this GPU size)",
     )
     p.add_argument(
         "--context-len",
@@ -168,7 +184,7 @@ def _add_budget(sub: Any) -> None:
     p.add_argument(
         "--weights-bytes",
         metavar="SIZE",
-        help="weights per model, overriding the estimate (quantized checkpoints)",
+        help="weights per GPU, from vLLM's 'Model loading took X GiB' log line",
     )
     p.add_argument(
         "--overhead-bytes",
@@ -217,6 +233,10 @@ def _run_budget(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            enforce_eager=args.enforce_eager,
             kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -235,14 +255,16 @@ def _run_budget(args: argparse.Namespace) -> int:
         ("device memory", _gib(memory)),
         ("gpu_memory_utilization", f"{inputs.gpu_memory_utilization:.2f}"),
         ("weights per GPU", _gib(budget.weights_bytes_per_gpu)),
-        ("activation + non-torch per GPU", _gib(budget.overhead_bytes_per_gpu)),
-        ("KV pool per GPU", _gib(budget.kv_pool_bytes_per_gpu)),
+        ("non-KV (profile) per GPU", _gib(budget.overhead_bytes_per_gpu)),
+        *((f"  {k}", _gib(v)) for k, v in budget.overhead_parts.items()),
+        (f"KV pool per GPU ({budget.pool_source})", _gib(budget.kv_pool_bytes_per_gpu)),
         ("KV bytes per token (model)", f"{budget.kv_bytes_per_token:,} B"),
         ("KV bytes per token (per GPU)", f"{budget.kv_bytes_per_token_per_gpu:,} B"),
-        ("KV tokens in the pool", f"{budget.kv_pool_tokens:,}"),
+        ("KV tokens (vLLM's 'GPU KV cache size')", f"{budget.kv_pool_tokens:,}"),
+        ("KV blocks / cache groups", f"{budget.num_blocks:,} / {budget.kv_cache_groups}"),
         ("max_model_len", f"{budget.max_model_len:,}"),
         (f"concurrency at {budget.context_len:,} tokens", f"{budget.concurrency_at_context:,.1f}"),
-        ("max_num_seqs (given)", f"{budget.max_num_seqs}"),
+        ("max_num_seqs", f"{budget.max_num_seqs}"),
         (
             "recommended max_num_seqs",
             f"{budget.recommended_max_num_seqs} "
@@ -252,6 +274,8 @@ def _run_budget(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    for n in budget.notes:
+        print(f"note: {n}")
     for w in budget.warnings:
         print(f"warning: {w}")
     return 0
