@@ -75,6 +75,8 @@ class Engine:
     admitted: int = 0
     finished: int = 0
     preemptions: int = 0
+    running: int = 0
+    waiting: int = 0
 
     def changed(self) -> None:
         self.since, self.admitted, self.finished, self.preemptions = 0.0, 0, 0, 0
@@ -89,6 +91,7 @@ class Engines:
     down: set[str] = field(default_factory=set)  # neither read nor written
     refusing: set[str] = field(default_factory=set)  # read, but every write fails with a 5xx
     calls: list[tuple[str, str, Any]] = field(default_factory=list)
+    drains_finish: bool = False
 
     @classmethod
     def of(cls, *names: str, startup: int = 100) -> Engines:
@@ -105,8 +108,9 @@ class Engines:
             "startup_max_num_seqs": e.startup,
             "admission_cap": e.cap,
             "mode": "draining" if e.draining else "serving",
-            "running": 0,
-            "waiting": 0,
+            "running": e.running,
+            "waiting": e.waiting,
+            "drained": e.draining and e.running == 0,
             "kv_cache_usage": 0.5,
             "since_cap_change": {
                 "seconds": e.since,
@@ -131,7 +135,10 @@ class Engines:
         return {"admission_cap": applied, "state": self.state(target)}
 
     def drain(self, target: Target) -> dict[str, Any]:
-        self._writable(target).draining = True
+        e = self._writable(target)
+        e.draining = True
+        if self.drains_finish:  # requests in flight finish and queued ones go to a peer at once
+            e.running = e.waiting = 0
         self.calls.append((target.name, "drain", None))
         return self.state(target)
 

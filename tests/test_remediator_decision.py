@@ -1,0 +1,190 @@
+"""One decision for the loop and `explain`: generated alert sets, engine states and safety
+states go through both; `explain`'s steps must be exactly what the loop does (recorded by the
+in-memory fleet's actuator and a recording restart backend)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.config import RestartConfig, SupervisorRef
+from oomguard.remediator.controller import Controller
+from oomguard.remediator.flags import Flags
+from oomguard.remediator.main import explain
+from oomguard.remediator.restart import FlagView
+from oomguard.remediator.webhook import parse
+
+from tests.remediator_helpers import Engine, Engines, alert, config, payload
+
+ALERTS = {  # name -> extra labels (the helper adds oomguard_action for the first three)
+    "OomguardMemoryPressure": {},
+    "OomguardMemoryCritical": {},
+    "OomguardKVCacheUsageHigh": {},
+    "OomguardCudaOomObserved": {"oomguard_action": "restart"},
+    "OomguardExporterBlind": {"oomguard_action": "hold"},
+}
+
+
+class RecordingBackend:
+    """A restart backend that records each restart; the engine comes back with the new flags."""
+
+    def __init__(self, engines: Engines, name: str, view: FlagView) -> None:
+        self.engines, self.name, self.view = engines, name, view
+        self.lock = threading.Lock()
+
+    def flags(self) -> FlagView:
+        return self.view
+
+    def restart(self, flags: Flags, initial_cap: int | None, reason: str) -> None:
+        with self.lock:
+            self.engines.calls.append((self.name, "restart", flags))
+        e = self.engines.engines[self.name]
+        e.startup, e.cap, e.draining = flags.max_num_seqs, initial_cap or 1, False
+        e.changed()
+        self.view = FlagView(self.view.original, flags, time.time())
+
+
+engine_st = st.builds(
+    Engine,
+    startup=st.integers(1, 300),
+    cap=st.integers(1, 300),
+    draining=st.booleans(),
+    since=st.sampled_from([0.5, 45.5, 1e9]),
+    admitted=st.integers(0, 8),
+    finished=st.integers(0, 8),
+    preemptions=st.integers(0, 2),
+    running=st.sampled_from([0, 0, 3]),
+    waiting=st.sampled_from([0, 0, 2]),
+)
+target_st = st.fixed_dictionaries(
+    {
+        "engine": engine_st,
+        "model": st.sampled_from(["llama", "qwen"]),
+        "down": st.booleans(),
+        "restartable": st.booleans(),
+        "flags_changed_age": st.sampled_from([10.5, 7200.5]),
+        "lowered": st.booleans(),
+        "answered": st.booleans(),  # a restart already answered its alerts' episodes
+        "past": st.lists(
+            st.tuples(st.sampled_from([2.5, 20.5, 200.5]), st.sampled_from(["lower_cap", "drain"])),
+            max_size=3,
+        ),
+    }
+)
+fleet_st = st.lists(target_st, min_size=1, max_size=4)
+alerts_st = st.lists(
+    st.tuples(st.sampled_from(sorted(ALERTS)), st.integers(0, 4), st.sampled_from([0, 100])),
+    max_size=6,
+    unique_by=lambda t: (t[0], t[1]),
+)
+safety_st = st.fixed_dictionaries(
+    {
+        "cooldown_seconds": st.sampled_from([0, 10, 60]),
+        "max_actions": st.integers(1, 3),
+        "max_draining_per_model": st.integers(1, 2),
+        "allow_last_replica": st.booleans(),
+    }
+)
+
+
+def expected_calls(entries: list[dict], name: str) -> list[tuple[str, object]]:
+    """explain's steps for one target, as the actuator and backend calls they become."""
+    (entry,) = [e for e in entries if e.get("target") == name]
+    calls: list[tuple[str, object]] = []
+    for step in entry.get("steps", []):
+        kind, _, rest = step.partition(" ")
+        if kind == "restart":
+            values = dict(part.split("=") for part in rest.split())
+            flags = Flags(float(values["gpu_memory_utilization"]), int(values["max_num_seqs"]))
+            calls += [("drain", None), ("restart", flags)]
+        elif kind in ("drain", "resume"):
+            calls.append((kind, None))
+        else:
+            calls.append(("set_cap", int(rest)))
+    return calls
+
+
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(fleet_st, alerts_st, safety_st, st.booleans())
+def test_explain_says_exactly_what_the_loop_does(fleet, raw_alerts, safety, paused):
+    names = [f"t{i}" for i in range(len(fleet))]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        engines = Engines({}, drains_finish=True)
+        for name, t in zip(names, fleet, strict=True):
+            e = t["engine"]
+            e.cap = min(e.cap, e.startup)
+            engines.engines[name] = e
+            if t["down"]:
+                engines.down.add(name)
+        cfg = config(work, *names, safety={**safety, "window_seconds": 3600})
+        cfg.targets = [
+            t.model_copy(update={"model": f["model"]})
+            for t, f in zip(cfg.targets, fleet, strict=True)
+        ]
+        now = time.time()
+        alerts = [
+            alert(n, names[i], start=s, **ALERTS[n]) for n, i, s in raw_alerts if i < len(names)
+        ]
+        alerts += [alert(n, "elsewhere", start=s) for n, i, s in raw_alerts if i >= len(names)]
+        webhook = parse(payload(*alerts))
+        # the safety state both sides rebuild from the audit log: past actions, answered
+        # restart episodes, the pause switch
+        audit = AuditLog(cfg.audit_log)
+        backends = {}
+        for name, t in zip(names, fleet, strict=True):
+            for age, action in t["past"]:
+                past = {"time": now - age, "event": "acted", "target": name, "action": action}
+                with audit.path.open("a") as fh:
+                    fh.write(json.dumps({**past, "result": "ok"}) + "\n")
+            if t["restartable"]:
+                e = t["engine"]
+                original = Flags(0.9, e.startup)
+                current = Flags(0.86, max(1, e.startup * 4 // 5)) if t["lowered"] else original
+                view = FlagView(original, current, now - t["flags_changed_age"])
+                backends[name] = RecordingBackend(engines, name, view)
+                if t["answered"]:
+                    mine = [a for a in webhook.alerts if a.labels.get("target") == name]
+                    audit.record(
+                        "acted",
+                        target=name,
+                        action="restart",
+                        result="started",
+                        after={"episodes": [a.episode for a in mine]},
+                    )
+        if paused:
+            audit.record("paused", reason="test")
+        restart = RestartConfig(
+            supervisor=SupervisorRef(url="http://127.0.0.1:1"),
+            drain_timeout_seconds=2,
+            ready_timeout_seconds=2,
+        )
+        cfg.targets = [
+            t.model_copy(update={"restart": restart}) if t.name in backends else t
+            for t in cfg.targets
+        ]
+
+        said = explain(cfg, webhook, actuator=engines, backends=backends)
+        assert engines.calls == []  # explain changes nothing
+
+        c = Controller(cfg, engines, AuditLog(cfg.audit_log), backends=backends)
+        try:
+            c.receive(webhook)
+            c._pass()  # one pass, as explain describes one
+            for thread in list(c._restarting.values()):
+                thread.join(10)
+        finally:
+            c.close()
+        for name in names:
+            done = [(kind, value) for n, kind, value in engines.calls if n == name]
+            assert done == expected_calls(said, name), (name, said)
