@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.vllm_server import AUTH, VllmServer, complete, require_vllm
+from tests.vllm_server import AUTH, MODEL, VllmServer, complete, require_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -107,10 +107,11 @@ def test_lowering_the_cap_under_load_keeps_the_engine_alive_and_cuts_preemptions
     assert capped["after"]["admission_cap"] == 2
 
 
-def test_drain_finishes_running_holds_queued_and_refuses_new(server):
+def test_drain_finishes_running_and_sends_queued_requests_elsewhere(server):
     async def scenario() -> None:
         url = server.url
         async with httpx.AsyncClient(timeout=120) as c:
+            before = (await c.get(f"{url}/oomguard/v1/state")).json()
             await c.put(f"{url}/oomguard/v1/admission", json={"cap": 3}, headers=AUTH)
             tasks = [asyncio.create_task(complete(c, url, 100 + i, 200, 300)) for i in range(6)]
             for _ in range(500):
@@ -121,27 +122,100 @@ def test_drain_finishes_running_holds_queued_and_refuses_new(server):
             assert (s["running"], s["waiting"]) == (3, 3)
             drained = await c.post(f"{url}/oomguard/v1/drain", headers=AUTH)
             assert drained.status_code == 200 and drained.json()["mode"] == "draining"
+            # the queued three end at once, retryable, while the running three still run
+            done, _ = await asyncio.wait(tasks, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            first = next(iter(done)).result()
+            assert first.status_code == 503 and int(first.headers["retry-after"]) > 0
+            assert (await c.get(f"{url}/oomguard/v1/state")).json()["running"] == 3
 
             refused = await complete(c, url, 999, 10, 5)
             assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
             assert (await c.get(f"{url}/oomguard/v1/ready")).status_code == 503
-            # the three running requests finish; the three queued ones wait, not aborted
-            for _ in range(1000):
-                s = (await c.get(f"{url}/oomguard/v1/state")).json()
-                if s["drained"]:
-                    break
-                await asyncio.sleep(0.01)
-            assert s["drained"] and s["running"] == 0 and s["waiting"] == 3
-            assert sum(t.done() for t in tasks) == 3
-            assert all(t.result().status_code == 200 for t in tasks if t.done())
+            results = await asyncio.gather(*tasks)
+            statuses = sorted(r.status_code for r in results)
+            assert statuses == [200, 200, 200, 503, 503, 503], statuses
+            ok = [r for r in results if r.status_code == 200]
+            assert all(r.json()["usage"]["completion_tokens"] == 300 for r in ok)
+            shed = [r for r in results if r.status_code == 503]
+            assert all(int(r.headers["retry-after"]) > 0 for r in shed)
+            assert all("retry" in r.json()["error"]["message"] for r in shed)
+            s = (await c.get(f"{url}/oomguard/v1/state")).json()
+            # drained: nothing running and nothing queued, so a restart now loses nothing
+            assert s["drained"] and (s["running"], s["waiting"]) == (0, 0)
+            assert s["shed_total"] - before["shed_total"] == 3
 
             resumed = await c.post(f"{url}/oomguard/v1/resume", headers=AUTH)
             assert resumed.json()["mode"] == "serving"
             assert (await c.get(f"{url}/oomguard/v1/ready")).status_code == 200
-            assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
             assert (await complete(c, url, 1000, 10, 5)).status_code == 200
 
     asyncio.run(scenario())
+
+
+def test_requests_preempted_while_draining_go_elsewhere_too(server):
+    """Under vLLM's PAUSED_NEW a request preempted back to the queue would wait for good, so the
+    engine would never drain. 12 requests of 200 + 400 tokens need 7,200 KV tokens of 4,096:
+    those running when the drain starts preempt one another as they grow."""
+
+    async def scenario() -> None:
+        url = server.url
+        async with httpx.AsyncClient(timeout=120) as c:
+            before = (await c.get(f"{url}/oomguard/v1/state")).json()
+            tasks = [asyncio.create_task(complete(c, url, 300 + i, 200, 400)) for i in range(12)]
+            for _ in range(500):
+                s = (await c.get(f"{url}/oomguard/v1/state")).json()
+                if s["running"] == 12:
+                    break
+                await asyncio.sleep(0.005)
+            assert s["running"] == 12, s
+            assert (await c.post(f"{url}/oomguard/v1/drain", headers=AUTH)).status_code == 200
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            after = (await c.get(f"{url}/oomguard/v1/state")).json()
+        assert after["preemptions_total"] > before["preemptions_total"], "no preemption happened"
+        assert after["drained"] and (after["running"], after["waiting"]) == (0, 0)
+        statuses = [r.status_code for r in results]
+        assert set(statuses) <= {200, 503} and statuses.count(503) > 0
+        assert statuses.count(503) == after["shed_total"] - before["shed_total"]
+        assert all(int(r.headers["retry-after"]) > 0 for r in results if r.status_code == 503)
+        assert all(
+            r.json()["usage"]["completion_tokens"] == 400 for r in results if r.status_code == 200
+        )
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/completions",
+        "/v1/completions/",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/invocations",
+        "/v1/embeddings",
+        "/pooling",
+    ],
+)
+def test_every_inference_route_is_gated_while_draining(server, path):
+    assert httpx.post(f"{server.url}/oomguard/v1/drain", headers=AUTH, timeout=10).is_success
+    r = httpx.post(
+        f"{server.url}{path}",
+        json={"model": str(MODEL), "prompt": [11, 12], "max_tokens": 2},
+        timeout=10,
+    )
+    assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, r.text
+    assert "draining" in r.text
+
+
+def test_every_post_route_of_the_server_is_classified(server):
+    """A vLLM upgrade that adds an inference route must not slip past the drain gate."""
+    from oomguard.vllm_plugin.api import CONTROL_PATHS, GATED_PATHS
+
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    posts = {path for path, methods in spec["paths"].items() if "post" in methods}
+    assert "/v1/completions" in posts and "/invocations" in posts
+    assert not GATED_PATHS & CONTROL_PATHS
+    assert posts - GATED_PATHS - CONTROL_PATHS == set()
 
 
 def test_mutating_routes_need_the_token_and_reads_do_not(server):
@@ -150,7 +224,13 @@ def test_mutating_routes_need_the_token_and_reads_do_not(server):
         ("POST", "/drain", None),
         ("POST", "/resume", None),
     ):
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "Basic x"},
+            {"Authorization": "Bearer tökén".encode()},  # non-ASCII: 401, not 400
+            {"Authorization": b"Bearer \xff\xfe"},
+        ):
             r = httpx.request(
                 method, f"{server.url}/oomguard/v1{path}", json=body, headers=headers, timeout=10
             )
@@ -186,7 +266,51 @@ def test_not_json_is_400(server):
     assert r.status_code == 400
 
 
-@pytest.mark.parametrize(("cap", "applied"), [(0, 1), (-5, 1), (10_000, 64), (64, 64)])
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(b'{"cap": "x"}', id="wrong-type"),
+        pytest.param(b"{cap:", id="not-json"),
+        pytest.param(b"[" * 50_000, id="deep-nesting"),
+        pytest.param(b'{"force": true}', id="unknown-field"),
+    ],
+)
+def test_authentication_comes_before_the_body(server, content):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.put(
+            f"{server.url}/oomguard/v1/admission",
+            content=content,
+            headers={**headers, "Content-Type": "application/json"},
+            timeout=10,
+        )
+        assert r.status_code == 401, r.text
+        assert "cap" not in r.text and "JSON" not in r.text  # nothing about the schema
+
+
+@pytest.mark.parametrize(
+    ("content", "status"),
+    [
+        pytest.param(b"[" * 4000, 400, id="deep-nesting"),  # 500 before
+        pytest.param(b'{"cap": ' + b"9" * 5000 + b"}", 400, id="5000-digit-int"),
+        pytest.param(b"\xff\xfe", 400, id="bad-utf8"),
+        pytest.param(b'{"cap": 1, "pad": "' + b"x" * 10_000 + b'"}', 413, id="huge"),
+    ],
+)
+def test_malformed_bodies_are_refused_not_500(server, content, status):
+    r = httpx.put(
+        f"{server.url}/oomguard/v1/admission",
+        content=content,
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=10,
+    )
+    assert r.status_code == status, r.text
+    assert server.state()["admission_cap"] == 64
+
+
+@pytest.mark.parametrize(
+    ("cap", "applied"),
+    [(0, 1), (-5, 1), (10_000, 64), (64, 64), (2**64, 64), (2**200, 64), (-(2**64), 1)],
+)
 def test_caps_out_of_range_are_clamped_and_say_so(server, cap, applied):
     body = put_cap(server, cap).json()
     assert body["admission_cap"] == applied and body["clamped"] == (cap != applied)

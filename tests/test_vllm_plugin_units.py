@@ -27,8 +27,11 @@ def test_register_is_idempotent():
 
 
 class _Req:
-    def __init__(self, auth: str | None) -> None:
-        self.headers = {"authorization": auth} if auth else {}
+    """The part of a Starlette Request that `authorize` reads: the raw ASGI headers."""
+
+    def __init__(self, auth: str | bytes | None) -> None:
+        raw = auth.encode("utf-8") if isinstance(auth, str) else auth
+        self.scope = {"headers": [(b"authorization", raw)] if raw is not None else []}
 
 
 @pytest.mark.parametrize(
@@ -40,6 +43,9 @@ class _Req:
         ({"OOMGUARD_PLUGIN_TOKEN": "t0k"}, "bearer t0k", None),
         ({"OOMGUARD_PLUGIN_TOKEN": "t0k"}, "Bearer t0", 401),
         ({"OOMGUARD_PLUGIN_TOKEN": "t0k"}, None, 401),
+        ({"OOMGUARD_PLUGIN_TOKEN": "t0k"}, "Bearer tök", 401),  # non-ASCII: 401, not 400
+        ({"OOMGUARD_PLUGIN_TOKEN": "t0k"}, b"Bearer \xff\xfe", 401),
+        ({"OOMGUARD_PLUGIN_TOKEN": "tök"}, "Bearer tök", None),  # a UTF-8 token works
     ],
 )
 def test_authorize(monkeypatch, env, header, status):

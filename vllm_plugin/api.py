@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import time
@@ -30,33 +31,95 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 log = logging.getLogger("oomguard.vllm_plugin.api")
 
 PREFIX = "/oomguard/v1"
+# Every route that puts work on the engine (vLLM 0.33). While draining, a POST to one of these is
+# answered 503 + Retry-After at the door. tests/test_vllm_plugin.py checks that each POST route
+# the real server registers is in exactly one of GATED_PATHS and CONTROL_PATHS, so a vLLM upgrade
+# that adds an inference route fails the tests instead of slipping past the drain.
 GATED_PATHS = frozenset(
     {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/chat/completions/batch",
         "/v1/responses",
         "/v1/messages",
+        "/v1/decisions",
+        "/v1/systemone",
         "/v1/embeddings",
         "/v1/score",
         "/v1/rerank",
         "/v1/classify",
         "/v1/audio/transcriptions",
         "/v1/audio/translations",
+        "/v2/embed",
+        "/v2/rerank",
+        "/cohere/v2/chat",
         "/generate",
+        "/generative_scoring",
         "/inference/v1/generate",
+        "/invocations",  # SageMaker: dispatches to completions, chat, embeddings, ...
         "/pooling",
         "/classify",
         "/score",
         "/rerank",
     }
 )
+# POST routes that never start inference: tokenizer work, aborts and cancels (they must keep
+# working while draining), and operator controls.
+CONTROL_PATHS = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        "/v1/messages/count_tokens",
+        "/v1/completions/render",
+        "/v1/completions/derender",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions/derender",
+        "/v1/messages/render",
+        "/v1/responses/render",
+        "/cohere/v2/chat/render",
+        "/v1/responses/{response_id}/cancel",
+        "/abort_requests",
+        "/inference/v1/abort_requests",
+        "/ping",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/pause",
+        "/resume",
+        "/sleep",
+        "/wake_up",
+        "/release_kv_cache_memory",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/collective_rpc",
+        "/start_profile",
+        "/stop_profile",
+        "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+        "/fault_tolerance/apply",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/update_weight_version",
+        "/shutdown_weight_transfer_engine",
+        "/weight_checker",
+        f"{PREFIX}/drain",
+        f"{PREFIX}/resume",
+    }
+)
 ENGINE_TIMEOUT_SECONDS = 5.0
 DRAIN_CACHE_SECONDS = 1.0
+MAX_BODY_BYTES = 8192  # {"cap": N} is a few bytes; anything large is not a cap change
+# Larger caps mean "no limit": clamped here, before the value travels to EngineCore (msgpack
+# cannot carry integers beyond 64 bits, which answered 503 before).
+CAP_CEILING = 2**31 - 1
 
 
 class AdmissionRequest(BaseModel):
@@ -76,8 +139,18 @@ def configured_token() -> str | None:
     return token or None
 
 
+def _unauthorized() -> HTTPException:
+    return HTTPException(
+        401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
 def authorize(request: Request) -> None:
-    """Raise 401/403 unless the request carries the configured bearer token."""
+    """Raise 401/403 unless the request carries the configured bearer token.
+
+    Compared as bytes: any header a client can send (non-ASCII included) is a wrong token (401),
+    never an error of its own.
+    """
     token = configured_token()
     if token is None:
         if os.environ.get("OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED") == "1":
@@ -87,11 +160,36 @@ def authorize(request: Request) -> None:
             "oomguard mutating routes are disabled: no token configured "
             "(set OOMGUARD_PLUGIN_TOKEN or OOMGUARD_PLUGIN_TOKEN_FILE)",
         )
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
-        raise HTTPException(
-            401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+    raw = dict(request.scope.get("headers") or []).get(b"authorization", b"")
+    scheme, _, given = bytes(raw).partition(b" ")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), token.encode("utf-8")):
+        raise _unauthorized()
+
+
+def _bad_request(message: str) -> HTTPException:
+    return HTTPException(400, message)
+
+
+async def admission_body(request: Request) -> AdmissionRequest:
+    """Parse `{"cap": <int>}` from an already authorised request: 400 or 413 naming the problem."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise HTTPException(413, f"body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise _bad_request("body is nested too deeply") from None
+    except ValueError as exc:  # not JSON, bad UTF-8, or an integer beyond Python's digit limit
+        raise _bad_request(f"body is not valid JSON: {exc}") from None
+    try:
+        return AdmissionRequest.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
         )
+        raise _bad_request(f"bad admission request: {problems}") from None
 
 
 def aggregate(engines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,6 +212,7 @@ def aggregate(engines: list[dict[str, Any]]) -> dict[str, Any]:
         "admitted_total": total("admitted_total"),
         "finished_total": total("finished_total"),
         "preemptions_total": total("preemptions_total"),
+        "shed_total": total("shed_total"),
         "since_cap_change": {
             "seconds": min(s["seconds"] for s in since),
             "admitted": sum(s["admitted"] for s in since),
@@ -196,9 +295,11 @@ class OomguardEndpointPlugin:
             return JSONResponse({"ready": True})
 
         @router.put("/admission")
-        async def set_admission(body: AdmissionRequest, request: Request) -> dict[str, Any]:
-            authorize(request)
-            results = await plugin.call_engines("oomguard_set_admission_cap", body.cap)
+        async def set_admission(request: Request) -> dict[str, Any]:
+            authorize(request)  # before reading the body: strangers learn nothing of it
+            body = await admission_body(request)
+            cap = max(-1, min(body.cap, CAP_CEILING))
+            results = await plugin.call_engines("oomguard_set_admission_cap", cap)
             applied = min(r["admission_cap"] for r in results)
             out: dict[str, Any] = {
                 "requested": body.cap,
@@ -243,31 +344,58 @@ class OomguardEndpointPlugin:
             )
 
 
+def gate_path(scope: dict[str, Any]) -> str:
+    """The route path of a request: without the app's root_path and a trailing slash."""
+    path = str(scope.get("path") or "")
+    root = str(scope.get("root_path") or "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path.rstrip("/") or "/"
+
+
 class DrainGate:
-    """ASGI middleware: while draining, inference POSTs get 503 + Retry-After at the door."""
+    """ASGI middleware for inference POSTs.
+
+    While draining they get 503 + Retry-After at the door. At any time, a 503 that vLLM answers
+    on one of them (a queued request ended by the drain, a request that reached a paused engine)
+    gets the same Retry-After, so a gateway knows to go elsewhere and when to come back.
+    """
 
     def __init__(self, app: Any, plugin: OomguardEndpointPlugin) -> None:
         self.app = app
         self.plugin = plugin
 
+    def refusal(self) -> JSONResponse:
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "this replica is draining; retry on another replica",
+                    "type": "ServiceUnavailable",
+                    "code": 503,
+                }
+            },
+            status_code=503,
+            headers={"Retry-After": str(self.plugin.retry_after)},
+        )
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (
-            scope["type"] == "http"
-            and scope.get("method") == "POST"
-            and scope.get("path") in GATED_PATHS
-            and await self.plugin.is_draining()
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or gate_path(scope) not in GATED_PATHS
         ):
-            response = JSONResponse(
-                {
-                    "error": {
-                        "message": "this replica is draining; retry on another replica",
-                        "type": "ServiceUnavailable",
-                        "code": 503,
-                    }
-                },
-                status_code=503,
-                headers={"Retry-After": str(self.plugin.retry_after)},
-            )
-            await response(scope, receive, send)
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        if await self.plugin.is_draining():
+            await self.refusal()(scope, receive, send)
+            return
+        retry_after = str(self.plugin.retry_after).encode()
+
+        async def send_with_retry_after(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message.get("status") == 503:
+                headers = list(message.get("headers") or [])
+                if not any(k.lower() == b"retry-after" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"retry-after", retry_after)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)

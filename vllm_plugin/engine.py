@@ -8,8 +8,14 @@ What it adds:
 - utility methods on EngineCore that the API server reaches through
   `engine_core.call_utility_async(name, *args)` (one call per engine with data parallelism):
   `oomguard_state`, `oomguard_set_admission_cap`, `oomguard_drain`, `oomguard_resume`;
-- three counters on the scheduler (admitted, finished, preempted), kept by thin wrappers around
-  `Scheduler.schedule` and `Scheduler._preempt_request`: a few integer additions per step.
+- counters on the scheduler (admitted, finished, preempted, shed), kept by thin wrappers around
+  `Scheduler.schedule` and `Scheduler._preempt_request`: a few integer additions per step;
+- drain that moves queued work: requests waiting without KV blocks (no prefill yet, or preempted
+  back to the queue) end at once with vLLM's retryable request error, which the API server
+  answers 503, so a gateway re-sends them to a peer. Running requests finish. A thin wrapper
+  around `Scheduler.update_from_output` sheds what a preemption puts back in the queue while
+  draining (under `PAUSED_NEW` it would wait for good). `drained` means running 0 and waiting 0:
+  a restart then drops nothing.
 
 The admission cap is `Scheduler.max_num_active_reqs`: lowering it stops new admissions until the
 running count falls below it, without preempting or aborting anything. `max_num_running_reqs`
@@ -23,6 +29,7 @@ import functools
 import logging
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +45,7 @@ class Counters:
     admitted: int = 0
     finished: int = 0
     preemptions: int = 0
+    shed: int = 0  # queued requests ended with a retryable error by a drain
     cap_changed_at: float = field(default_factory=time.time)
     at_change: tuple[int, int, int] = (0, 0, 0)  # admitted, finished, preemptions
 
@@ -98,6 +106,73 @@ def _wrap_preempt(preempt: Any) -> Any:
     return wrapper
 
 
+SHED_CODE = "oomguard_draining"
+SHED_MESSAGE = "this replica is draining; the request was not started: retry on another replica"
+
+
+def _draining(scheduler: Any) -> bool:
+    return bool(getattr(scheduler, "_oomguard_draining", False))
+
+
+def shed_waiting(scheduler: Any) -> dict[int, list[str]]:
+    """End every request that waits without KV blocks; return their ids by API-server client.
+
+    Requests holding KV blocks (`kv_holding_waiting`) are not touched: PAUSED_NEW still runs
+    them, so they finish here. Under PAUSED_NEW nothing else in the queue would ever run.
+    """
+    from vllm.v1.request import RequestStatus
+
+    queued = [r.request_id for r in scheduler.waiting if not r.is_finished()]
+    if not queued:
+        return {}
+    ended = scheduler.finish_requests(queued, RequestStatus.FINISHED_ERROR)
+    by_client: dict[int, list[str]] = defaultdict(list)
+    for request in ended:
+        by_client[int(request.client_index)].append(request.request_id)
+    counters(scheduler).shed += len(ended)
+    log.info("oomguard: drain ended %d queued request(s) with a retryable error", len(ended))
+    return by_client
+
+
+def _shed_error() -> Any:
+    from vllm.outputs import RequestError
+
+    # retryable: the API server answers 503 (RetryableRequestError), a gateway tries a peer
+    return RequestError(code=SHED_CODE, message=SHED_MESSAGE, retryable=True)
+
+
+def _shed_outputs(req_ids: list[str]) -> list[Any]:
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    error = _shed_error()
+    return [
+        EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=error)
+        for req_id in req_ids
+    ]
+
+
+def _wrap_update_from_output(update: Any) -> Any:
+    @functools.wraps(update)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = update(self, *args, **kwargs)
+        if not _draining(self):
+            return outputs
+        try:  # a preemption this step put requests back in the queue: send them on
+            from vllm.v1.engine import EngineCoreOutputs
+
+            for client, req_ids in shed_waiting(self).items():
+                eco = outputs.get(client)
+                if eco is None:
+                    outputs[client] = eco = EngineCoreOutputs()
+                eco.outputs = [*eco.outputs, *_shed_outputs(req_ids)]
+        except Exception:  # shedding must never break a step
+            log.warning("oomguard: could not shed queued requests", exc_info=True)
+        return outputs
+
+    wrapper._oomguard_wrapper = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 # -- utility methods (run in the EngineCore process, `self` is the EngineCore) -------------------
 def _paused(core: Any) -> bool:
     from vllm.v1.core.sched.interface import PauseState
@@ -124,13 +199,15 @@ def oomguard_state(self: Any) -> dict[str, Any]:
         "gpu_memory_utilization": _gpu_memory_utilization(self),
         "admission_cap": int(s.max_num_active_reqs),
         "mode": "draining" if draining else "serving",
-        "drained": draining and running == 0,
+        # nothing left to lose: a restart now drops no request, running or queued
+        "drained": draining and running == 0 and waiting == 0,
         "running": int(running),
         "waiting": int(waiting),
         "kv_cache_usage": float(s.get_kv_cache_usage()),
         "admitted_total": c.admitted,
         "finished_total": c.finished,
         "preemptions_total": c.preemptions,
+        "shed_total": c.shed,
         "since_cap_change": {
             "seconds": round(time.time() - c.cap_changed_at, 3),
             "admitted": c.admitted - admitted0,
@@ -162,14 +239,21 @@ def oomguard_set_admission_cap(self: Any, cap: int) -> dict[str, Any]:
 
 def oomguard_drain(self: Any) -> dict[str, Any]:
     from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.engine import FinishReason
 
+    s = self.scheduler
     if not _paused(self):
-        log.info("oomguard: draining (queued requests wait, running ones finish)")
-    # PAUSED_NEW: running requests and those holding KV blocks continue; queued ones wait.
-    self.scheduler.set_pause_state(PauseState.PAUSED_NEW)
+        log.info("oomguard: draining (running requests finish, queued ones go elsewhere)")
+    # PAUSED_NEW: running requests and those holding KV blocks continue; nothing new starts.
+    s.set_pause_state(PauseState.PAUSED_NEW)
+    s._oomguard_draining = True
     if hasattr(self, "reject_new_requests"):
         # new requests that reach the engine finish with a retryable `engine_paused` error
         self.reject_new_requests = True
+    send = getattr(self, "_send_finish_outputs_to_client", None)
+    if send is not None:  # EngineCoreProc: the API server is on the other end of a queue
+        for client, req_ids in shed_waiting(s).items():
+            send(req_ids, client, FinishReason.ERROR, _shed_error())
     return oomguard_state(self)
 
 
@@ -179,6 +263,7 @@ def oomguard_resume(self: Any) -> dict[str, Any]:
     if _paused(self):
         log.info("oomguard: resuming admissions")
     self.scheduler.set_pause_state(PauseState.UNPAUSED)
+    self.scheduler._oomguard_draining = False
     if hasattr(self, "reject_new_requests"):
         self.reject_new_requests = False
     return oomguard_state(self)
@@ -206,6 +291,8 @@ def register() -> None:
         setattr(EngineCore, name, fn)
     if not getattr(Scheduler.schedule, "_oomguard_wrapper", False):
         Scheduler.schedule = _wrap_schedule(Scheduler.schedule)  # type: ignore[method-assign]
+    if not getattr(Scheduler.update_from_output, "_oomguard_wrapper", False):
+        Scheduler.update_from_output = _wrap_update_from_output(Scheduler.update_from_output)  # type: ignore[method-assign]
     if not getattr(Scheduler._preempt_request, "_oomguard_wrapper", False):
         Scheduler._preempt_request = _wrap_preempt(Scheduler._preempt_request)  # type: ignore[method-assign]
     setattr(EngineCore, _PATCHED, True)
