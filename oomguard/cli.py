@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from oomguard import __version__
 from oomguard.errors import BudgetError, ConfigError
@@ -22,6 +24,48 @@ def _key_value(text: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     return name, value
+
+
+def _check_listen(what: str, listen: str) -> None:
+    """Bind and release the address now, so a taken port fails before anything starts."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{what} {listen!r}: expected HOST:PORT with a port up to 65535")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+            probe.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"{what} {listen}: cannot listen there: {exc.strerror or exc}") from exc
+
+
+def _check_secret_file(what: str, path: str) -> None:
+    """A token file that is missing, unreadable or empty would turn every request into a 401."""
+    try:
+        empty = not Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from exc
+    if empty:
+        raise ConfigError(f"{what} {path}: the file is empty")
+
+
+def _secret_files(model: Any, where: str = "") -> list[tuple[str, str]]:
+    """Every `*_file` setting in a loaded config, with its place in the file."""
+    from pydantic import BaseModel
+
+    found = []
+    for name, value in model:
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            place = f"{where}{name}" + (f"[{i}]" if isinstance(value, list) else "")
+            if isinstance(item, BaseModel):
+                found += _secret_files(item, f"{place}.")
+            elif name.endswith("_file") and isinstance(item, str):
+                found.append((place, item))
+    return found
 
 
 # -- exporter -----------------------------------------------------------------------------------
@@ -97,13 +141,20 @@ def exporter_config_from_args(args: argparse.Namespace) -> Any:
         data["allocator"] = {**data.get("allocator", {}), "directory": args.allocator_dir}
     if args.cgroup:
         data["cgroups"] = [{"name": n, "path": p} for n, p in args.cgroup]
-    return validate(ExporterConfig, data, args.config or "command-line flags")
+    config = validate(ExporterConfig, data, args.config or "command-line flags")
+    for target in config.vllm:
+        try:
+            urlsplit(target.url).port  # noqa: B018 (it raises on a port out of range)
+        except ValueError as exc:
+            raise ConfigError(f"vllm target {target.name}: {target.url}: {exc}") from exc
+    return config
 
 
 def _run_exporter(args: argparse.Namespace) -> int:
     from oomguard.exporter.main import run
 
     config = exporter_config_from_args(args)
+    _check_listen("listen", config.listen)
     try:
         return run(config)
     except OSError as exc:  # the port is taken, or the address is not ours
@@ -424,7 +475,11 @@ def _load_remediator(args: argparse.Namespace) -> Any:
 def _run_remediator(args: argparse.Namespace) -> int:
     from oomguard.remediator.main import Remediator
 
-    return Remediator(_load_remediator(args)).serve()
+    config = _load_remediator(args)
+    for where, path in _secret_files(config):
+        _check_secret_file(where, path)
+    _check_listen("listen", config.listen)
+    return Remediator(config).serve()
 
 
 def _run_remediator_explain(args: argparse.Namespace) -> int:
@@ -504,8 +559,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     argv = args.vllm[1:] if args.vllm[:1] == ["--"] else args.vllm
     if args.token_file is None and not args.allow_unauthenticated:
         raise ConfigError("give --token-file (or --allow-unauthenticated on a loopback-only box)")
-    if args.token_file and not Path(args.token_file).is_file():
-        raise ConfigError(f"--token-file {args.token_file} not found")
+    if args.token_file:
+        _check_secret_file("--token-file", args.token_file)
+    _check_listen("--listen", args.listen)  # before vLLM starts, not after its minutes of loading
     sup = Supervisor(
         argv,
         Path(args.state_dir),
@@ -551,6 +607,25 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, BudgetError) as exc:
         print(f"oomguard {args.command}: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"oomguard {args.command}: needs the Python package {exc.name!r}: "
+            f"pip install 'oomguard[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+
+
+# Optional packages and the extra (pyproject.toml) that installs each.
+_EXTRAS = {
+    "apscheduler": "remediator",
+    "kubernetes": "kubernetes",
+    "grafanalib": "generate",
+    "matplotlib": "demo",
+}
 
 
 if __name__ == "__main__":

@@ -162,13 +162,3 @@ def test_a_repeated_series_is_counted_and_read_once(tmp_path):
     reading = collect_text(tmp_path, "# TYPE DCGM_FI_DEV_FB_USED gauge\n" + line + line)
     assert [p[4] for p in reading.pods] == [100 * MIB]
     assert reading.invalid == {"duplicate_series": 1}
-
-
-def test_two_device_series_for_one_gpu_keep_the_first(tmp_path):
-    text = f"""# TYPE DCGM_FI_DEV_FB_USED gauge
-DCGM_FI_DEV_FB_USED{{{LABELS},Hostname="dcgm-pod-a"}} 100
-DCGM_FI_DEV_FB_USED{{{LABELS},Hostname="dcgm-pod-b"}} 70000
-"""
-    (gpu,) = collect_text(tmp_path, text).gpus
-    assert gpu.used == 100 * MIB
-    assert collect_text(tmp_path, text).invalid == {"duplicate_gpu_series": 1}

@@ -122,11 +122,6 @@ class DcgmCollector:
                 fields = per_gpu.setdefault(identity.key, _Fields(identity))
                 pod = _pod(s.labels)
                 if pod is None:
-                    if key in fields.device:
-                        # Two device series for one GPU that differ only in labels we do not
-                        # key on (driver version, hostname): keep the first, never overwrite.
-                        reading.invalid["duplicate_gpu_series"] += 1
-                        continue
                     fields.device[key] = s.value * MIB
                     fields.identity = identity  # prefer the device series' labels
                 else:
