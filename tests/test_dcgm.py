@@ -162,3 +162,51 @@ def test_a_repeated_series_is_counted_and_read_once(tmp_path):
     reading = collect_text(tmp_path, "# TYPE DCGM_FI_DEV_FB_USED gauge\n" + line + line)
     assert [p[4] for p in reading.pods] == [100 * MIB]
     assert reading.invalid == {"duplicate_series": 1}
+
+
+def test_two_device_series_for_one_gpu_keep_the_first(tmp_path):
+    text = f"""# TYPE DCGM_FI_DEV_FB_USED gauge
+DCGM_FI_DEV_FB_USED{{{LABELS},Hostname="dcgm-pod-a"}} 100
+DCGM_FI_DEV_FB_USED{{{LABELS},Hostname="dcgm-pod-b"}} 70000
+"""
+    (gpu,) = collect_text(tmp_path, text).gpus
+    assert gpu.used == 100 * MIB
+    assert collect_text(tmp_path, text).invalid == {"duplicate_gpu_series": 1}
+
+
+def test_the_dcgm_file_is_read_bounded_and_never_blocks(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from oomguard.exporter.collectors import dcgm
+
+    fifo = tmp_path / "fifo.prom"
+    os.mkfifo(fifo)
+    errors: list[str] = []
+
+    def collect() -> None:
+        try:
+            DcgmCollector("h", file=str(fifo)).collect()
+        except CollectorError as exc:
+            errors.append(exc.reason)
+
+    t = threading.Thread(target=collect, daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert errors == ["not_regular_file"]
+
+    linked = tmp_path / "linked.prom"  # a mounted ConfigMap is a symlink: followed
+    linked.symlink_to(DCGM_K8S)
+    assert len(DcgmCollector("h", file=str(linked)).collect().gpus) == 2
+
+    monkeypatch.setattr(dcgm, "DEFAULT_MAX_BYTES", 1000)
+    with pytest.raises(CollectorError) as exc:
+        DcgmCollector("h", file=str(DCGM_K8S)).collect()
+    assert exc.value.reason == "too_large"
+
+    (tmp_path / "bad.prom").write_bytes(b"\xff\xfe")
+    with pytest.raises(CollectorError) as exc:
+        DcgmCollector("h", file=str(tmp_path / "bad.prom")).collect()
+    assert exc.value.reason == "parse_error"

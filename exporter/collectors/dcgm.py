@@ -18,12 +18,13 @@ the numbers honest:
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
 from oomguard.exporter.render import FamilyBuilder
-from oomguard.exporter.scrape import Scraper
+from oomguard.exporter.scrape import DEFAULT_MAX_BYTES, Scraper
 from oomguard.exporter.textparse import Sample, is_openmetrics, parse
 
 from oomguard.errors import CollectorError
@@ -39,6 +40,30 @@ FB_FIELDS = {
 }
 XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
 WANTED = (*FB_FIELDS, XID_FIELD)
+
+
+def _read_file(path: str, max_bytes: int) -> str:
+    """A dcgm-exporter output file, bounded like a scrape. Symlinks are followed (a mounted
+    ConfigMap is one), but a FIFO or device never blocks or floods the collector."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CollectorError("not_found", f"cannot read {path}: {exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CollectorError("not_regular_file", f"{path} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise CollectorError("not_found", f"cannot read {path}: {exc}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise CollectorError("too_large", f"{path} is over {max_bytes} bytes")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise CollectorError("parse_error", f"{path} is not UTF-8 text: {exc}") from exc
 
 
 def is_blank(value: float) -> bool:
@@ -100,10 +125,7 @@ class DcgmCollector:
 
     def _read_text(self) -> tuple[str, bool]:
         if self.file:
-            try:
-                return Path(self.file).read_text(), False
-            except (OSError, UnicodeDecodeError) as exc:
-                raise CollectorError("not_found", f"cannot read {self.file}: {exc}") from exc
+            return _read_file(self.file, DEFAULT_MAX_BYTES), False
         assert self._scraper is not None
         text, content_type = self._scraper.get()
         return text, is_openmetrics(content_type)
@@ -122,6 +144,11 @@ class DcgmCollector:
                 fields = per_gpu.setdefault(identity.key, _Fields(identity))
                 pod = _pod(s.labels)
                 if pod is None:
+                    if key in fields.device:
+                        # Two device series for one GPU that differ only in labels we do not
+                        # key on (driver version, hostname): keep the first, never overwrite.
+                        reading.invalid["duplicate_gpu_series"] += 1
+                        continue
                     fields.device[key] = s.value * MIB
                     fields.identity = identity  # prefer the device series' labels
                 else:
