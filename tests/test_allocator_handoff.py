@@ -7,6 +7,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oomguard.exporter.collectors.allocator import AllocatorCollector, AllocatorReading
 from oomguard.exporter.render import FamilyBuilder, TextRenderer
 from prometheus_client.parser import text_string_to_metric_families
@@ -310,3 +312,28 @@ def test_an_unreadable_directory_is_a_collector_error(tmp_path):
     with pytest.raises(CollectorError) as exc:
         AllocatorCollector(str(not_a_dir), "node-1").collect()
     assert exc.value.reason == "unreadable_directory"
+
+
+_JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=2**62, max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=300),
+    st.lists(st.integers(), max_size=3),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(sorted(raw())), _JSON_VALUES, max_size=4))
+def test_any_field_values_are_refused_with_a_reason_or_render_cleanly(fields):
+    text = json.dumps({**raw(pid=9), **fields})
+    try:
+        r = AllocatorReport.from_json(text)
+    except handoff.InvalidReport as exc:
+        assert exc.reason in {"not_json", "schema", "missing_field", "bad_type", "out_of_range"}
+        return
+    collector = AllocatorCollector("/nonexistent", "node-1")
+    _, out, renderer = _render(collector, AllocatorReading(reports=[r]))
+    assert not out.dropped and not renderer.dropped  # accepted means renderable

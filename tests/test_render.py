@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oomguard.exporter.render import Family, TextRenderer, render_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
@@ -102,3 +104,29 @@ def test_renderer_drops_only_the_bad_sample_of_a_family():
     assert r.dropped == {"unrenderable": 1}
     om = render_openmetrics([f]).decode()  # the OpenMetrics path skips it too
     assert [s.labels["target"] for fm in om_parse(om) for s in fm.samples] == ["a", "c"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    samples=st.lists(
+        st.tuples(
+            st.text(max_size=20),
+            st.one_of(
+                st.none(),
+                st.integers(min_value=-(10**400), max_value=10**400),
+                st.floats(allow_nan=True, allow_infinity=True),
+                st.text(max_size=5),
+            ),
+        ),
+        max_size=20,
+    )
+)
+def test_any_value_and_label_text_render_to_a_parseable_page(samples):
+    from oomguard.exporter.render import FamilyBuilder
+
+    out = FamilyBuilder()
+    for target, value in samples:
+        out.add("oomguard_vllm_up", (target,), value)
+    text = TextRenderer().render(out.families()).decode()  # never raises
+    parsed = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert len(parsed) + sum(out.dropped.values()) == sum(v is not None for _, v in samples)
