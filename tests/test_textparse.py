@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oomguard.exporter.textparse import parse
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -96,3 +100,25 @@ def test_repeated_series_in_openmetrics_are_never_summed():
 def test_values_python_accepts_but_the_format_does_not_are_parse_errors(value):
     with pytest.raises(CollectorError):
         parse(f"a {value}\n")
+
+
+_EXPOSITION_ALPHABET = st.sampled_from(list('ab_:{}=",# \t\n\\01.-+eEInfNaT_totalcounterTYPEHELP'))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(_EXPOSITION_ALPHABET, max_size=120),
+    openmetrics=st.booleans(),
+    wanted=st.sampled_from([None, ["a"], ["a_total", "b"]]),
+)
+def test_any_page_parses_or_is_a_parse_error(text, openmetrics, wanted):
+    try:
+        parsed = parse(text, wanted, openmetrics=openmetrics)
+    except CollectorError as exc:
+        assert exc.reason == "parse_error"
+        return
+    for samples in parsed.samples.values():
+        for s in samples:
+            assert math.isfinite(s.value) and all(isinstance(v, str) for v in s.labels.values())
+        keys = [tuple(sorted(s.labels.items())) for s in samples]
+        assert len(keys) == len(set(keys))  # never the same series twice
