@@ -48,7 +48,14 @@ class VllmTarget(_Strict):
     timeout_seconds: float = Field(2.0, gt=0, le=60)
     gpus: list[str] = Field(
         default_factory=list,
-        description="GPU indices or UUIDs the engine runs on; empty means all GPUs of the node.",
+        description="GPU indices or UUIDs the engine runs on; empty: learned from the plugin's "
+        "allocator reports (or the node's only GPU).",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="The engine's memory plan; empty: read from vLLM's cache_config_info.",
     )
 
     @field_validator("name")

@@ -56,6 +56,11 @@ class Exporter:
             interval=config.interval_seconds,
             thresholds=config.pressure,
             engine_gpus={t.name: t.gpus for t in config.vllm},
+            engine_gmu={
+                t.name: t.gpu_memory_utilization
+                for t in config.vllm
+                if t.gpu_memory_utilization is not None
+            },
         )
         self.server = MetricsServer(
             config.listen_address,

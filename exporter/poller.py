@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomguard.exporter.collectors.allocator import AllocatorReading
-from oomguard.exporter.collectors.base import Collector, GpuMemory, GpuReading, Reading
+from oomguard.exporter.collectors.base import (
+    Collector,
+    GpuIdentity,
+    GpuMemory,
+    GpuReading,
+    Reading,
+)
 from oomguard.exporter.collectors.vllm import VllmReading
 from oomguard.exporter.pressure import EngineSource, PressureEvaluator
 from oomguard.exporter.render import (
@@ -93,12 +99,14 @@ class Poller:
         interval: float = 1.0,
         thresholds: PressureThresholds | None = None,
         engine_gpus: dict[str, Sequence[str]] | None = None,
+        engine_gmu: dict[str, float] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.interval = interval
         self.states = [CollectorState(c) for c in collectors]
         self.pressure = PressureEvaluator(thresholds)
         self.engine_gpus = engine_gpus or {}
+        self.engine_gmu = engine_gmu or {}
         self.clock = clock
         self.renderer = TextRenderer()
         self.polls = 0
@@ -232,14 +240,17 @@ class Poller:
                 state.collector.families(reading, out)
         fresh_ids = {id(state) for state, _ in fresh}
 
-        gpus = self._merge_gpus(fresh)
+        gpus, processes = self._merge_gpus(fresh)
         reports = [r for _, rd in fresh if isinstance(rd, AllocatorReading) for r in rd.reports]
         engines: list[EngineSource] = []
+        fresh_targets: set[str] = set()
         for state, reading in fresh:
             if isinstance(reading, VllmReading):
                 target = state.collector.target
+                fresh_targets.add(target)
                 gpus_of = self.engine_gpus.get(target, ())
-                engines.extend(EngineSource(target, e, gpus_of) for e in reading.engines)
+                gmu = self.engine_gmu.get(target)
+                engines.extend(EngineSource(target, e, gpus_of, gmu) for e in reading.engines)
                 if state.result and state.result.seq != state.observed_seq:
                     for e in reading.engines:
                         self.pressure.observe_engine(target, e, state.result.finished_at)
@@ -252,20 +263,32 @@ class Poller:
             if state.result:
                 state.observed_seq = state.result.seq
 
-        gpu_levels = self.pressure.gpu_levels([g for g, _ in gpus], reports, now)
-        engine_levels = self.pressure.engine_levels(engines, gpu_levels, now)
+        blind_targets = {
+            s.collector.target
+            for s in self.states
+            if s.collector.name == "vllm" and s.collector.target not in fresh_targets
+        }
+        levels = self.pressure.evaluate(
+            [g for g, _ in gpus], engines, reports, now, processes, blind_targets
+        )
         for g, source in gpus:
             g.add_to(out)
             out.add("oomguard_gpu_info", (*g.identity.labels(), source), 1)
-        for gp in gpu_levels:
+        for gp in levels.gpus:
             labels = gp.identity.labels()
             out.add("oomguard_gpu_free_floor_bytes", labels, gp.floor_bytes)
+            out.add("oomguard_gpu_planned_bytes", labels, gp.planned_bytes)
+            out.add("oomguard_gpu_headroom_bytes", labels, gp.headroom_bytes)
             out.add("oomguard_gpu_pressure_level", (*labels, gp.level.reason), gp.level.level)
-        for ep in engine_levels:
-            labels = ep.engine.labels(ep.target)
+        for ep in levels.engines:
+            labels = ep.key
             out.add("oomguard_engine_pressure_level", (*labels, ep.level.reason), ep.level.level)
             out.add("oomguard_vllm_preemption_ratio", labels, ep.preemption_ratio)
             out.add("oomguard_vllm_kv_projected_demand_ratio", labels, ep.projected_kv_ratio)
+            for eg in ep.gpus:
+                ident = eg.gpu
+                where = (ident.gpu, ident.uuid, ident.gpu_instance_id, eg.source)
+                out.add("oomguard_engine_gpu_info", (*labels, *where), 1)
 
         self._self_metrics(out, now, fresh_ids)
         self.polls += 1
@@ -278,16 +301,24 @@ class Poller:
         self.latest = snapshot  # one reference swap: scrapes never see half a snapshot
         return snapshot
 
-    def _merge_gpus(self, fresh: list[tuple[CollectorState, Any]]) -> list[tuple[GpuMemory, str]]:
-        by_source: dict[str, list[GpuMemory]] = {}
+    def _merge_gpus(
+        self, fresh: list[tuple[CollectorState, Any]]
+    ) -> tuple[list[tuple[GpuMemory, str]], list[tuple[GpuIdentity, int, float]]]:
+        """Each GPU once, from the most preferred source that has it, with that source's
+        per-process memory of it."""
+        by_source: dict[str, list[GpuReading]] = {}
         for state, reading in fresh:
             if isinstance(reading, GpuReading):
-                by_source.setdefault(state.collector.name, []).extend(reading.gpus)
+                by_source.setdefault(state.collector.name, []).append(reading)
         merged: dict[tuple[str, str], tuple[GpuMemory, str]] = {}
+        processes: list[tuple[GpuIdentity, int, float]] = []
         for source in (*GPU_SOURCE_PRIORITY, *sorted(set(by_source) - set(GPU_SOURCE_PRIORITY))):
-            for g in by_source.get(source, ()):
-                merged.setdefault(g.identity.key, (g, source))
-        return list(merged.values())
+            for reading in by_source.get(source, ()):
+                taken = {g.identity.key for g in reading.gpus if g.identity.key not in merged}
+                for g in reading.gpus:
+                    merged.setdefault(g.identity.key, (g, source))
+                processes.extend(p for p in reading.processes if p[0].key in taken)
+        return list(merged.values()), processes
 
     def _self_metrics(self, out: FamilyBuilder, now: float, fresh_ids: set[int]) -> None:
         out.add("oomguard_exporter_build_info", (__version__,), 1)

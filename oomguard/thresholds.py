@@ -12,30 +12,41 @@ GIB = 1024**3
 
 
 class PressureThresholds(BaseModel):
-    """When a GPU or an engine is in danger of a CUDA out-of-memory error.
+    """When a GPU or an engine is in danger of a CUDA out-of-memory error (docs/pressure.md).
 
-    The critical floor of free device memory is min(floor_bytes, floor_ratio x total): 2 GiB on an
-    80 GB GPU, 8 % (about 1.9 GB) on a 24 GB card, 0.8 GB on a 10 GB MIG slice. Pressure and caution
-    are multiples of that floor. KV-cache usage is deliberately not an input: near 100 % under load
-    is how vLLM normally runs.
+    A GPU that runs vLLM engines is judged against their memory plan: each engine may use
+    `gpu_memory_utilization x usable memory` at its peak, so the danger is the free memory left
+    once every engine reaches that peak (the headroom). A healthy engine keeps
+    `(1 - gmu) x usable` of headroom by design: 8 % at vLLM's default 0.92, 5 % at 0.95. The
+    levels sit below that, as shares of the device's usable memory. A GPU with no engine on it
+    keeps a plain free-memory floor and never goes past caution. KV-cache usage is deliberately
+    not an input: near 100 % under load is how vLLM normally runs.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    floor_bytes: int = Field(2 * GIB, gt=0, description="Critical free-memory floor, absolute.")
+    headroom_caution_ratio: float = Field(
+        0.025,
+        ge=0,
+        le=0.5,
+        description="Level 1 when the headroom at the engines' planned peak is below this share "
+        "of the GPU's usable memory.",
+    )
+    headroom_pressure_ratio: float = Field(
+        0.015, ge=0, le=0.5, description="Level 2 below this share of usable memory."
+    )
+    headroom_critical_ratio: float = Field(
+        0.005,
+        ge=-0.5,
+        le=0.5,
+        description="Level 3 below this share of usable memory: the next planned peak is about "
+        "to stop fitting.",
+    )
+    floor_bytes: int = Field(
+        2 * GIB, gt=0, description="Free-memory floor of a GPU without a planned engine."
+    )
     floor_ratio: float = Field(
-        0.08, gt=0, le=0.5, description="Critical free-memory floor as a share of device memory."
-    )
-    pressure_multiple: float = Field(2.0, ge=1, description="Level 2 below this many floors.")
-    caution_multiple: float = Field(3.0, ge=1, description="Level 1 below this many floors.")
-    preemption_pressure_ratio: float = Field(
-        0.05, gt=0, description="Level 2 when preemptions exceed this share of finished requests."
-    )
-    preemption_caution_ratio: float = Field(
-        0.01, gt=0, description="Level 1 when preemptions exceed this share of finished requests."
-    )
-    min_preemptions: int = Field(
-        5, ge=1, description="Preemptions needed in the window before the ratio counts."
+        0.08, gt=0, le=0.5, description="The same floor as a share of device memory (smaller wins)."
     )
     rate_window_seconds: float = Field(
         60.0, gt=0, description="Window over which the preemption ratio is computed."
@@ -45,16 +56,24 @@ class PressureThresholds(BaseModel):
         ge=0,
         description="How long a new allocator OOM (level 3) or retry (level 2) holds the level.",
     )
+    blind_retention_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="How long a GPU or engine that can no longer be read is reported blind "
+        "before it is forgotten.",
+    )
     kv_budget_margin: float = Field(
         0.15, ge=0, description="Safety margin on the projected per-request KV budget."
     )
 
     @model_validator(mode="after")
     def _ordered(self) -> PressureThresholds:
-        if self.caution_multiple < self.pressure_multiple:
-            raise ValueError("caution_multiple must be >= pressure_multiple")
-        if self.preemption_caution_ratio > self.preemption_pressure_ratio:
-            raise ValueError("preemption_caution_ratio must be <= preemption_pressure_ratio")
+        if not (
+            self.headroom_critical_ratio
+            <= self.headroom_pressure_ratio
+            <= self.headroom_caution_ratio
+        ):
+            raise ValueError("headroom ratios must be ordered: critical <= pressure <= caution")
         return self
 
     def floor_for(self, total_bytes: float) -> float:
@@ -65,7 +84,11 @@ _DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
 
 
 class AlertThresholds(BaseModel):
-    """Thresholds and timings of the generated alert rules (`oomguard generate --thresholds`)."""
+    """Thresholds, timings and scrape names of the rules (`oomguard generate --thresholds`).
+
+    Job names and the cluster label are here so that the rules, the Prometheus config and the
+    Kubernetes PodMonitors come from one place: the manifests relabel `job` to exactly these names.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -74,20 +97,98 @@ class AlertThresholds(BaseModel):
         description="Where your team publishes runbooks/; each alert links <base>/<Alert>.md.",
     )
     exporter_job: str = Field("oomguard-exporter", description="Prometheus job of the exporters.")
+    remediator_job: str = Field(
+        "oomguard-remediator", description="Prometheus job of the remediator."
+    )
+    vllm_job: str = Field("vllm", description="Prometheus job scraping vLLM's own /metrics.")
+    cluster_label: str = Field(
+        "cluster",
+        pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$",
+        description="Label naming the cluster (an external label); every aggregation keeps it.",
+    )
+    rule_interval: str = Field(
+        "5s",
+        pattern=_DURATION,
+        description="Evaluation interval of the rule group, set in the group itself so that "
+        "`for` and hysteresis hold whatever the server's global evaluation_interval is.",
+    )
     kv_usage_high_ratio: float = Field(0.9, gt=0, le=1)
     kv_usage_high_for: str = Field("15m", pattern=_DURATION)
     preemption_ratio: float = Field(0.01, gt=0, description="Preemptions per finished request.")
+    preemption_min_count: int = Field(
+        10, ge=1, description="Preemptions in 5 minutes before the ratio counts (idle engines)."
+    )
     preemption_for: str = Field("5m", pattern=_DURATION)
     caution_for: str = Field("10m", pattern=_DURATION)
     pressure_for: str = Field("30s", pattern=_DURATION)
     critical_for: str = Field("0s", pattern=_DURATION)
     keep_firing_for: str = Field(
-        "2m", pattern=_DURATION, description="Hysteresis on pressure and critical alerts."
+        "2m", pattern=_DURATION, description="Hysteresis on GPU and on-call alerts."
+    )
+    action_keep_firing_for: str = Field(
+        "30s",
+        pattern=_DURATION,
+        description="Hysteresis on alerts that carry an action (the remediator's recovery "
+        "starts only once they resolve, so keep it short).",
     )
     fragmentation_growth_bytes: int = Field(2 * GIB, gt=0)
     leak_growth_bytes: int = Field(1 * GIB, gt=0)
     growth_window: str = Field("2h", pattern=_DURATION)
     queueing_waiting: int = Field(10, ge=1, description="Waiting requests that count as a queue.")
-    engine_down_for: str = Field("1m", pattern=_DURATION)
+    engine_down_for: str = Field(
+        "15m", pattern=_DURATION, description="Rollouts and model loads take minutes: a ticket."
+    )
+    model_unavailable_for: str = Field(
+        "5m", pattern=_DURATION, description="A model with no ready engine this long pages."
+    )
     collector_down_for: str = Field("5m", pattern=_DURATION)
     stale_after_seconds: int = Field(30, gt=0)
+    remediator_down_for: str = Field("5m", pattern=_DURATION)
+    paused_for: str = Field("1h", pattern=_DURATION, description="A pause this long is a ticket.")
+    held_for: str = Field("15m", pattern=_DURATION, description="A target held this long.")
+    # SLOs on vLLM's own metrics (multi-window, multi-burn-rate alerts, SRE Workbook ch. 5)
+    slo_success_objective: float = Field(
+        0.999, gt=0, lt=1, description="Share of finished requests without finished_reason=error."
+    )
+    slo_ttft_objective: float = Field(
+        0.95, gt=0, lt=1, description="Share of requests whose first token comes within slo_ttft."
+    )
+    slo_ttft_seconds: float = Field(
+        2.5, description="TTFT threshold: one of vLLM's histogram bucket bounds."
+    )
+
+    @model_validator(mode="after")
+    def _ttft_is_a_bucket(self) -> AlertThresholds:
+        if self.slo_ttft_seconds not in VLLM_TTFT_BUCKETS:
+            raise ValueError(
+                f"slo_ttft_seconds must be one of vLLM's TTFT buckets {VLLM_TTFT_BUCKETS}"
+            )
+        return self
+
+
+# vLLM 0.33's time_to_first_token_seconds buckets (vllm/v1/metrics/loggers.py): an SLO threshold
+# must be one of them, since PromQL reads the bucket whose `le` label equals it.
+VLLM_TTFT_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)

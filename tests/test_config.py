@@ -53,7 +53,7 @@ pressure: {floor_bytes: 1073741824}
         (None, ("--vllm", "a=http://x", "--vllm", "a=http://y"), "duplicate vllm names"),
         ("[1, 2]\n", (), "top level must be a mapping"),
         ("a: [unclosed\n", (), "not valid YAML"),
-        ("pressure: {caution_multiple: 1.5}\n", (), "caution_multiple"),
+        ("pressure: {headroom_pressure_ratio: 0.5}\n", (), "ordered"),
         ("dcgm: {url: 'http://x', file: '/f'}\n", (), "not both"),
     ],
 )

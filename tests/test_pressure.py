@@ -1,9 +1,18 @@
+"""The pressure model: levels measured against the engines' memory plan (docs/pressure.md)."""
+
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory
+from oomguard.exporter.collectors.nvml import NvmlCollector
 from oomguard.exporter.collectors.vllm import EngineReading
-from oomguard.exporter.pressure import EngineSource, PressureEvaluator
+from oomguard.exporter.pressure import MAX_REMEMBERED, EngineSource, PressureEvaluator
+from oomguard.twin.gpu import GPU_MODELS, MIB, TwinGpu, TwinNvml
+from oomguard.twin.matrix import GMUS, model_for, simulate
+from oomguard.twin.physics import Physics
+from oomguard.twin.traces import Trace
 
 from oomguard.handoff import AllocatorReport
 from oomguard.thresholds import GIB, PressureThresholds
@@ -11,24 +20,29 @@ from oomguard.thresholds import GIB, PressureThresholds
 GB = 10**9
 
 
-def gpu(free: float, total: float = 80 * GB, uuid: str = "GPU-a", index: str = "0") -> GpuMemory:
-    ident = GpuIdentity(index, uuid, "bus", "nvidia0", "H100", "h")
-    return GpuMemory(ident, total, total - free, free, 0)
+def ident(uuid: str = "GPU-a", index: str = "0", instance: str = "") -> GpuIdentity:
+    return GpuIdentity(index, uuid, "bus", "nvidia0", "H100", "h", instance, "")
 
 
-def engine(preemptions=0.0, finished=0.0, kv=0.5, **kw) -> EngineReading:
-    return EngineReading(
-        "m", "0", kv_usage=kv, preemptions=preemptions, finished={"stop": finished}, **kw
-    )
+def gpu(
+    free: float, total: float = 80 * GB, reserved: float = 0.0, uuid="GPU-a", index="0"
+) -> GpuMemory:
+    return GpuMemory(ident(uuid, index), total, total - reserved - free, free, reserved)
 
 
-def alloc(ooms=0, retries=0, free_after_gc=None, uuid="GPU-a") -> AllocatorReport:
+def engine(gmu: float | None = 0.9, name: str = "0", **kw) -> EngineReading:
+    return EngineReading("m", name, gpu_memory_utilization=gmu, **kw)
+
+
+def alloc(
+    ooms=0, retries=0, uuid="GPU-a", pid=1, rank=0, target="t", engine="0", free_after_gc=None
+) -> AllocatorReport:
     return AllocatorReport(
         timestamp=0,
-        pid=1,
-        rank=0,
-        target="t",
-        engine="0",
+        pid=pid,
+        rank=rank,
+        target=target,
+        engine=engine,
         device_index=0,
         device_uuid=uuid,
         allocated_bytes=0,
@@ -39,106 +53,334 @@ def alloc(ooms=0, retries=0, free_after_gc=None, uuid="GPU-a") -> AllocatorRepor
         alloc_retries=retries,
         ooms=ooms,
         free_after_gc_bytes=free_after_gc,
-        gc_timestamp=None,
     )
 
 
-def test_floor_scales_with_device_size():
-    t = PressureThresholds()
-    assert t.floor_for(80 * GB) == 2 * GIB  # 2 GiB on an 80 GB GPU
-    assert t.floor_for(24 * GB) == pytest.approx(0.08 * 24 * GB)  # about 8 % on a 24 GB card
-    assert t.floor_for(141 * GB) == 2 * GIB
+def levels(ev: PressureEvaluator, gpus, engines, reports=(), now=0.0, processes=(), blind=()):
+    out = ev.evaluate(gpus, engines, list(reports), now, list(processes), blind)
+    return (
+        {gp.identity.key: (gp.level.level, gp.level.reason) for gp in out.gpus},
+        {ep.key: (ep.level.level, ep.level.reason) for ep in out.engines},
+    )
 
 
-@pytest.mark.parametrize(
-    ("free", "level", "reason"),
-    [
-        (1.5 * GIB, 3, "free_below_floor"),
-        (3 * GIB, 2, "free_low"),
-        (5 * GIB, 1, "free_caution"),
-        (7 * GIB, 0, "ok"),
-    ],
+def nvml_gpus(*twins: TwinGpu):
+    """Read twin GPUs through the exporter's real NVML collector."""
+    reading = NvmlCollector("h", backend=TwinNvml(list(twins))).collect()
+    return reading.gpus, reading.processes
+
+
+# -- do no harm: every common GPU at every sane gpu_memory_utilization ----------------------
+@pytest.mark.parametrize("gpu_name", sorted(GPU_MODELS))
+@pytest.mark.parametrize("gmu", GMUS)
+@pytest.mark.parametrize("warm", [True, False], ids=["cache-warm", "cache-empty"])
+def test_a_healthy_engine_is_level_0_on_every_gpu(gpu_name, gmu, warm):
+    p = Physics.for_model(model_for(gpu_name), gpu=gpu_name, gpu_memory_utilization=gmu)
+    twin = TwinGpu("GPU-x", gpu_name)
+    # Warm: the allocator cache grew to the planned activation peak; empty: just after start.
+    used = int(gmu * p.usable) - (0 if warm else p.activation(p.max_num_batched_tokens))
+    twin.processes[42] = used
+    gpus, processes = nvml_gpus(twin)
+    gpu_levels, engine_levels = levels(
+        PressureEvaluator(),
+        gpus,
+        [EngineSource("t", engine(gmu))],
+        [alloc(uuid="GPU-x", pid=42)],
+        processes=processes,
+    )
+    assert set(gpu_levels.values()) == {(0, "ok")}
+    assert set(engine_levels.values()) == {(0, "ok")}
+
+
+def test_the_landed_floor_model_would_have_paged_an_l4_at_the_default():
+    """The defect this model replaces: an L4 at 0.92 has under min(2 GiB, 8 %) free by design."""
+    p = Physics.for_model(model_for("L4"), gpu="L4", gpu_memory_utilization=0.92)
+    free = p.total - p.driver_reserved - int(0.92 * p.usable)
+    assert free < PressureThresholds().floor_for(p.total)  # the old level 3
+    twin = TwinGpu("GPU-x", "L4", processes={42: int(0.92 * p.usable)})
+    gpus, processes = nvml_gpus(twin)
+    _, got = levels(
+        PressureEvaluator(), gpus, [EngineSource("t", engine(0.92))], processes=processes
+    )
+    assert got == {("t", "m", "0"): (0, "ok")}
+
+
+# -- properties of the model ---------------------------------------------------------------
+plans = st.lists(st.floats(0.05, 0.95), min_size=1, max_size=3).filter(lambda g: sum(g) <= 0.95)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    gmus=plans,
+    total_gib=st.floats(9.0, 192.0),
+    reserved_mib=st.integers(0, 1024),
+    warm=st.booleans(),
 )
-def test_gpu_levels_by_free_memory(free, level, reason):
-    (gp,) = PressureEvaluator().gpu_levels([gpu(free)], [], now=0)
-    assert (gp.level.level, gp.level.reason) == (level, reason)
+def test_any_plan_in_range_without_incident_is_level_0(gmus, total_gib, reserved_mib, warm):
+    total, reserved = int(total_gib * GIB), reserved_mib * MIB
+    usable = total - reserved
+    used = sum(int(g * usable) for g in gmus)
+    if not warm:  # the engines have not reached their peaks yet
+        used = int(used * 0.9)
+    g = GpuMemory(ident(), total, used, total - reserved - used, reserved)
+    sources = [EngineSource(f"t{i}", engine(gm), ["GPU-a"]) for i, gm in enumerate(gmus)]
+    gpu_levels, engine_levels = levels(PressureEvaluator(), [g], sources)
+    assert set(gpu_levels.values()) == {(0, "ok")}
+    assert {lv for lv, _ in engine_levels.values()} == {0}
 
 
-def test_free_after_gc_is_preferred_when_published():
-    # NVML says 1 GiB free, but after emptying the cache 10 GiB are free: not critical
-    (gp,) = PressureEvaluator().gpu_levels([gpu(1 * GIB)], [alloc(free_after_gc=10 * GIB)], 0)
-    assert gp.level.level == 0 and gp.free_bytes == 10 * GIB
+@settings(max_examples=200, deadline=None)
+@given(
+    gmus=plans,
+    total_gib=st.floats(9.0, 192.0),
+    taken=st.floats(0.0, 1.0),
+    neighbour_share=st.floats(0.0, 1.0),
+)
+def test_losing_the_headroom_of_the_next_peak_is_at_least_level_2(
+    gmus, total_gib, taken, neighbour_share
+):
+    """Whatever eats the plan's slack (a neighbour or the engines' own growth) so that the
+    engines' next planned peak would not fit: level 2 or worse."""
+    total = int(total_gib * GIB)
+    slack = total - sum(int(g * total) for g in gmus)
+    eaten = int(slack * (1.0 + taken * 0.5)) + 1  # beyond the slack
+    neighbour = int(eaten * neighbour_share)
+    growth = eaten - neighbour  # the engines' reserved beyond their plan (fragmentation)
+    used = sum(int(g * total) for g in gmus) + growth + neighbour
+    g = GpuMemory(ident(), total, used, max(0, total - used), 0)
+    sources = [EngineSource(f"t{i}", engine(gm), ["0"]) for i, gm in enumerate(gmus)]
+    gpu_levels, engine_levels = levels(PressureEvaluator(), [g], sources)
+    assert all(lv >= 2 for lv, _ in gpu_levels.values())
+    assert all(lv >= 2 for lv, _ in engine_levels.values())
 
 
+def test_levels_follow_the_headroom_thresholds():
+    t = PressureThresholds()
+    total = 80 * GB
+    plan = int(0.9 * total)
+    got = []
+    for headroom_share in (0.05, 0.02, 0.01, 0.001, -0.01):
+        free = int(headroom_share * total)
+        g = GpuMemory(ident(), total, plan, free, 0)  # engines at their peak: need 0
+        (gp,) = PressureEvaluator(t).evaluate([g], [EngineSource("t", engine(0.9))], [], 0).gpus
+        got.append((gp.level.level, gp.level.reason))
+    assert got == [
+        (0, "ok"),
+        (1, "headroom_caution"),
+        (2, "headroom_low"),
+        (3, "headroom_exhausted"),
+        (3, "headroom_exhausted"),
+    ]
+
+
+def test_engine_not_yet_at_its_peak_keeps_room_for_it():
+    # Plan 72 GB, engine uses 60 GB now: 12 GB are its own, not free for anyone else.
+    total = 80 * GB
+    g = GpuMemory(ident(), total, 60 * GB + 7 * GB, 13 * GB, 0)  # a 7 GB neighbour
+    (gp,) = PressureEvaluator().evaluate([g], [EngineSource("t", engine(0.9))], [], 0).gpus
+    assert gp.planned_bytes == pytest.approx(72 * GB)
+    assert gp.headroom_bytes == pytest.approx(13 * GB - 5 * GB)  # aggregate: used counts as plan
+    assert gp.level.level == 0
+
+
+def test_per_process_memory_separates_a_neighbour_from_the_engine():
+    total = 80 * GB
+    g = GpuMemory(ident(), total, 60 * GB + 7 * GB, 13 * GB, 0)
+    processes = [(ident(), 1, 60 * GB), (ident(), 99, 7 * GB)]
+    out = PressureEvaluator().evaluate(
+        [g], [EngineSource("t", engine(0.9))], [alloc(pid=1)], 0, processes
+    )
+    # The engine may still grow by 12 GB: 13 GB free leaves 1 GB (1.25 %) at its peak.
+    assert out.gpus[0].headroom_bytes == pytest.approx(1 * GB)
+    assert (out.gpus[0].level.level, out.engines[0].level.level) == (2, 2)
+
+
+# -- several engines, tensor parallel, MIG ---------------------------------------------------
+def test_two_engines_at_045_on_one_gpu_share_the_plan():
+    twin = TwinGpu("GPU-s", "H100")
+    twin.processes = {pid: int(0.45 * (twin.total - twin.reserved)) for pid in (1, 2)}
+    gpus, processes = nvml_gpus(twin)
+    sources = [EngineSource("a", engine(0.45)), EngineSource("b", engine(0.45))]
+    reports = [alloc(uuid="GPU-s", pid=1, target="a"), alloc(uuid="GPU-s", pid=2, target="b")]
+    ev = PressureEvaluator()
+    _, engine_levels = levels(ev, gpus, sources, reports, processes=processes)
+    assert set(engine_levels.values()) == {(0, "ok")}
+    (gp,) = ev.evaluate(gpus, sources, reports, 0, processes).gpus
+    assert gp.planned_bytes == pytest.approx(0.9 * (twin.total - twin.reserved), rel=1e-6)
+    # A neighbour takes the slack: both engines are in danger.
+    twin.processes[99] = int(0.1 * twin.total)
+    gpus, processes = nvml_gpus(twin)
+    _, engine_levels = levels(ev, gpus, sources, reports, processes=processes)
+    assert {lv for lv, _ in engine_levels.values()} == {3}
+
+
+def test_tensor_parallel_engine_is_judged_on_each_of_its_gpus():
+    a = TwinGpu("GPU-a", "A100-80GB", minor=0)
+    b = TwinGpu("GPU-b", "A100-80GB", minor=1)
+    c = TwinGpu("GPU-c", "A100-80GB", minor=2)  # another engine's
+    for i, g in enumerate((a, b, c)):
+        g.processes[10 + i] = int(0.9 * (g.total - g.reserved))
+    b.processes[99] = int(0.1 * b.total)  # a neighbour on rank 1's GPU only
+    gpus, processes = nvml_gpus(a, b, c)
+    reports = [alloc(uuid="GPU-a", pid=10, rank=0), alloc(uuid="GPU-b", pid=11, rank=1)]
+    reports.append(alloc(uuid="GPU-c", pid=12, target="other"))
+    sources = [EngineSource("t", engine(0.9)), EngineSource("other", engine(0.9))]
+    out = PressureEvaluator().evaluate(gpus, sources, reports, 0, processes)
+    by_uuid = {gp.identity.uuid: gp.level.level for gp in out.gpus}
+    assert by_uuid == {"GPU-a": 0, "GPU-b": 3, "GPU-c": 0}
+    got = {ep.target: (ep.level.level, sorted(g.gpu.uuid for g in ep.gpus)) for ep in out.engines}
+    assert got == {"t": (3, ["GPU-a", "GPU-b"]), "other": (0, ["GPU-c"])}
+    assert {g.source for ep in out.engines for g in ep.gpus} == {"allocator"}
+
+
+def test_mig_slice_is_planned_on_its_own_memory_and_mapped_by_pid():
+    twin = TwinGpu("GPU-m", "H100-MIG-1g.10gb")
+    twin.processes[7] = int(0.92 * twin.total)
+    gpus, processes = nvml_gpus(twin)
+    mig = [g for g in gpus if g.identity.gpu_instance_id]
+    assert len(mig) == 1 and mig[0].total == 9984 * MIB
+    # The rank reports its MIG device UUID, which no NVML series carries: the PID maps it.
+    reports = [alloc(uuid="MIG-6f1e", pid=7)]
+    out = PressureEvaluator().evaluate(
+        gpus, [EngineSource("t", engine(0.92))], reports, 0, processes
+    )
+    (ep,) = out.engines
+    assert [g.gpu.gpu_instance_id for g in ep.gpus] == [mig[0].identity.gpu_instance_id]
+    assert ep.level.level == 0
+    twin.processes[99] = int(0.09 * twin.total)
+    gpus, processes = nvml_gpus(twin)
+    out = PressureEvaluator().evaluate(
+        gpus, [EngineSource("t", engine(0.92))], reports, 0, processes
+    )
+    assert out.engines[0].level.level == 3
+
+
+def test_configured_gpus_override_the_data():
+    gpus = [gpu(40 * GB, uuid="GPU-a", index="0"), gpu(1 * GB, uuid="GPU-b", index="1")]
+    src = EngineSource("t", engine(0.5), ["1"])
+    out = PressureEvaluator().evaluate(gpus, [src], [alloc(uuid="GPU-a")], 0)
+    assert [(g.gpu.uuid, g.source) for g in out.engines[0].gpus] == [("GPU-b", "config")]
+
+
+def test_configured_plan_overrides_vllms_figure():
+    g = gpu(5 * GB)  # 75 GB used: right for a 0.94 plan, far beyond a 0.5 one
+    ev = PressureEvaluator()
+    (gp,) = ev.evaluate([g], [EngineSource("t", engine(None), (), 0.94)], [], 0).gpus
+    assert gp.planned_bytes == pytest.approx(0.94 * 80 * GB) and gp.level.level == 0
+
+
+# -- GPUs without a plan ---------------------------------------------------------------------
+def test_gpu_without_engine_keeps_a_floor_and_goes_no_further_than_caution():
+    (gp,) = PressureEvaluator().evaluate([gpu(0.1 * GB)], [], [], 0).gpus
+    assert (gp.level.level, gp.level.reason) == (1, "free_below_floor")
+    (gp,) = PressureEvaluator().evaluate([gpu(30 * GB)], [], [], 0).gpus
+    assert gp.level.level == 0 and gp.floor_bytes == 2 * GIB
+
+
+def test_engine_with_unknown_plan_is_not_guessed():
+    # vLLM did not report gpu_memory_utilization and none is configured.
+    out = PressureEvaluator().evaluate([gpu(0.5 * GB)], [EngineSource("t", engine(None))], [], 0)
+    assert (out.gpus[0].level.level, out.gpus[0].level.reason) == (1, "free_below_floor")
+    out = PressureEvaluator().evaluate([gpu(30 * GB)], [EngineSource("t", engine(None))], [], 0)
+    assert (out.gpus[0].level.level, out.gpus[0].level.reason) == (0, "plan_unknown")
+
+
+# -- allocator events ------------------------------------------------------------------------
 def test_new_allocator_oom_is_critical_and_held_then_released():
     ev = PressureEvaluator(PressureThresholds(event_hold_seconds=60))
+    src = [EngineSource("t", engine(0.9))]
+    healthy = gpu(8 * GB, reserved=0)
     ev.observe_allocator([alloc(ooms=0)], now=0)
     ev.observe_allocator([alloc(ooms=1)], now=10)
-    (gp,) = ev.gpu_levels([gpu(50 * GB)], [], now=20)
-    assert (gp.level.level, gp.level.reason) == (3, "allocator_oom")
-    (gp,) = ev.gpu_levels([gpu(50 * GB)], [], now=71)
-    assert gp.level.level == 0
+    g, e = levels(ev, [healthy], src, [alloc(ooms=1)], now=20)
+    assert set(g.values()) == set(e.values()) == {(3, "allocator_oom")}
+    g, e = levels(ev, [healthy], src, [alloc(ooms=1)], now=71)
+    assert set(g.values()) == set(e.values()) == {(0, "ok")}
 
 
 def test_oom_count_seen_first_time_is_history_not_news():
     ev = PressureEvaluator()
     ev.observe_allocator([alloc(ooms=4)], now=0)
-    assert ev.gpu_levels([gpu(50 * GB)], [], now=1)[0].level.level == 0
+    g, _ = levels(ev, [gpu(8 * GB)], [EngineSource("t", engine(0.9))], now=1)
+    assert set(g.values()) == {(0, "ok")}
 
 
 def test_alloc_retries_rising_is_pressure():
     ev = PressureEvaluator()
     ev.observe_allocator([alloc(retries=1)], now=0)
     ev.observe_allocator([alloc(retries=2)], now=1)
-    assert ev.gpu_levels([gpu(50 * GB)], [], now=2)[0].level.reason == "allocator_retries"
+    g, _ = levels(ev, [gpu(8 * GB)], [EngineSource("t", engine(0.9))], now=2)
+    assert set(g.values()) == {(2, "allocator_retries")}
 
 
-def run_engine(ev: PressureEvaluator, samples):
-    for t, (pre, fin) in enumerate(samples):
-        ev.observe_engine("t", engine(pre, fin), now=t * 10.0)
-    e = engine(*samples[-1])
-    (ep,) = ev.engine_levels([EngineSource("t", e, [])], [], now=len(samples) * 10.0)
-    return ep
+def test_free_after_gc_counts_only_without_a_plan():
+    out = PressureEvaluator().evaluate([gpu(1 * GB)], [], [alloc(free_after_gc=10 * GIB)], 0)
+    assert out.gpus[0].free_bytes == 10 * GIB and out.gpus[0].level.level == 0
 
 
-@pytest.mark.parametrize(
-    ("samples", "level"),
-    [
-        ([(0, 0), (10, 100)], 2),  # 10 % of requests preempted
-        ([(0, 0), (6, 300)], 1),  # 2 %
-        ([(0, 0), (5, 1000)], 0),  # 0.5 %
-        ([(0, 0), (3, 10)], 0),  # 30 %, but fewer than min_preemptions
-    ],
-)
-def test_engine_preemption_ratio_levels(samples, level):
-    ep = run_engine(PressureEvaluator(), samples)
-    assert ep.level.level == level
+# -- blind is not healthy --------------------------------------------------------------------
+def test_a_gpu_that_vanishes_is_blind_then_forgotten():
+    ev = PressureEvaluator(PressureThresholds(blind_retention_seconds=60))
+    src = [EngineSource("t", engine(0.9), ["GPU-a"])]
+    levels(ev, [gpu(8 * GB)], src, now=0)
+    g, e = levels(ev, [], src, now=10)
+    assert g == {("GPU-a", ""): (-1, "blind")}
+    assert e == {("t", "m", "0"): (-1, "blind")}  # its only GPU cannot be read
+    g, _ = levels(ev, [], src, now=100)
+    assert g == {}
+
+
+def test_gpu_listed_without_numbers_is_blind():
+    broken = GpuMemory(ident(), None, None, None, None)
+    g, _ = levels(PressureEvaluator(), [broken], [])
+    assert g == {("GPU-a", ""): (-1, "blind")}
+
+
+def test_engines_of_a_target_that_cannot_be_read_are_blind():
+    ev = PressureEvaluator(PressureThresholds(blind_retention_seconds=60))
+    two = [EngineSource("t", engine(0.9, "0")), EngineSource("t", engine(0.9, "1"))]
+    levels(ev, [gpu(8 * GB)], two, now=0)
+    _, e = levels(ev, [gpu(8 * GB)], [], now=5, blind=["t"])
+    assert e == {("t", "m", "0"): (-1, "blind"), ("t", "m", "1"): (-1, "blind")}
+    # An engine that vanishes from a target still read is blind too.
+    _, e = levels(ev, [gpu(8 * GB)], two[:1], now=6)
+    assert e == {("t", "m", "0"): (0, "ok"), ("t", "m", "1"): (-1, "blind")}
+    _, e = levels(ev, [gpu(8 * GB)], two[:1], now=200)
+    assert e == {("t", "m", "0"): (0, "ok")}
+
+
+def test_memory_stays_bounded_when_upstream_invents_engines():
+    """500 new engine label sets per poll (hostile /metrics) for 400 polls."""
+    ev = PressureEvaluator()
+    for poll in range(400):
+        sources = [
+            EngineSource("t", engine(0.9, f"{poll}-{i}", preemptions=1.0, finished={"stop": 1.0}))
+            for i in range(500)
+        ]
+        for s in sources:
+            ev.observe_engine("t", s.engine, poll)
+        ev.evaluate([gpu(8 * GB)], sources, [], poll)
+    assert len(ev._history) == 500  # only the engines of the last snapshot
+    assert len(ev._seen_engines) <= MAX_REMEMBERED
+
+
+# -- signals beside the level ----------------------------------------------------------------
+def test_full_kv_cache_and_preemptions_never_raise_the_level():
+    ev = PressureEvaluator()
+    for t, (pre, fin) in enumerate([(0, 0), (50, 100)]):
+        e = engine(
+            0.9, kv_usage=1.0, running=256, waiting=500, preemptions=pre, finished={"s": fin}
+        )
+        ev.observe_engine("t", e, t * 10.0)
+    (ep,) = ev.evaluate([gpu(8 * GB)], [EngineSource("t", e)], [], 20).engines
+    assert ep.level.level == 0 and ep.preemption_ratio == pytest.approx(0.5)
 
 
 def test_counter_reset_clears_history():
     ev = PressureEvaluator()
-    ep = run_engine(ev, [(0, 0), (100, 200), (1, 1)])  # engine restarted
-    assert ep.preemption_ratio is None and ep.level.level == 0
-
-
-def test_full_kv_cache_alone_never_raises_the_level():
-    ev = PressureEvaluator()
-    ev.observe_engine("t", engine(kv=1.0, running=256, waiting=500), 0)
-    e = engine(kv=1.0, running=256, waiting=500)
-    (ep,) = ev.engine_levels([EngineSource("t", e, [])], [], now=1)
-    assert ep.level.level == 0
-
-
-def test_engine_takes_the_worst_level_of_its_own_gpus_only():
-    ev = PressureEvaluator()
-    levels = ev.gpu_levels(
-        [gpu(1 * GIB, uuid="GPU-a", index="0"), gpu(60 * GB, uuid="GPU-b", index="1")], [], 0
-    )
-    on_b = EngineSource("t", engine(), ["1"])
-    on_a = EngineSource("u", engine(), ["GPU-a"])
-    anywhere = EngineSource("v", engine(), [])
-    got = {ep.target: ep.level.level for ep in ev.engine_levels([on_a, on_b, anywhere], levels, 0)}
-    assert got == {"t": 0, "u": 3, "v": 3}
+    for t, (pre, fin) in enumerate([(0, 0), (100, 200), (1, 1)]):
+        ev.observe_engine("t", engine(preemptions=pre, finished={"s": fin}), t * 10.0)
+    assert ev.preemption_ratio(("t", "m", "0")) is None
 
 
 def test_projected_kv_demand_ratio():
@@ -158,14 +400,27 @@ def test_projected_kv_demand_ratio():
 
 
 def test_threshold_order_is_validated():
-    with pytest.raises(ValueError, match="caution_multiple"):
-        PressureThresholds(pressure_multiple=3, caution_multiple=2)
+    with pytest.raises(ValueError, match="ordered"):
+        PressureThresholds(headroom_pressure_ratio=0.03, headroom_caution_ratio=0.02)
 
 
 def test_history_stays_bounded_at_any_poll_rate():
     ev = PressureEvaluator(PressureThresholds(rate_window_seconds=60))
     for i in range(10_000):  # 10,000 scrapes 1 ms apart
-        ev.observe_engine("t", engine(i, 10 * i), now=i / 1000)
+        ev.observe_engine("t", engine(preemptions=i, finished={"s": 10 * i}), now=i / 1000)
     (history,) = ev._history.values()
     assert len(history) <= 125
     assert history[-1][1] == 9_999  # the newest counters are always kept
+
+
+# -- the matrix, quick subset (bench/matrix.py runs it all) -----------------------------------
+@pytest.mark.parametrize("gpu_name", ["L4", "L40S", "H100", "H100-MIG-1g.10gb"])
+def test_matrix_subset_steady_is_left_alone_and_the_incident_is_caught_in_time(gpu_name):
+    steady = simulate(gpu_name, 0.92, duration_s=30)
+    assert (steady.max_level, steady.actions, steady.oom_without_s) == (0, 0, None)
+    trace = Trace.load("neighbour-growth")
+    cell = simulate(gpu_name, 0.92, trace)
+    assert cell.oom_without_s is not None  # the scaled incident does kill vLLM alone
+    assert cell.lead_s is not None and cell.lead_s >= 30  # level 2 well before the OOM
+    assert cell.first_critical_s is not None and cell.first_critical_s < cell.oom_without_s
+    assert cell.oom_with_s is None  # drained before its next full chunk no longer fit

@@ -3,10 +3,10 @@
 `TwinNvml` offers the pynvml functions the NVML collector calls and returns pynvml's own ctypes
 structures and error classes; the exporter takes it as its NVML backend. A `TwinGpu` holds
 device memory as the sum of its processes (vLLM's weights and KV pool, a neighbour job, ...)
-plus driver-reserved memory, and scenarios change those processes while it runs.
+plus driver-reserved memory, and scenarios change those processes while it runs. A MIG slice is
+a `TwinGpu` of a MIG model: NVML shows it as the only MIG instance of its parent GPU.
 
-This is the memory half of the GPU twin in its first form; the step-time model and activation
-peaks are to come (docs/twin.md).
+`GPU_MODELS` is the twin's catalogue of the GPUs vLLM commonly runs on (docs/twin.md).
 """
 
 from __future__ import annotations
@@ -20,12 +20,49 @@ import pynvml
 MIB = 1024**2
 GIB = 1024**3
 
-# Device memory as NVML reports it, and its driver-reserved part (MiB), by model.
-MODELS: dict[str, tuple[str, int, int]] = {
-    "H100": ("NVIDIA H100 80GB HBM3", 81559, 567),
-    "A100-80GB": ("NVIDIA A100-SXM4-80GB", 81920, 543),
-    "A100-40GB": ("NVIDIA A100-SXM4-40GB", 40960, 470),
-    "RTX4090": ("NVIDIA GeForce RTX 4090", 24564, 346),
+
+@dataclass(frozen=True)
+class GpuModel:
+    """One kind of GPU as NVML and the roofline see it.
+
+    `total_mib` is NVML's total (what nvidia-smi prints); `reserved_mib` the driver-reserved part
+    (NVML memory v2), which the CUDA runtime's total excludes; both as seen on typical drivers,
+    rounded. `flops` is the dense BF16 tensor peak and `bandwidth` the memory bandwidth, from the
+    vendors' data sheets (a MIG slice gets its share of both).
+    """
+
+    name: str
+    total_mib: int
+    reserved_mib: int
+    flops: float
+    bandwidth: float
+    mig_profile: str = ""  # "1g.10gb" for a MIG slice; "" for a whole GPU
+    parent: str = ""  # the catalogue key of the GPU a MIG slice is carved from
+
+
+GPU_MODELS: dict[str, GpuModel] = {
+    "L4": GpuModel("NVIDIA L4", 23034, 430, 121e12, 0.300e12),
+    "A10G": GpuModel("NVIDIA A10G", 23028, 440, 70e12, 0.600e12),
+    "RTX4090": GpuModel("NVIDIA GeForce RTX 4090", 24564, 346, 165.2e12, 1.008e12),
+    "A100-40GB": GpuModel("NVIDIA A100-SXM4-40GB", 40960, 470, 312e12, 1.555e12),
+    "L40S": GpuModel("NVIDIA L40S", 46068, 500, 362e12, 0.864e12),
+    "A100-80GB": GpuModel("NVIDIA A100-SXM4-80GB", 81920, 543, 312e12, 2.039e12),
+    "H100": GpuModel("NVIDIA H100 80GB HBM3", 81559, 567, 989e12, 3.35e12),
+    "H200": GpuModel("NVIDIA H200", 143771, 600, 989e12, 4.8e12),
+    "B200": GpuModel("NVIDIA B200", 183359, 650, 2250e12, 8.0e12),
+    # MIG slices of an H100 80GB: 1/7 or 3/7 of the compute, 1/8 or 4/8 of the memory system.
+    "H100-MIG-1g.10gb": GpuModel(
+        "NVIDIA H100 80GB HBM3 MIG 1g.10gb", 9984, 0, 989e12 / 7, 3.35e12 / 8, "1g.10gb", "H100"
+    ),
+    "H100-MIG-3g.40gb": GpuModel(
+        "NVIDIA H100 80GB HBM3 MIG 3g.40gb",
+        40192,
+        0,
+        989e12 * 3 / 7,
+        3.35e12 / 2,
+        "3g.40gb",
+        "H100",
+    ),
 }
 
 
@@ -37,16 +74,20 @@ class TwinGpu:
     processes: dict[int, int] = field(default_factory=dict)  # pid -> bytes
 
     @property
+    def spec(self) -> GpuModel:
+        return GPU_MODELS[self.model]
+
+    @property
     def name(self) -> str:
-        return MODELS[self.model][0]
+        return self.spec.name
 
     @property
     def total(self) -> int:
-        return MODELS[self.model][1] * MIB
+        return self.spec.total_mib * MIB
 
     @property
     def reserved(self) -> int:
-        return MODELS[self.model][2] * MIB
+        return self.spec.reserved_mib * MIB
 
     @property
     def used(self) -> int:
@@ -91,18 +132,28 @@ class TwinNvml:
     def nvmlDeviceGetUUID(self, handle: int) -> str:
         return self.gpus[handle].uuid
 
-    def nvmlDeviceGetName(self, handle: int) -> str:
-        return self.gpus[handle].name
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        gpu = self.gpus[_index(handle)]
+        if gpu.spec.mig_profile and not _is_mig(handle):
+            return GPU_MODELS[gpu.spec.parent].name
+        return gpu.name
 
     def nvmlDeviceGetPciInfo(self, handle: int) -> Any:
         info = pynvml.nvmlPciInfo_t()
         info.busId = f"00000000:{0x18 + 0x11 * handle:02X}:00.0".encode()
         return info
 
-    def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         with self.lock:
-            gpu = self.gpus[handle]
-            total, reserved, used, free = gpu.total, gpu.reserved, gpu.used, gpu.free
+            gpu = self.gpus[_index(handle)]
+            if gpu.spec.mig_profile and not _is_mig(handle):
+                # The parent of a MIG slice: its own size, with the slice's use in it.
+                parent = GPU_MODELS[gpu.spec.parent]
+                total, reserved = parent.total_mib * MIB, parent.reserved_mib * MIB
+                used = gpu.used
+                free = max(0, total - reserved - used)
+            else:
+                total, reserved, used, free = gpu.total, gpu.reserved, gpu.used, gpu.free
         if version is None:
             v1 = pynvml.c_nvmlMemory_t()
             v1.total, v1.used, v1.free = total, used + reserved, free
@@ -112,9 +163,12 @@ class TwinNvml:
         v2.total, v2.reserved, v2.used, v2.free = total, reserved, used, free
         return v2
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         with self.lock:
-            items = list(self.gpus[handle].processes.items())
+            gpu = self.gpus[_index(handle)]
+            # With MIG on, processes are listed on the instance that runs them.
+            items = [] if gpu.spec.mig_profile and not _is_mig(handle) else gpu.processes.items()
+            items = list(items)
         out = []
         for pid, used in items:
             info = pynvml.c_nvmlProcessInfo_v2_t()
@@ -122,8 +176,21 @@ class TwinNvml:
             out.append(pynvml.nvmlStructToFriendlyObject(info))
         return out
 
-    def nvmlDeviceGetMigMode(self, handle: int) -> list[int]:
-        raise pynvml.NVMLError_NotSupported()
+    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        if not self.gpus[_index(handle)].spec.mig_profile:
+            raise pynvml.NVMLError_NotSupported()
+        return [pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_ENABLE]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        return 1
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, slot: int) -> Any:
+        if slot != 0:
+            raise pynvml.NVMLError_NotFound()
+        return ("mig", _index(handle))
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
+        return 1 if self.gpus[_index(handle)].spec.mig_profile.startswith("1g") else 2
 
     def set_process(self, gpu: int, pid: int, used: int | None) -> None:
         """Start, resize (bytes) or end (None) a process on a GPU."""
@@ -132,3 +199,12 @@ class TwinNvml:
                 self.gpus[gpu].processes.pop(pid, None)
             else:
                 self.gpus[gpu].processes[pid] = int(used)
+
+
+def _index(handle: Any) -> int:
+    """A whole-GPU handle is its index; a MIG instance's handle is ("mig", parent index)."""
+    return handle[1] if isinstance(handle, tuple) else handle
+
+
+def _is_mig(handle: Any) -> bool:
+    return isinstance(handle, tuple)

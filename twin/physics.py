@@ -25,19 +25,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.twin.gpu import MIB, MODELS
+from oomguard.twin.gpu import GPU_MODELS, MIB
 
 from oomguard.budget import ModelShape, shape_from_hf_config
-
-# Dense BF16 tensor FLOP/s and memory bandwidth (bytes/s) from the vendors' data sheets:
-# H100 SXM5 80 GB 989 TFLOPS, 3.35 TB/s; A100 SXM4 80 GB 312 TFLOPS, 2,039 GB/s; A100 40 GB
-# 312 TFLOPS, 1,555 GB/s; RTX 4090 165.2 TFLOPS (FP16 with FP32 accumulate), 1,008 GB/s.
-PEAKS: dict[str, tuple[float, float]] = {
-    "H100": (989e12, 3.35e12),
-    "A100-80GB": (312e12, 2.039e12),
-    "A100-40GB": (312e12, 1.555e12),
-    "RTX4090": (165.2e12, 1.008e12),
-}
 
 # Calibration (REFERENCE.md, Llama-3-8B, hidden 4096): 2,048 tokens -> 2.1 GB, 30,000 -> 11.2 GB
 _CAL_HIDDEN = 4096
@@ -76,19 +66,24 @@ class Physics:
 
     @classmethod
     def for_model(cls, config: str | Path = "llama-3-8b", **kw: object) -> Physics:
-        path = Path(config)
-        if not path.suffix:
-            path = SIM_MODELS / str(config) / "config.json"
+        path = SIM_MODELS / str(config) / "config.json"  # a twin model by name
+        if not path.is_file():
+            path = Path(config)
         return cls(shape_from_hf_config(json.loads(path.read_text())), **kw)  # type: ignore[arg-type]
 
     # -- the device --------------------------------------------------------------------------
     @property
     def total(self) -> int:
-        return MODELS[self.gpu][1] * MIB
+        return GPU_MODELS[self.gpu].total_mib * MIB
 
     @property
     def driver_reserved(self) -> int:
-        return MODELS[self.gpu][2] * MIB
+        return GPU_MODELS[self.gpu].reserved_mib * MIB
+
+    @property
+    def usable(self) -> int:
+        """The CUDA runtime's total, which vLLM plans against: NVML's total less reserved."""
+        return self.total - self.driver_reserved
 
     @property
     def weights(self) -> int:
@@ -110,8 +105,10 @@ class Physics:
 
     @property
     def kv_pool(self) -> int:
-        """The pool vLLM allocates at start, after its profiling run: gmu x total minus the rest."""
-        budget = self.gpu_memory_utilization * self.total
+        """The pool vLLM allocates at start, after its profiling run: gmu x the CUDA runtime's
+        total (vllm/v1/worker/utils.py request_memory) minus weights, the profiled activation
+        peak, the CUDA graph estimate (profiled by default since vLLM 0.21) and non-torch."""
+        budget = self.gpu_memory_utilization * self.usable
         pool = int(
             budget
             - self.weights
@@ -122,7 +119,7 @@ class Physics:
         if pool <= 0:
             raise TwinOutOfMemory(
                 f"weights {self.weights / 2**30:.1f} GiB + profile do not fit in "
-                f"{self.gpu_memory_utilization} x {self.total / 2**30:.1f} GiB"
+                f"{self.gpu_memory_utilization} x {self.usable / 2**30:.1f} GiB"
             )
         return pool
 
@@ -153,7 +150,7 @@ class Physics:
     def step_seconds(self, step: Step) -> float:
         if step.tokens <= 0:
             return 0.0
-        flops_peak, bandwidth = PEAKS[self.gpu]
+        flops_peak, bandwidth = GPU_MODELS[self.gpu].flops, GPU_MODELS[self.gpu].bandwidth
         width = self.shape.attention_heads * self.shape.head_dim
         flops = 2 * self.shape.parameter_count() * step.tokens
         flops += 4 * self.shape.layers * width * step.attention
