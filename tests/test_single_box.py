@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import pytest
 import yaml
@@ -66,3 +67,78 @@ def test_single_box_remediator_config_and_procfile(repo_root):
             build_parser().parse_args(shlex.split(command)[1:])
         else:
             assert name in ("prometheus", "alertmanager")
+
+
+def test_target_names_agree_between_exporter_remediator_and_vllm(repo_root):
+    """An alert carries the exporter's target name; the remediator must select exactly that."""
+    from oomguard.exporter.config import ExporterConfig
+
+    box = repo_root / "deploy" / "single-box"
+    exporter = ExporterConfig.model_validate(yaml.safe_load((box / "exporter.yaml").read_text()))
+    remediator = RemediatorConfig.model_validate(
+        yaml.safe_load((box / "remediator.yaml").read_text())
+    )
+    names = {t.name for t in exporter.vllm}
+    for target in remediator.targets:
+        assert target.match, f"{target.name}: give `match` explicitly"
+        assert target.selector().get("target") in names, (target.name, names)
+    env = dict(e.split("=", 1) for e in unit(box / "oomguard-vllm.service")["Service.Environment"])
+    assert env["OOMGUARD_TARGET"] in names
+
+
+@pytest.mark.parametrize("config", ["single-box/exporter.yaml", "exporter.example.yaml"])
+def test_exporter_cgroup_is_the_vllm_unit(repo_root, config):
+    from oomguard.exporter.config import ExporterConfig
+
+    data = yaml.safe_load((repo_root / "deploy" / config).read_text())
+    cfg = ExporterConfig.model_validate(data)
+    (vllm_cgroup,) = [c.path for c in cfg.cgroups if c.name == "vllm"]
+    unit_name = vllm_cgroup.rsplit("/", 1)[1]
+    assert (repo_root / "deploy" / "single-box" / unit_name).is_file(), vllm_cgroup
+
+
+def test_units_that_read_tokens_can_read_them(repo_root):
+    """/etc/oomguard is root:oomguard 0750 (docs/single-box.md): readers need the group."""
+    box = repo_root / "deploy" / "single-box"
+    for name in ("oomguard-vllm.service", "oomguard-remediator.service"):
+        u = unit(box / name)
+        assert "oomguard" in " ".join(u.get("Service.SupplementaryGroups", [])).split(), name
+
+
+def test_state_directories_are_separate(repo_root):
+    """A DynamicUser unit owns its StateDirectory; another unit's must not live inside it."""
+    box = repo_root / "deploy" / "single-box"
+    dirs = {n: unit(box / n).get("Service.StateDirectory", [""])[0] for n in UNITS}
+    dirs = {n: d for n, d in dirs.items() if d}
+    for a, da in dirs.items():
+        for b, db in dirs.items():
+            assert a == b or not db.startswith(f"{da}/"), (a, da, b, db)
+
+
+def test_units_pass_systemd_analyze_verify(repo_root, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    system = tmp_path / "etc" / "systemd" / "system"
+    system.mkdir(parents=True)
+    for name in UNITS:
+        shutil.copy(repo_root / "deploy" / "single-box" / name, system / name)
+    venv_bin = tmp_path / "opt" / "oomguard" / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    for exe in ("oomguard", "vllm"):
+        (venv_bin / exe).write_text("#!/bin/sh\n")
+        (venv_bin / exe).chmod(0o755)
+    # the host's own units (targets such as sysinit.target) for the dependency checks
+    for lib in ("/usr/lib/systemd/system", "/lib/systemd/system"):
+        if Path(lib).is_dir():
+            shutil.copytree(lib, tmp_path / "usr" / "lib" / "systemd" / "system", symlinks=True)
+            break
+    r = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={tmp_path}", *(str(system / n) for n in UNITS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
