@@ -8,7 +8,7 @@ OpenMetrics is rendered on demand through prometheus_client, from the same famil
 Rendering never raises on a bad value: one sample that cannot be rendered (a value that is not a
 number or overflows a float, a label value that is not a string, a wrong label count) is dropped
 and counted in `dropped` by reason, so that one bad input cannot freeze every metric the exporter
-serves. Each reason is also logged once.
+serves. Each (metric, reason) is also logged once per process.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ log = logging.getLogger("oomguard.exporter")
 _BAD_SAMPLE = (TypeError, ValueError, OverflowError, AttributeError)
 
 
+_warned: set[tuple[str, str]] = set()  # (metric, reason) already logged: bounded by the catalog
+
+
 def _count_drop(dropped: Counter[str], reason: str, name: str, exc: BaseException) -> None:
-    if not dropped[reason]:
+    if (name, reason) not in _warned:  # once per process, not once per poll
+        _warned.add((name, reason))
         log.warning("dropping a sample of %s that cannot be rendered (%s): %s", name, reason, exc)
     dropped[reason] += 1
 

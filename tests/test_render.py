@@ -130,3 +130,13 @@ def test_any_value_and_label_text_render_to_a_parseable_page(samples):
     text = TextRenderer().render(out.families()).decode()  # never raises
     parsed = [s for f in text_string_to_metric_families(text) for s in f.samples]
     assert len(parsed) + sum(out.dropped.values()) == sum(v is not None for _, v in samples)
+
+
+def test_a_drop_is_logged_once_not_on_every_poll(caplog, monkeypatch):
+    from oomguard.exporter import render
+
+    monkeypatch.setattr(render, "_warned", set())
+    for _ in range(3):  # three polls, a fresh builder each
+        render.FamilyBuilder().add("oomguard_exporter_polls_total", (), 10**400)
+    warnings = [r for r in caplog.records if "cannot be rendered" in r.getMessage()]
+    assert len(warnings) == 1
