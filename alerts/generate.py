@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from oomguard.alerts.cases import cases
-from oomguard.alerts.rules import Alert, alerts, rule_groups
+from oomguard.alerts.cases import cases, expr_cases
+from oomguard.alerts.rules import Alert, all_alerts, rule_groups
 
 from oomguard import yamlfmt
 from oomguard.thresholds import AlertThresholds
@@ -29,13 +29,14 @@ def dump(data: Any) -> str:
 
 
 def rule_tests(t: AlertThresholds) -> dict[str, Any]:
-    by_name: dict[str, Alert] = {a.name: a for a in alerts(t)}
+    # an alert name may have one rule per severity (burn-rate alerts): find it by both
+    by_key: dict[tuple[str, str], Alert] = {(a.name, a.severity): a for a in all_alerts(t)}
     tests = []
-    for case in cases():
-        alert = by_name[case.alert]
+    for case in cases(t):
         exp = []
         for fired in case.firing:
             labels = {k: v for k, v in fired.items() if k != "description"}
+            alert = by_key[(case.alert, labels["severity"])]
             annotations = alert.annotations(t)
             annotations["description"] = fired["description"]
             exp.append({"exp_labels": labels, "exp_annotations": annotations})
@@ -49,16 +50,31 @@ def rule_tests(t: AlertThresholds) -> dict[str, Any]:
                 ],
             }
         )
+    for ec in expr_cases(t):
+        samples = [
+            {
+                "labels": ec.expr + "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}",
+                "value": float(value),
+            }
+            for labels, value in ec.samples
+        ]
+        tests.append(
+            {
+                "name": f"{ec.expr} at {ec.eval_time}",
+                "interval": ec.interval,
+                "input_series": [{"series": s, "values": v} for s, v in ec.series.items()],
+                "promql_expr_test": [
+                    {"expr": ec.expr, "eval_time": ec.eval_time, "exp_samples": samples}
+                ],
+            }
+        )
     return {"rule_files": [RULES.name], "evaluation_interval": "1m", "tests": tests}
 
 
 def prometheus_config(t: AlertThresholds) -> dict[str, Any]:
     return {
-        "global": {
-            "scrape_interval": "15s",
-            # Rules are cheap; evaluating every second keeps detection-to-action short.
-            "evaluation_interval": "1s",
-        },
+        # Rule groups set their own interval (alerts/rules.py); this is only the default.
+        "global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
         # Relative to this file, so the repository's config runs as it is (the demo, the tests);
         # a deployment copies the rule file and points here at it.
         "rule_files": [f"../../{RULES}"],
@@ -71,43 +87,59 @@ def prometheus_config(t: AlertThresholds) -> dict[str, Any]:
                 "static_configs": [{"targets": ["127.0.0.1:9848"]}],
             },
             {
-                "job_name": "vllm",
+                # vLLM's histograms for the SLOs; 5 s keeps two samples in the dashboards'
+                # smallest rate window (Grafana's timeInterval is set to the same 5 s)
+                "job_name": t.vllm_job,
                 "scrape_interval": "5s",
                 "static_configs": [{"targets": ["127.0.0.1:8000"]}],
             },
             {
-                "job_name": "oomguard-remediator",
+                "job_name": t.remediator_job,
                 "scrape_interval": "5s",
                 "static_configs": [{"targets": ["127.0.0.1:9849"]}],
+            },
+            {
+                # webhook delivery failures (OomguardAlertmanagerWebhookFailing)
+                "job_name": "alertmanager",
+                "scrape_interval": "15s",
+                "static_configs": [{"targets": ["127.0.0.1:9093"]}],
             },
         ],
     }
 
 
-def alertmanager_config() -> dict[str, Any]:
-    engine_group = ["alertname", "instance", "target", "engine"]
+PAGER, TICKET, NOWHERE = "oncall-pager", "oncall-ticket", "nowhere"
+# Inhibited alerts are left out of the remediator's resync (it asks Alertmanager for
+# inhibited=false), so no inhibition may ever hide an alert that carries an action.
+NOT_AN_ACTION = 'oomguard_action=""'
+
+
+def alertmanager_config(t: AlertThresholds | None = None) -> dict[str, Any]:
+    t = t or AlertThresholds()
+    c = t.cluster_label
+    actions = f'oomguard_action=~"{"|".join(ACTIONS)}"'
+    # The remediator gets one group per engine; on-call gets one page per incident: per alert
+    # and engine target, however many ranks, engines or GPUs report it.
+    engine_group = ["alertname", c, "instance", "target", "engine"]
+    incident_group = ["alertname", c, "target", "model_name"]
+    remediator: dict[str, Any] = {
+        "receiver": "remediator",
+        "group_by": engine_group,
+        "group_wait": "0s",
+        # a machine receiver: it is level-triggered and deduplicates, so frequent updates
+        # cost nothing; one rule evaluation is the natural pace
+        "group_interval": t.rule_interval,
+        "repeat_interval": "5m",
+    }
     return {
         "global": {"resolve_timeout": "5m"},
         "route": {
-            "receiver": "oncall-ticket",
-            "group_by": engine_group,
+            "receiver": TICKET,
+            "group_by": incident_group,
             "group_wait": "30s",
             "group_interval": "5m",
             "repeat_interval": "4h",
             "routes": [
-                {
-                    # Alerts with an action class also go to the remediator, at once, with
-                    # resolutions, and never truncated (max_alerts: 0).
-                    "receiver": "remediator",
-                    "matchers": [f'oomguard_action=~"{"|".join(ACTIONS)}"'],
-                    "group_by": engine_group,
-                    "group_wait": "0s",
-                    # a machine receiver: the remediator is level-triggered and deduplicates,
-                    # so frequent updates cost nothing and a re-fire waits at most 2 s
-                    "group_interval": "2s",
-                    "repeat_interval": "5m",
-                    "continue": True,
-                },
                 {
                     "receiver": "watchdog",
                     "matchers": ['alertname="Watchdog"'],
@@ -115,42 +147,51 @@ def alertmanager_config() -> dict[str, Any]:
                     "group_interval": "1m",
                     "repeat_interval": "1m",
                 },
-                {
-                    "receiver": "oncall-pager",
-                    "matchers": ['severity="critical"'],
-                    "group_wait": "10s",
-                },
-                {"receiver": "oncall-ticket", "matchers": ['severity=~"warning|info"']},
+                # Work orders go to the remediator only; a critical one (a CUDA OOM) is also
+                # the incident's page, so it continues to the pager.
+                {**remediator, "matchers": [actions, 'severity="critical"'], "continue": True},
+                {**remediator, "matchers": [actions, 'severity!="critical"']},
+                {"receiver": PAGER, "matchers": ['severity="critical"'], "group_wait": "10s"},
+                {"receiver": TICKET, "matchers": ['severity="warning"']},
+                # info alerts are for dashboards: no ticket, fleet-wide or not
+                {"receiver": NOWHERE, "matchers": ['severity=~"info|none"']},
             ],
         },
         "inhibit_rules": [
             {
-                # A node whose exporter is down cannot report pressure: page for the exporter.
+                # A node whose exporter is down cannot report: one ticket for the exporter.
                 "source_matchers": ['alertname="OomguardExporterDown"'],
                 "target_matchers": [
-                    'alertname=~"Oomguard(Memory|GpuMemory|KVCache|Preemption|Collector|Metrics).*"'
+                    'alertname=~"Oomguard(GpuMemory.*|Collector.*|MetricsStale|EngineDown'
+                    '|PressureBlind|KVCacheUsageHigh|MemoryCaution)"',
+                    NOT_AN_ACTION,
                 ],
-                "equal": ["instance"],
+                "equal": [c, "instance"],
             },
             {
-                "source_matchers": ['alertname="OomguardEngineDown"'],
-                "target_matchers": ['alertname=~"Oomguard(Memory|KVCacheUsage|PreemptionRate).*"'],
-                "equal": ["instance", "target"],
-            },
-            {
-                "source_matchers": ['alertname="OomguardMemoryCritical"'],
-                "target_matchers": ['alertname=~"OomguardMemory(Pressure|Caution)"'],
-                "equal": ["instance", "target", "engine"],
-            },
-            {
-                "source_matchers": ['alertname="OomguardMemoryPressure"'],
-                "target_matchers": ['alertname="OomguardMemoryCaution"'],
-                "equal": ["instance", "target", "engine"],
+                # A CUDA OOM pages once: the engine's reload and its GPU's alerts are the same
+                # incident.
+                "source_matchers": ['alertname="OomguardCudaOomObserved"'],
+                "target_matchers": [
+                    'alertname=~"Oomguard(EngineDown|EngineRestarted|GpuMemoryCritical'
+                    '|GpuMemoryPressure|ModelUnavailable)"',
+                    NOT_AN_ACTION,
+                ],
+                "equal": [c, "instance"],
             },
             {
                 "source_matchers": ['alertname="OomguardGpuMemoryCritical"'],
-                "target_matchers": ['alertname="OomguardGpuMemoryPressure"'],
-                "equal": ["instance", "UUID"],
+                "target_matchers": ['alertname="OomguardGpuMemoryPressure"', NOT_AN_ACTION],
+                "equal": [c, "instance", "UUID"],
+            },
+            {
+                # The remediator down explains its targets held and its webhooks failing.
+                "source_matchers": ['alertname="OomguardRemediatorDown"'],
+                "target_matchers": [
+                    'alertname=~"Oomguard(RemediationHeld|AlertmanagerWebhookFailing)"',
+                    NOT_AN_ACTION,
+                ],
+                "equal": [c],
             },
         ],
         "receivers": [
@@ -173,14 +214,15 @@ def alertmanager_config() -> dict[str, Any]:
             # Replace these webhooks with your pager and ticket integrations
             # (pagerduty_configs, opsgenie_configs, slack_configs, ...).
             {
-                "name": "oncall-pager",
+                "name": PAGER,
                 "webhook_configs": [{"url": "http://127.0.0.1:9850/pager", "send_resolved": True}],
             },
             {
-                "name": "oncall-ticket",
+                "name": TICKET,
                 "webhook_configs": [{"url": "http://127.0.0.1:9850/ticket", "send_resolved": True}],
             },
             {"name": "watchdog", "webhook_configs": [{"url": "http://127.0.0.1:9850/watchdog"}]},
+            {"name": NOWHERE},
         ],
     }
 
@@ -191,5 +233,5 @@ def outputs(t: AlertThresholds | None = None) -> dict[Path, str]:
         RULES: dump(rule_groups(t)),
         RULE_TESTS: dump(rule_tests(t)),
         PROMETHEUS: dump(prometheus_config(t)),
-        ALERTMANAGER: dump(alertmanager_config()),
+        ALERTMANAGER: dump(alertmanager_config(t)),
     }

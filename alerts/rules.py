@@ -2,9 +2,16 @@
 
 Conventions (monitoring mixins): every alert is named `Oomguard...` (except the conventional
 `Watchdog`), has `severity` critical, warning or info, a one-sentence `summary`, a templated
-`description`, and a `runbook_url` to runbooks/<Alert>.md. Alerts the remediator acts on carry
-`oomguard_action` (lower_cap, drain, restart); their series labels (instance, target, engine)
-name the engine. KV-cache usage alone never carries an action: near 100 % is normal for vLLM.
+`description`, and a `runbook_url` to runbooks/<Alert>.md. Recording rules are named
+`level:metric:operations`, and every aggregation keeps the cluster label, so one central ruler
+(Thanos, Mimir) never merges same-named nodes of different clusters.
+
+Paging on outcomes: alerts that carry `oomguard_action` (lower_cap, drain, restart) are work orders
+for the remediator and reach only it, except a CUDA OOM, which is also the incident page.
+On-call is paged (severity critical) once per incident: a CUDA OOM, remediation failing or
+held back by a safety limit, a model with no ready engine, an SLO burning fast, the remediator
+down. The rest is a ticket (warning) or nothing (info). KV-cache usage alone never carries an
+action: near 100 % is normal for vLLM.
 """
 
 from __future__ import annotations
@@ -13,9 +20,17 @@ from dataclasses import dataclass, field
 
 from oomguard.thresholds import AlertThresholds
 
-# Labels that identify an engine in alerts (instance and job come from the scrape).
-ENGINE_BY = "instance, job, target, model_name, engine"
-GPU_BY = "instance, job, Hostname, gpu, UUID, GPU_I_ID, modelName"
+# The burn-rate windows of the SRE Workbook (chapter 5, "Alerting on SLOs"), for a 30-day SLO:
+# (severity, long window, short window, burn-rate factor).
+BURN_RATES: tuple[tuple[str, str, str, float], ...] = (
+    ("critical", "1h", "5m", 14.4),  # 2 % of the budget in an hour
+    ("critical", "6h", "30m", 6.0),  # 5 % in six hours
+    ("warning", "1d", "2h", 3.0),  # 10 % in a day
+    ("warning", "3d", "6h", 1.0),  # 10 % in three days
+)
+SLO_WINDOWS = ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
+# Remediator modes in which a target admits nothing new.
+NOT_ADMITTING = "draining|restarting"
 
 
 @dataclass(frozen=True)
@@ -45,121 +60,247 @@ class Alert:
         return {
             "summary": self.summary,
             "description": self.description,
-            "runbook_url": f"{t.runbook_url_base.rstrip('/')}/{self.name}.md",
+            "runbook_url": runbook_url(t, self.name),
         }
 
 
-def recording_rules() -> list[RecordingRule]:
+def runbook_url(t: AlertThresholds, name: str) -> str:
+    return f"{t.runbook_url_base.rstrip('/')}/{name}.md"
+
+
+def new_or_increased(metric: str, window: str) -> str:
+    """True for a counter that grew within the window, including a series born non-zero.
+
+    `increase()` needs two samples, so a counter whose first sample is already 1 (a process
+    that died of its first OOM, a remediator that failed its first action) is invisible to it.
+    The second arm catches that first sample: non-zero now, and no series `window` ago.
+    """
+    return f"(increase({metric}[{window}]) > 0 or ({metric} > 0 unless {metric} offset {window}))"
+
+
+def _num(x: float) -> str:
+    return f"{x:.10g}"
+
+
+def recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
+    """The fast group: pressure, ratios and capacity, evaluated every `rule_interval`."""
+    t = t or AlertThresholds()
+    c = t.cluster_label
     return [
         RecordingRule(
-            "oomguard:engine_pressure_level:max",
-            f"max by ({ENGINE_BY}) (oomguard_engine_pressure_level)",
+            "engine:oomguard_engine_pressure_level:max",
+            "max without (reason) (oomguard_engine_pressure_level)",
         ),
         RecordingRule(
-            "oomguard:gpu_pressure_level:max",
-            f"max by ({GPU_BY}) (oomguard_gpu_pressure_level)",
+            "gpu:oomguard_gpu_pressure_level:max",
+            "max without (reason) (oomguard_gpu_pressure_level)",
         ),
         RecordingRule(
-            "oomguard:vllm_preemption_ratio:rate5m",
+            "engine:oomguard_vllm_preemption_ratio:rate5m",
             # At least one finished request per 5 minutes in the denominator: a preemption with
             # nothing finishing is a storm, not a division by zero.
-            f"sum by ({ENGINE_BY}) (rate(oomguard_vllm_preemptions_total[5m]))\n"
-            f"/ clamp_min(sum by ({ENGINE_BY}) "
+            "rate(oomguard_vllm_preemptions_total[5m])\n"
+            "/ clamp_min(sum without (finished_reason) "
             "(rate(oomguard_vllm_requests_finished_total[5m])), 1 / 300)",
         ),
         RecordingRule(
-            "oomguard:allocator_fragmentation_bytes",
+            "rank:oomguard_allocator_fragmentation_bytes:diff",
             "oomguard_allocator_reserved_bytes - oomguard_allocator_allocated_bytes",
         ),
         RecordingRule(
-            "oomguard:gpu_memory_used_ratio",
+            "gpu:oomguard_gpu_memory_used:ratio",
             "(oomguard_gpu_memory_total_bytes - oomguard_gpu_memory_free_bytes)\n"
             "/ oomguard_gpu_memory_total_bytes",
+        ),
+        # Capacity withheld: admission slots an engine (a remediator target) does not offer now,
+        # startup max_num_seqs minus the live cap, or all of it while draining or restarting.
+        # Autoscalers and inference gateways act on it (deploy/kubernetes/keda-example.yaml).
+        RecordingRule(
+            "target:oomguard_capacity_withheld_seqs:max",
+            f"max by ({c}, target) (\n"
+            "  (oomguard_remediator_startup_max_num_seqs - oomguard_remediator_admission_cap)\n"
+            "  unless on (instance, job, target)\n"
+            f'  (oomguard_remediator_target_mode{{mode=~"{NOT_ADMITTING}"}} == 1)\n'
+            "  or oomguard_remediator_startup_max_num_seqs and on (instance, job, target)\n"
+            f'  (oomguard_remediator_target_mode{{mode=~"{NOT_ADMITTING}"}} == 1)\n'
+            ")",
+        ),
+        RecordingRule(
+            # per model: the remediator names a target as the exporter does (`target`), and the
+            # exporter's engine series carry vLLM's model_name
+            "model_name:oomguard_capacity_withheld_seqs:sum",
+            f"sum by ({c}, model_name) (\n"
+            "  target:oomguard_capacity_withheld_seqs:max\n"
+            f"  * on ({c}, target) group_left (model_name)\n"
+            f"  group by ({c}, target, model_name) "
+            f'(last_over_time(oomguard_vllm_requests_running{{job="{t.exporter_job}"}}[1h]))\n'
+            ")",
         ),
     ]
 
 
+def slo_recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
+    """The SLO group: error and slow-first-token ratios per model over the burn-rate windows."""
+    t = t or AlertThresholds()
+    by = f"{t.cluster_label}, model_name"
+    job = f'job="{t.vllm_job}"'
+    out = []
+    for w in SLO_WINDOWS:
+        out.append(
+            RecordingRule(
+                f"model_name:vllm_request_errors:ratio_rate{w}",
+                f"sum by ({by}) (rate(vllm:request_success_total"
+                f'{{{job}, finished_reason="error"}}[{w}]))\n'
+                f"/ sum by ({by}) (rate(vllm:request_success_total{{{job}}}[{w}]))",
+            )
+        )
+    for w in SLO_WINDOWS:
+        out.append(
+            RecordingRule(
+                f"model_name:vllm_ttft_slow:ratio_rate{w}",
+                f"1 - sum by ({by}) (rate(vllm:time_to_first_token_seconds_bucket"
+                f'{{{job}, le="{t.slo_ttft_seconds!r}"}}[{w}]))\n'
+                f"/ sum by ({by}) (rate(vllm:time_to_first_token_seconds_count{{{job}}}[{w}]))",
+            )
+        )
+    return out
+
+
+def all_recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
+    t = t or AlertThresholds()
+    return recording_rules(t) + slo_recording_rules(t)
+
+
 _ENGINE = "engine {{ $labels.engine }} of {{ $labels.target }} on {{ $labels.instance }}"
 _GPU = "GPU {{ $labels.gpu }} ({{ $labels.UUID }}) on {{ $labels.Hostname }}"
+_REASON = "(reason {{ $labels.reason }})"
 
 
-def alerts(t: AlertThresholds) -> list[Alert]:
+def alerts(t: AlertThresholds | None = None) -> list[Alert]:
+    """The fast group's alerts (SLO burn-rate alerts are in `slo_alerts`)."""
+    t = t or AlertThresholds()
+    exp, rem = f'job="{t.exporter_job}"', f'job="{t.remediator_job}"'
+    c = t.cluster_label
     return [
-        Alert(
-            "OomguardKVCacheUsageHigh",
-            f"oomguard_vllm_kv_cache_usage_ratio > {t.kv_usage_high_ratio}",
-            "info",
-            "A vLLM engine has kept its KV cache nearly full for a long time.",
-            f"The KV cache of {_ENGINE} is {{{{ $value | humanizePercentage }}}} full. "
-            "This is normal under load and is not a danger sign by itself; sustained, it "
-            "means the engine runs at capacity.",
-            for_=t.kv_usage_high_for,
-        ),
-        Alert(
-            "OomguardMemoryCaution",
-            "oomguard:engine_pressure_level:max >= 1",
-            "info",
-            "A vLLM engine has been at memory pressure level caution or higher.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}} (1 caution, 2 pressure, "
-            "3 critical).",
-            for_=t.caution_for,
-        ),
+        # -- the remediator's work orders (no page: the remediator acts on them) ---------------
         Alert(
             "OomguardPreemptionRateHigh",
-            f"oomguard:vllm_preemption_ratio:rate5m > {t.preemption_ratio}",
+            f"engine:oomguard_vllm_preemption_ratio:rate5m > {t.preemption_ratio}\n"
+            f"and increase(oomguard_vllm_preemptions_total[5m]) >= {t.preemption_min_count}",
             "warning",
             "A vLLM engine preempts a high share of its requests.",
             f"{_ENGINE} preempted {{{{ $value | humanizePercentage }}}} of its finished "
-            "requests over 5 minutes: the precursor of an out-of-memory crash.",
+            "requests over 5 minutes. Preemption is how vLLM meets a full KV cache; sustained, "
+            "it costs latency and throughput, so oomguard lowers the admission cap.",
             for_=t.preemption_for,
-            keep_firing_for=t.keep_firing_for,
+            keep_firing_for=t.action_keep_firing_for,
             action="lower_cap",
         ),
         Alert(
             "OomguardMemoryPressure",
-            "oomguard:engine_pressure_level:max >= 2",
+            "oomguard_engine_pressure_level >= 2",
             "warning",
             "A vLLM engine is under GPU memory pressure.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}}: free device memory is low "
-            "or the allocator had to retry. oomguard lowers its admission cap.",
+            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: free device memory "
+            "is low or the allocator had to retry. oomguard lowers its admission cap.",
             for_=t.pressure_for,
-            keep_firing_for=t.keep_firing_for,
+            keep_firing_for=t.action_keep_firing_for,
             action="lower_cap",
         ),
         Alert(
             "OomguardMemoryCritical",
-            "oomguard:engine_pressure_level:max >= 3",
-            "critical",
-            "A vLLM engine is about to run out of GPU memory.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}}: free device memory is below "
-            "the critical floor or the allocator reported an out-of-memory error. oomguard "
-            "drains the engine.",
+            "oomguard_engine_pressure_level >= 3",
+            "warning",
+            "A vLLM engine is about to run out of GPU memory; oomguard drains it.",
+            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: free device memory "
+            "is below the critical floor or the allocator reported an out-of-memory error. "
+            "oomguard drains the engine.",
             for_=t.critical_for,
-            keep_firing_for=t.keep_firing_for,
+            keep_firing_for=t.action_keep_firing_for,
             action="drain",
         ),
+        # -- pages: one per incident -----------------------------------------------------------
+        Alert(
+            "OomguardCudaOomObserved",
+            new_or_increased("oomguard_allocator_ooms_total", "5m"),
+            "critical",
+            "A vLLM worker hit a CUDA out-of-memory error.",
+            "Rank {{ $labels.rank }} (pid {{ $labels.pid }}) of {{ $labels.target }} on "
+            "{{ $labels.instance }} hit a CUDA out-of-memory error ({{ $value | humanize }}) "
+            "in the last 5 minutes.",
+            keep_firing_for=t.action_keep_firing_for,
+            action="restart",
+        ),
+        Alert(
+            "OomguardModelUnavailable",
+            f"group by ({c}, model_name) "
+            f"(last_over_time(oomguard_vllm_requests_running{{{exp}}}[1h]))\n"
+            f"unless on ({c}, model_name)\n"
+            f"group by ({c}, model_name) (\n"
+            f"  oomguard_vllm_requests_running{{{exp}}}\n"
+            f"  and on ({c}, instance, target) (oomguard_vllm_up{{{exp}}} == 1)\n"
+            f"  unless on ({c}, target)\n"
+            f'  (oomguard_remediator_target_mode{{mode=~"{NOT_ADMITTING}"}} == 1)\n'
+            ")",
+            "critical",
+            "A model has no ready vLLM engine.",
+            "No engine serving model {{ $labels.model_name }} has been up and admitting "
+            f"requests for {t.model_unavailable_for}: every request for it fails.",
+            for_=t.model_unavailable_for,
+        ),
+        Alert(
+            "OomguardRemediationFailing",
+            new_or_increased('oomguard_remediator_actions_total{result="failed"}', "10m")
+            + "\nor increase(oomguard_remediator_reconcile_errors_total[10m]) > 2",
+            "critical",
+            "The oomguard remediator fails to act on an engine.",
+            "The remediator on {{ $labels.instance }} failed on target {{ $labels.target }} "
+            "({{ $value | humanize }} in 10 minutes): the engine is not protected.",
+            keep_firing_for=t.keep_firing_for,
+        ),
+        Alert(
+            "OomguardRemediationLimited",
+            new_or_increased("oomguard_remediator_safety_limited_total", "15m"),
+            "critical",
+            "A safety limit stopped the oomguard remediator from acting.",
+            "The remediator on {{ $labels.instance }} held back an action on "
+            "{{ $labels.target }} because of its {{ $labels.limit }} limit: the engine is in "
+            "danger and nothing protects it.",
+            keep_firing_for=t.keep_firing_for,
+        ),
+        Alert(
+            "OomguardRemediatorDown",
+            f"up{{{rem}}} == 0",
+            "critical",
+            "The oomguard remediator cannot be scraped.",
+            "Prometheus cannot scrape the remediator at {{ $labels.instance }}: no engine is "
+            "protected from out-of-memory crashes.",
+            for_=t.remediator_down_for,
+        ),
+        # -- tickets -----------------------------------------------------------------------------
         Alert(
             "OomguardGpuMemoryPressure",
-            "oomguard:gpu_pressure_level:max == 2",
+            "gpu:oomguard_gpu_pressure_level:max == 2",
             "warning",
             "A GPU is low on free memory.",
-            f"{_GPU} is at pressure level 2: free memory is under twice its critical floor.",
-            for_="1m",
+            f"{_GPU} is at pressure level 2: its free memory is under the pressure threshold.",
+            for_="5m",
             keep_firing_for=t.keep_firing_for,
         ),
         Alert(
             "OomguardGpuMemoryCritical",
-            "oomguard:gpu_pressure_level:max >= 3",
-            "critical",
+            "gpu:oomguard_gpu_pressure_level:max >= 3",
+            "warning",
             "A GPU is about to run out of memory.",
             f"{_GPU} is at pressure level 3: free memory is below its critical floor or a "
-            "process on it hit a CUDA out-of-memory error.",
-            for_=t.critical_for,
+            "process on it hit a CUDA out-of-memory error. Engines on it are handled by their "
+            "own alerts; look for a process that is not one of them.",
+            for_="1m",
             keep_firing_for=t.keep_firing_for,
         ),
         Alert(
             "OomguardAllocatorFragmentationGrowing",
-            f"delta(oomguard:allocator_fragmentation_bytes[{t.growth_window}]) "
+            f"delta(rank:oomguard_allocator_fragmentation_bytes:diff[{t.growth_window}]) "
             f"> {t.fragmentation_growth_bytes}",
             "warning",
             "PyTorch allocator fragmentation in a vLLM worker keeps growing.",
@@ -181,49 +322,67 @@ def alerts(t: AlertThresholds) -> list[Alert]:
             for_="30m",
         ),
         Alert(
-            "OomguardCudaOomObserved",
-            "increase(oomguard_allocator_ooms_total[5m]) > 0",
-            "critical",
-            "A vLLM worker hit a CUDA out-of-memory error.",
-            "Rank {{ $labels.rank }} (pid {{ $labels.pid }}) of {{ $labels.target }} on "
-            "{{ $labels.Hostname }} raised {{ $value | humanize }} CUDA out-of-memory errors in "
-            "5 minutes.",
-            keep_firing_for="10m",
-            action="restart",
-        ),
-        Alert(
             "OomguardEngineRestarted",
             "resets(oomguard_vllm_generation_tokens_total[15m]) > 0",
             "warning",
             "A vLLM engine restarted.",
             f"The counters of {_ENGINE} reset {{{{ $value }}}} times in 15 minutes: the engine "
-            "restarted, often after a crash.",
+            "restarted (a rollout, oomguard's own restart, or a crash).",
         ),
         Alert(
             "OomguardHostOomKill",
-            "increase(oomguard_host_oom_kills_total[10m]) > 0",
-            "critical",
+            new_or_increased("oomguard_host_oom_kills_total", "10m"),
+            "warning",
             "The kernel OOM killer killed a process in a serving cgroup.",
-            "The kernel killed {{ $value | humanize }} processes of cgroup {{ $labels.cgroup }} on "
-            "{{ $labels.Hostname }} for exceeding host memory: exit code 137, no traceback.",
+            "The kernel killed a process of cgroup {{ $labels.cgroup }} on "
+            "{{ $labels.instance }} for exceeding host memory ({{ $value | humanize }}): "
+            "exit code 137, no traceback.",
+            keep_firing_for=t.keep_firing_for,
         ),
         Alert(
             "OomguardEngineDown",
-            "oomguard_vllm_up == 0",
-            "critical",
-            "A vLLM engine does not answer.",
-            "The exporter on {{ $labels.instance }} cannot scrape vLLM target "
-            "{{ $labels.target }}.",
+            f"oomguard_vllm_up{{{exp}}} == 0",
+            "warning",
+            "A vLLM engine has not answered for a long time.",
+            "The exporter on {{ $labels.instance }} has not been able to scrape vLLM target "
+            f"{{{{ $labels.target }}}} for {t.engine_down_for}.",
             for_=t.engine_down_for,
         ),
         Alert(
             "OomguardExporterDown",
-            f'up{{job="{t.exporter_job}"}} == 0',
-            "critical",
+            f"up{{{exp}}} == 0",
+            "warning",
             "An oomguard exporter cannot be scraped.",
             "Prometheus cannot scrape the oomguard exporter on {{ $labels.instance }}: GPU "
-            "memory on that node is not watched.",
-            for_="2m",
+            "memory on that node is not watched and the remediator holds its engines.",
+            for_="5m",
+        ),
+        Alert(
+            "OomguardExporterAbsent",
+            f"absent(up{{{exp}}})",
+            "warning",
+            "Prometheus scrapes no oomguard exporter at all.",
+            f'Prometheus has no target with job="{t.exporter_job}": the scrape config or the '
+            "PodMonitor does not find the exporters, so no GPU memory is watched.",
+            for_="15m",
+        ),
+        Alert(
+            "OomguardRemediatorAbsent",
+            f"absent(up{{{rem}}})",
+            "warning",
+            "Prometheus scrapes no oomguard remediator.",
+            f'Prometheus has no target with job="{t.remediator_job}": the remediator is not '
+            "deployed or not discovered, so nothing acts on oomguard alerts.",
+            for_="15m",
+        ),
+        Alert(
+            "OomguardPressureBlind",
+            'oomguard_engine_pressure_level{reason="blind"}',
+            "warning",
+            "oomguard cannot judge the memory pressure of a vLLM engine.",
+            f"The exporter on {{{{ $labels.instance }}}} lacks the data to judge {_ENGINE}; the "
+            "remediator holds it (blind is not healthy).",
+            for_="10m",
         ),
         Alert(
             "OomguardCollectorDown",
@@ -245,10 +404,10 @@ def alerts(t: AlertThresholds) -> list[Alert]:
         ),
         Alert(
             "OomguardRequestsQueueing",
-            f"(max by ({ENGINE_BY}) (oomguard_vllm_requests_waiting) > {t.queueing_waiting})\n"
-            "and on (target)\n"
-            "(max by (target) (oomguard_remediator_admission_cap)\n"
-            " < max by (target) (oomguard_remediator_startup_max_num_seqs))",
+            f"(oomguard_vllm_requests_waiting{{{exp}}} > {t.queueing_waiting})\n"
+            f"and on ({c}, target)\n"
+            f"(max by ({c}, target) (oomguard_remediator_admission_cap)\n"
+            f" < max by ({c}, target) (oomguard_remediator_startup_max_num_seqs))",
             "warning",
             "Requests queue on a vLLM engine whose admission cap oomguard lowered.",
             f"{{{{ $value }}}} requests wait on {_ENGINE} while its admission cap is below the "
@@ -256,22 +415,60 @@ def alerts(t: AlertThresholds) -> list[Alert]:
             for_="10m",
         ),
         Alert(
-            "OomguardRemediationFailing",
-            'increase(oomguard_remediator_actions_total{result="failed"}[10m]) > 0\n'
-            "or increase(oomguard_remediator_reconcile_errors_total[10m]) > 2",
-            "critical",
-            "The oomguard remediator fails to act on an engine.",
-            "The remediator on {{ $labels.instance }} failed {{ $value | humanize }} times in 10 "
-            "minutes on target {{ $labels.target }}: the engine is not protected.",
+            "OomguardRemediationPaused",
+            "oomguard_remediator_paused == 1",
+            "warning",
+            "The oomguard remediator has been paused for a long time.",
+            f"The remediator on {{{{ $labels.instance }}}} has been paused for {t.paused_for}: "
+            "it decides and records but acts on no engine.",
+            for_=t.paused_for,
         ),
         Alert(
-            "OomguardRemediationLimited",
-            "sum by (instance, job, target, limit) "
-            "(increase(oomguard_remediator_safety_limited_total[15m])) > 0",
+            "OomguardRemediationHeld",
+            'oomguard_remediator_target_mode{mode="held"} == 1',
             "warning",
-            "A safety limit stopped the oomguard remediator from acting.",
-            "The remediator on {{ $labels.instance }} held back {{ $value | humanize }} actions on "
-            "{{ $labels.target }} because of its {{ $labels.limit }} limit.",
+            "The oomguard remediator holds a target it cannot read or converge.",
+            "The remediator on {{ $labels.instance }} has held target {{ $labels.target }} for "
+            f"{t.held_for}: it cannot read or change the engine, so it does nothing.",
+            for_=t.held_for,
+        ),
+        Alert(
+            "OomguardRemediatorUnauthorized",
+            'increase(oomguard_remediator_webhook_requests_total{outcome="unauthorized"}[10m]) > 0',
+            "warning",
+            "The oomguard remediator refused unauthenticated calls.",
+            "The remediator on {{ $labels.instance }} refused {{ $value | humanize }} calls "
+            "without a valid token in 10 minutes: a misconfigured Alertmanager or a probe.",
+        ),
+        Alert(
+            "OomguardAlertmanagerWebhookFailing",
+            'increase(alertmanager_notifications_failed_total{integration="webhook"}[10m]) > 0',
+            "warning",
+            "Alertmanager fails to deliver webhook notifications.",
+            "Alertmanager {{ $labels.instance }} failed {{ $value | humanize }} webhook "
+            "deliveries in 10 minutes: the remediator (or a webhook pager) misses alerts and "
+            "relies on its resync.",
+            for_="5m",
+        ),
+        # -- nothing (info): shown on dashboards, routed nowhere --------------------------------
+        Alert(
+            "OomguardKVCacheUsageHigh",
+            f"oomguard_vllm_kv_cache_usage_ratio > {t.kv_usage_high_ratio}",
+            "info",
+            "A vLLM engine has kept its KV cache nearly full for a long time.",
+            f"The KV cache of {_ENGINE} is {{{{ $value | humanizePercentage }}}} full. "
+            "This is normal under load and is not a danger sign by itself; sustained, it "
+            "means the engine runs at capacity.",
+            for_=t.kv_usage_high_for,
+        ),
+        Alert(
+            "OomguardMemoryCaution",
+            "oomguard_engine_pressure_level >= 1",
+            "info",
+            "A vLLM engine has been at memory pressure level caution or higher.",
+            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON} (1 caution, "
+            "2 pressure, 3 critical).",
+            for_=t.caution_for,
         ),
         Alert(
             "Watchdog",
@@ -281,6 +478,49 @@ def alerts(t: AlertThresholds) -> list[Alert]:
             "This alert always fires. If it stops arriving, Prometheus or Alertmanager is down.",
         ),
     ]
+
+
+def slo_alerts(t: AlertThresholds | None = None) -> list[Alert]:
+    """Multi-window, multi-burn-rate alerts: a page when the budget burns fast, else a ticket."""
+    t = t or AlertThresholds()
+    out = []
+    for name, series, objective, what in (
+        (
+            "OomguardRequestErrorBudgetBurn",
+            "model_name:vllm_request_errors:ratio_rate",
+            t.slo_success_objective,
+            "requests finishing with an error",
+        ),
+        (
+            "OomguardTTFTBudgetBurn",
+            "model_name:vllm_ttft_slow:ratio_rate",
+            t.slo_ttft_objective,
+            f"requests waiting over {t.slo_ttft_seconds:g} s for their first token",
+        ),
+    ):
+        budget = 1 - objective
+        for severity in ("critical", "warning"):
+            arms = [
+                f"({series}{long} > {_num(f * budget)} and {series}{short} > {_num(f * budget)})"
+                for sev, long, short, f in BURN_RATES
+                if sev == severity
+            ]
+            fast = severity == "critical"
+            out.append(
+                Alert(
+                    name,
+                    "\nor ".join(arms),
+                    severity,
+                    "A model burns its SLO error budget fast."
+                    if fast
+                    else "A model burns its SLO error budget.",
+                    f"Model {{{{ $labels.model_name }}}} has {{{{ $value | humanizePercentage }}}} "
+                    f"{what} (objective {_num(objective * 100)} % good): at this rate the 30-day "
+                    f"budget lasts {'hours' if fast else 'days'}.",
+                    for_="2m" if fast else "15m",
+                )
+            )
+    return out
 
 
 def rule_groups(t: AlertThresholds) -> dict[str, object]:
@@ -294,14 +534,30 @@ def rule_groups(t: AlertThresholds) -> dict[str, object]:
         rule["annotations"] = a.annotations(t)
         return rule
 
-    # One group: rules in a group run in order, so every alert sees the recording rules of the
-    # same evaluation (across groups there is no order, and a for: 0s alert would lag a cycle).
-    recorded: list[dict[str, object]] = [
-        {"record": r.record, "expr": r.expr} for r in recording_rules()
-    ]
+    def group(
+        name: str, interval: str, recorded: list[RecordingRule], fired: list[Alert]
+    ) -> dict[str, object]:
+        # Rules in a group run in order, so every alert sees the recording rules of the same
+        # evaluation; the interval is set here so `for` means the same on every server.
+        return {
+            "name": name,
+            "interval": interval,
+            "rules": [{"record": r.record, "expr": r.expr} for r in recorded]
+            + [alert_rule(a) for a in fired],
+        }
+
     return {
-        "groups": [{"name": "oomguard", "rules": recorded + [alert_rule(a) for a in alerts(t)]}]
+        "groups": [
+            group("oomguard", t.rule_interval, recording_rules(t), alerts(t)),
+            # long windows (up to 3 days) cost more and change slowly: once a minute
+            group("oomguard-slo", "1m", slo_recording_rules(t), slo_alerts(t)),
+        ]
     }
+
+
+def all_alerts(t: AlertThresholds | None = None) -> list[Alert]:
+    t = t or AlertThresholds()
+    return alerts(t) + slo_alerts(t)
 
 
 @dataclass
@@ -312,4 +568,15 @@ class Case:
     eval_time: str
     series: dict[str, str]
     firing: list[dict[str, str]] = field(default_factory=list)  # labels incl. description
+    interval: str = "1m"
+
+
+@dataclass
+class ExprCase:
+    """One promtool expression test: a recorded series' exact samples at an evaluation time."""
+
+    expr: str
+    eval_time: str
+    series: dict[str, str]
+    samples: list[tuple[dict[str, str], str]]  # (labels without __name__, value)
     interval: str = "1m"

@@ -148,7 +148,7 @@ def fleet() -> dict[str, Any]:
         "Preemption rate",
         "Preemptions per second per engine "
         "(oomguard_vllm_preemptions_total) and per finished request "
-        "(oomguard:vllm_preemption_ratio:rate5m).",
+        "(engine:oomguard_vllm_preemption_ratio:rate5m).",
         "ops",
         [
             target(
@@ -231,12 +231,12 @@ def node() -> dict[str, Any]:
     L.timeseries(
         "Allocator fragmentation",
         "Reserved minus allocated bytes per rank "
-        "(oomguard:allocator_fragmentation_bytes) and inactive split blocks "
+        "(rank:oomguard_allocator_fragmentation_bytes:diff) and inactive split blocks "
         "(oomguard_allocator_inactive_split_bytes).",
         "bytes",
         [
             target(
-                f"oomguard:allocator_fragmentation_bytes{{{RANK}}}",
+                f"rank:oomguard_allocator_fragmentation_bytes:diff{{{RANK}}}",
                 "rank {{rank}} reserved-allocated",
                 "A",
             ),
@@ -269,8 +269,8 @@ def node() -> dict[str, Any]:
     L.levels(
         "Pressure level per engine",
         "oomguard pressure level of each engine, 0 ok to 3 "
-        "critical (oomguard:engine_pressure_level:max).",
-        [target(f"oomguard:engine_pressure_level:max{{{ENG}}}", "{{target}}/{{engine}}")],
+        "critical (engine:oomguard_engine_pressure_level:max).",
+        [target(f"engine:oomguard_engine_pressure_level:max{{{ENG}}}", "{{target}}/{{engine}}")],
     )
     L.timeseries(
         "KV-cache usage and projected demand",
@@ -291,9 +291,9 @@ def node() -> dict[str, Any]:
     )
     L.timeseries(
         "Preemptions per finished request",
-        "Preemptions per finished request over 5 minutes (oomguard:vllm_preemption_ratio:rate5m).",
+        "Preemptions per finished request over 5 minutes (engine:oomguard_vllm_preemption_ratio:rate5m).",
         "percentunit",
-        [target(f"oomguard:vllm_preemption_ratio:rate5m{{{ENG}}}", "{{target}}/{{engine}}")],
+        [target(f"engine:oomguard_vllm_preemption_ratio:rate5m{{{ENG}}}", "{{target}}/{{engine}}")],
     )
     for name, metric in (
         ("Time to first token", "vllm:time_to_first_token_seconds"),

@@ -16,7 +16,7 @@ def dashboard_path(name: str) -> Path:
     return GENERATED / f"oomguard-{name}.json"
 
 
-def outputs() -> dict[Path, str]:
+def outputs(thresholds: object = None) -> dict[Path, str]:
     files = {
         dashboard_path(name): json.dumps(build(), indent=2, sort_keys=True) + "\n"
         for name, build in DASHBOARDS.items()

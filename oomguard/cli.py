@@ -359,11 +359,12 @@ def generated_files(thresholds: Any = None) -> dict[Path, str]:
     from oomguard.dashboards.generate import outputs as dashboard_outputs
     from oomguard.manifests import outputs as manifest_outputs
 
-    alerts, dashboards = alert_outputs(thresholds), dashboard_outputs()
+    alerts, dashboards = alert_outputs(thresholds), dashboard_outputs(thresholds)
     manifests = manifest_outputs(
         alerts[RULES],
         alerts[ALERTMANAGER],
         {str(p): text for p, text in dashboards.items() if p.parent == GENERATED},
+        thresholds,
     )
     return {**alerts, **dashboards, **manifests}
 

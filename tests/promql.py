@@ -51,6 +51,10 @@ KEYWORDS = {
     "bool",
     "absent",
     "label_replace",
+    "group",
+    "last_over_time",
+    "count_over_time",
+    "timestamp",
 }
 
 

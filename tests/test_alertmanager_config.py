@@ -1,14 +1,31 @@
-"""The shipped Alertmanager config, checked and routed by the real amtool."""
+"""The shipped Alertmanager config, checked and routed by the real amtool: work orders reach the
+remediator only, on-call gets one page per incident, info alerts go nowhere."""
 
 from __future__ import annotations
 
 import subprocess
 
 import pytest
-from oomguard.alerts.generate import ALERTMANAGER
-from oomguard.alerts.rules import alerts
+import yaml
+from oomguard.alerts.cases import Labels
+from oomguard.alerts.generate import ALERTMANAGER, NOT_AN_ACTION, PAGER, alertmanager_config
+from oomguard.alerts.rules import Alert, all_alerts
 
 from oomguard.thresholds import AlertThresholds
+
+T = AlertThresholds()
+ALERTS = all_alerts(T)
+# What pages on-call: one alert per incident type (issue: a CUDA OOM, remediation failed or
+# limited, a model with no ready engine, an SLO burning fast; and the remediator down).
+PAGES = {
+    "OomguardCudaOomObserved",
+    "OomguardRemediationFailing",
+    "OomguardRemediationLimited",
+    "OomguardModelUnavailable",
+    "OomguardRemediatorDown",
+    "OomguardRequestErrorBudgetBurn",
+    "OomguardTTFTBudgetBurn",
+}
 
 
 def test_amtool_check_config(repo_root):
@@ -21,32 +38,22 @@ def test_amtool_check_config(repo_root):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def expected_receivers(severity: str, action: str | None, name: str) -> list[str]:
-    out = ["remediator"] if action else []
-    if name == "Watchdog":
-        out.append("watchdog")
-    elif severity == "critical":
-        out.append("oncall-pager")
-    else:
-        out.append("oncall-ticket")
-    return out
+def expected_receivers(alert: Alert) -> list[str]:
+    if alert.name == "Watchdog":
+        return ["watchdog"]
+    if alert.action:  # a work order: the remediator; a CUDA OOM is also the page
+        return ["remediator", PAGER] if alert.severity == "critical" else ["remediator"]
+    return {"critical": [PAGER], "warning": ["oncall-ticket"]}.get(alert.severity, ["nowhere"])
 
 
-@pytest.mark.parametrize("alert", alerts(AlertThresholds()), ids=lambda a: a.name)
-def test_each_alert_reaches_its_receivers(repo_root, alert):
-    labels = [
-        f"alertname={alert.name}",
-        *(f"{k}={v}" for k, v in alert.labels().items()),
-        "instance=n1:9848",
-        "target=llama",
-        "engine=0",
-    ]
-    want = expected_receivers(alert.severity, alert.action, alert.name)
-    r = routes_test(repo_root, want, labels)
-    assert r.returncode == 0, r.stdout + r.stderr
+def k8s_labels(alert: Alert) -> list[str]:
+    """The alert's labels as the rule would produce them from Kubernetes-scraped series."""
+    L = Labels(T)
+    labels = {**L.engine, "alertname": alert.name, **alert.labels()}
+    return [f"{k}={v}" for k, v in labels.items()]
 
 
-def routes_test(repo_root, receivers: list[str], labels: list[str]):
+def routes_test(repo_root, receivers: list[str], labels: list[str]) -> subprocess.CompletedProcess:
     """amtool's route test: exit 0 only when exactly these receivers get the alert."""
     return subprocess.run(
         [
@@ -64,8 +71,53 @@ def routes_test(repo_root, receivers: list[str], labels: list[str]):
     )
 
 
+@pytest.mark.parametrize("alert", ALERTS, ids=lambda a: f"{a.name}-{a.severity}")
+def test_each_alert_reaches_its_receivers(repo_root, alert):
+    r = routes_test(repo_root, expected_receivers(alert), k8s_labels(alert))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_one_page_per_incident_type():
+    """Exactly the incident alerts page, each under its own name: a CUDA OOM no longer also
+    pages as MemoryCritical, GpuMemoryCritical and EngineDown."""
+    paging = {a.name for a in ALERTS if PAGER in expected_receivers(a)}
+    assert paging == PAGES
+    oom_incident = {
+        "OomguardCudaOomObserved",
+        "OomguardMemoryCritical",
+        "OomguardGpuMemoryCritical",
+        "OomguardEngineDown",
+        "OomguardEngineRestarted",
+    }
+    assert paging & oom_incident == {"OomguardCudaOomObserved"}
+
+
+def test_a_page_groups_every_rank_and_engine_of_a_target(repo_root):
+    """Two ranks of one engine hitting OOMs at once are one incident: one group, one page."""
+    config = yaml.safe_load((repo_root / ALERTMANAGER).read_text())
+    pager = next(r for r in config["route"]["routes"] if r["receiver"] == PAGER)
+    group_by = pager.get("group_by", config["route"]["group_by"])
+    assert "target" in group_by and T.cluster_label in group_by
+    assert not {"rank", "pid", "engine", "instance", "gpu", "UUID"} & set(group_by)
+
+
+def test_inhibition_never_hides_a_work_order():
+    """The remediator's resync asks Alertmanager for inhibited=false: an inhibited action-
+    carrying alert would vanish from it. Every inhibition's targets exclude them."""
+    config = alertmanager_config(T)
+    assert config["inhibit_rules"]
+    for rule in config["inhibit_rules"]:
+        assert NOT_AN_ACTION in rule["target_matchers"], rule
+        assert T.cluster_label in rule["equal"], rule
+
+
+def test_the_remediator_route_paces_with_rule_evaluation():
+    config = alertmanager_config(AlertThresholds(rule_interval="15s"))
+    routes = [r for r in config["route"]["routes"] if r["receiver"] == "remediator"]
+    assert routes and all(r["group_interval"] == "15s" for r in routes)
+    assert all(r["group_wait"] == "0s" for r in routes)
+
+
 def test_a_wrong_expectation_fails(repo_root):
-    r = routes_test(
-        repo_root, ["oncall-pager"], ["alertname=OomguardKVCacheUsageHigh", "severity=info"]
-    )
+    r = routes_test(repo_root, [PAGER], ["alertname=OomguardKVCacheUsageHigh", "severity=info"])
     assert r.returncode != 0

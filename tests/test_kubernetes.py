@@ -263,3 +263,82 @@ def test_disruption_budget_restarts_one_engine_of_a_model_at_a_time(repo_root, t
         c.close()
     finally:
         standin.close()
+
+
+# -- the monitoring contract: what the rules select is what the manifests produce ------------------
+def test_podmonitors_set_the_jobs_the_rules_select(repo_root):
+    from oomguard.manifests import scrape_labels
+    from oomguard.thresholds import AlertThresholds
+
+    t = AlertThresholds()
+    jobs = {
+        name: scrape_labels(docs(repo_root, name), "p")["job"]
+        for name in ("exporter.yaml", "remediator.yaml", "vllm-example.yaml")
+    }
+    assert jobs == {
+        "exporter.yaml": t.exporter_job,
+        "remediator.yaml": t.remediator_job,
+        "vllm-example.yaml": t.vllm_job,
+    }
+    exporter = scrape_labels(docs(repo_root, "exporter.yaml"), "p", node="gpu-node-9")
+    assert exporter["instance"] == "gpu-node-9"  # the node, stable across exporter restarts
+    # without the relabeling prometheus-operator would say <namespace>/<PodMonitor name>
+    monitor = next(o for o in docs(repo_root, "exporter.yaml") if o["kind"] == "PodMonitor")
+    monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] = []
+    bare = scrape_labels([monitor, *docs(repo_root, "exporter.yaml")[1:]], "p")
+    assert bare["job"] == "oomguard/oomguard-exporter"
+
+
+def test_prometheus_rule_groups_set_their_interval(repo_root):
+    rule = next(o for o in docs(repo_root, "monitoring.yaml") if o["kind"] == "PrometheusRule")
+    assert all(g.get("interval") for g in rule["spec"]["groups"])
+
+
+def test_the_exporter_watches_a_cgroup_that_counts_oom_kills(repo_root):
+    """The cgroup v2 root has no memory.events: OomguardHostOomKill could never fire on it."""
+    ds = next(o for o in docs(repo_root, "exporter.yaml") if o["kind"] == "DaemonSet")
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    (arg,) = [a for a in container["args"] if a.startswith("--cgroup=")]
+    path = arg.split("=", 2)[2]
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"]))
+    assert path.rstrip("/") != mount["mountPath"].rstrip("/"), "watches the cgroup root"
+    assert path.endswith("/kubepods.slice")
+
+
+def test_exporter_and_remediator_name_the_engine_alike(repo_root):
+    """Rules join exporter and remediator series on `target` (queueing, capacity withheld)."""
+    ds = next(o for o in docs(repo_root, "exporter.yaml") if o["kind"] == "DaemonSet")
+    (arg,) = [a for a in ds["spec"]["template"]["spec"]["containers"][0]["args"] if "--vllm=" in a]
+    exporter_target = arg.removeprefix("--vllm=").split("=", 1)[0]
+    config_map = next(o for o in docs(repo_root, "remediator.yaml") if o["kind"] == "ConfigMap")
+    config = RemediatorConfig.model_validate(yaml.safe_load(config_map["data"]["remediator.yaml"]))
+    (target,) = config.targets
+    assert target.name == exporter_target == target.selector()["target"]
+    vllm = next(o for o in docs(repo_root, "vllm-example.yaml") if o["kind"] == "Deployment")
+    env = {
+        e["name"]: e.get("value") for e in vllm["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["OOMGUARD_TARGET"] == exporter_target
+
+
+def test_the_keda_example_scales_the_engine_on_recorded_capacity_withheld(repo_root):
+    from oomguard.alerts.rules import recording_rules
+
+    from oomguard.thresholds import AlertThresholds
+    from tests.promql import metric_names, promtool_parses
+
+    (scaled,) = docs(repo_root, "keda-example.yaml")
+    assert scaled["kind"] == "ScaledObject"
+    vllm = next(o for o in docs(repo_root, "vllm-example.yaml") if o["kind"] == "Deployment")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == vllm["metadata"]["name"]
+    assert scaled["metadata"]["namespace"] == vllm["metadata"]["namespace"]
+    (trigger,) = scaled["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    promtool_parses([query])
+    recorded = {r.record for r in recording_rules(AlertThresholds())}
+    assert metric_names(query) == {"model_name:oomguard_capacity_withheld_seqs:sum"}
+    assert "model_name:oomguard_capacity_withheld_seqs:sum" in recorded
+    model = vllm["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert f'model_name="{model}"' in query
+    # an example, not a resource: applying the kustomization must not need KEDA's CRDs
+    assert "keda-example.yaml" not in docs(repo_root, "kustomization.yaml")[0]["resources"]

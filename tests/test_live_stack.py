@@ -99,7 +99,7 @@ def stack(tmp_path_factory):
         prom = Prometheus(tmp / "prom", {"oomguard-exporter": [exporter_addr], "vllm": [vllm_addr]})
         cleanup.callback(prom.stop)
         # enough samples for rate() over the substituted 1m range and for the recording rules
-        prom.wait_for("oomguard:engine_pressure_level:max", 30)
+        prom.wait_for("engine:oomguard_engine_pressure_level:max", 30)
         prom.wait_for("count_over_time(oomguard_vllm_preemptions_total[1m]) >= 8", 30)
         prom.wait_for('ALERTS{alertname="Watchdog"}', 30)
         yield prom, repo_root
