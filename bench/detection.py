@@ -104,7 +104,13 @@ def main() -> int:
         )
         procs.append(am)
         rules = work / "rules.yaml"
-        rules.write_text(alert_outputs(AlertThresholds(keep_firing_for="3s"))[RULES])
+        rules.write_text(
+            alert_outputs(
+                AlertThresholds(
+                    keep_firing_for="3s", action_keep_firing_for="3s", rule_interval="1s"
+                )
+            )[RULES]
+        )
         prom = Prometheus(
             work / "prom",
             {"oomguard-exporter": [f"127.0.0.1:{port}"]},
