@@ -421,3 +421,110 @@ def test_flags_walk_back_after_a_quiet_period_and_not_under_pressure(tmp_path):
     c.reconcile()
     assert len(backend.restarts) == 1
     c.close()
+
+
+def restartable(tmp_path, engines: Engines, backend, *names: str, **overrides) -> Controller:
+    from oomguard.remediator.config import RestartConfig, SupervisorRef
+
+    cfg = config(tmp_path, *engines.engines, **overrides)
+    restart = RestartConfig(
+        supervisor=SupervisorRef(url="http://127.0.0.1:1"),
+        drain_timeout_seconds=5,
+        ready_timeout_seconds=5,
+    )
+    cfg.targets = [
+        t.model_copy(update={"restart": restart}) if t.name in names else t for t in cfg.targets
+    ]
+    return Controller(cfg, engines, AuditLog(cfg.audit_log), backends=dict.fromkeys(names, backend))
+
+
+def settle(c: Controller) -> None:
+    for thread in list(c._restarting.values()):
+        thread.join(10)
+
+
+def test_memory_still_critical_after_the_drain_restarts_with_lower_flags(tmp_path):
+    from oomguard.remediator.flags import Flags
+
+    engines = Engines.of("a", "b", startup=64)
+    backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
+    c = restartable(tmp_path, engines, backend, "a")
+    engines.engines["a"].running, engines.engines["a"].waiting = 3, 2
+    send(c, alert("OomguardMemoryCritical", "a"))
+    assert engines.engines["a"].draining and backend.restarts == []
+    c.reconcile()  # requests still in flight or queued: a restart now would lose them
+    assert backend.restarts == []
+    engines.engines["a"].running = engines.engines["a"].waiting = 0
+    c.reconcile()  # drained and idle, still critical: only a restart gives memory back
+    settle(c)
+    assert [r[0] for r in backend.restarts] == [Flags(0.86, 51)]
+    (started,) = [e for e in events(c, "acted") if e["action"] == "restart"]
+    assert "memory stays critical after the drain" in started["reason"]
+    # back, capped at the first stage; the same episode still firing asks for no more than a cap
+    c.reconcile()
+    settle(c)
+    assert len(backend.restarts) == 1 and not engines.engines["a"].draining
+    assert engines.engines["a"].cap == 1
+    c.close()
+
+
+def test_a_restart_after_a_drain_stays_within_the_disruption_budget(tmp_path):
+    from oomguard.remediator.flags import Flags
+
+    engines = Engines.of("a", "b", "c", startup=64)
+    backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
+    c = restartable(tmp_path, engines, backend, "a")
+    send(c, alert("OomguardMemoryCritical", "a"))
+    assert engines.engines["a"].draining
+    engines.engines["b"].draining = True  # a peer went out meanwhile (its own drain)
+    engines.engines["c"].draining = True
+    c.reconcile()
+    assert backend.restarts == []
+    withheld = [e for e in events(c, "withheld") if e["action"] == "restart"]
+    assert withheld and withheld[-1]["result"] == "disruption_budget"
+    engines.engines["b"].draining = engines.engines["c"].draining = False
+    c.reconcile()
+    settle(c)
+    assert len(backend.restarts) == 1
+    c.close()
+
+
+def test_a_single_replica_is_drained_and_restarted_only_with_the_opt_in(tmp_path):
+    from oomguard.remediator.flags import Flags
+
+    engines = Engines.of("solo", startup=64)
+    backend = FakeBackend(engines, "solo", Flags(0.9, 64), Flags(0.9, 64), time.time())
+    c = restartable(tmp_path / "off", engines, backend, "solo")
+    send(c, alert("OomguardMemoryCritical", "solo"))
+    assert not engines.engines["solo"].draining and engines.engines["solo"].cap == 51  # capped
+    c.close()
+
+    engines = Engines.of("solo", startup=64)
+    backend = FakeBackend(engines, "solo", Flags(0.9, 64), Flags(0.9, 64), time.time())
+    c = restartable(tmp_path / "on", engines, backend, "solo", safety={"allow_last_replica": True})
+    send(c, alert("OomguardMemoryCritical", "solo"))
+    assert engines.engines["solo"].draining  # 503 + Retry-After beats a CUDA OOM
+    c.reconcile()
+    settle(c)
+    assert [r[0] for r in backend.restarts] == [Flags(0.86, 51)]
+    c.close()
+
+
+def test_an_engine_the_exporter_is_blind_to_is_held_not_readmitted(tmp_path):
+    engines = Engines.of("a", "b")
+    c = make(tmp_path, engines)
+    send(c, alert("OomguardMemoryCritical", "a"))
+    send(c, alert("OomguardMemoryCritical", "a", status="resolved"))
+    assert engines.engines["a"].cap == 1
+    blind = alert("OomguardExporterBlind", "a", oomguard_action="hold")
+    send(c, blind)
+    calls = len(engines.calls)
+    engines.serve("a", 5)
+    c.reconcile()
+    assert len(engines.calls) == calls and engines.engines["a"].cap == 1  # no re-admission
+    assert c.status["a"].mode == "held"
+    (held,) = [e for e in events(c, "held") if e["target"] == "a"]
+    assert held["result"] == "blind"
+    send(c, alert("OomguardExporterBlind", "a", status="resolved", oomguard_action="hold"))
+    assert engines.engines["a"].cap == 100  # it can see again: 5 clean admissions, full
+    c.close()
