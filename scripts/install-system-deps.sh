@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the real Prometheus and Alertmanager (with promtool and amtool) that the tests and the
-# demo run, from Debian's packages, when they are missing. Needs root (apt-get).
+# demo run, and Chromium (the demo test opens the HTML report in it, headless), from Debian's
+# packages, when they are missing. Needs root (apt-get).
 set -euo pipefail
 
 missing=()
@@ -8,6 +9,7 @@ command -v prometheus >/dev/null || missing+=(prometheus)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || missing+=(prometheus-alertmanager)
 command -v amtool >/dev/null || missing+=(prometheus-alertmanager)
+command -v chromium >/dev/null || missing+=(chromium)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

@@ -1,34 +1,39 @@
-"""`oomguard demo`: a GPU memory incident replayed on the real stack, on a machine without a GPU.
+"""`oomguard demo`: the same GPU memory incident with and without oomguard, and a healthy GPU left
+alone, on the real stack, on a machine without a GPU.
 
-What runs, all on 127.0.0.1:
-- two real vLLM 0.33 servers (model-free executor) with the oomguard plugin, under steady load;
-- two simulated H100s (twin/gpu.py) that the exporter reads through its normal NVML code path;
-- the oomguard exporter; the real Prometheus with the generated rules and the real Alertmanager
-  with the shipped routes (when installed); the on-call receivers' webhooks land in a local inbox;
-- the oomguard remediator: fed by Alertmanager, or, without Prometheus and Alertmanager, in
-  standalone mode watching the exporter's pressure levels.
+Three fleets run at once, all on 127.0.0.1, each on twin GPUs (twin/physics.py) behind real
+vLLM 0.33 servers (model-free executor, oomguard plugin) under `oomguard serve`:
 
-The incident: a neighbour process starts on GPU 0 and grows until free memory falls below the
-critical floor, then goes away. The remediator lowers llama-a's cap under pressure, drains it when
-memory turns critical (llama-b keeps serving), and re-admits it in stages once the neighbour is
-gone. Alert timings are compressed (`DEMO_THRESHOLDS`) so the incident fits in about a minute. The
-terminal shows pressure, KV usage, caps, alerts and actions each second; the report folder gets a
-Markdown summary, the timeline and the remediator's audit log.
+- **vLLM alone**: two engines on twin H100s replaying the seeded `neighbour-growth` incident (a
+  process on GPU 0 grows to 8.6 GiB). Nothing watches them: engine 0 hits a CUDA OOM, dies with
+  its in-flight requests and reloads the model (12 minutes of trace time).
+- **vLLM + oomguard**: the same two engines, the same requests and the same GPU events, plus the
+  exporter, the real Prometheus with the generated rules, the real Alertmanager with the shipped
+  routes, and the remediator: it lowers engine 0's cap, drains it (the gateway sends its requests
+  to engine 1) and re-admits it in stages once the neighbour is gone.
+- **Do no harm**: one engine on a 24 GB twin GPU at vLLM's default gpu_memory_utilization 0.92
+  under heavy steady load (KV cache full, requests queueing), watched by the same stack. oomguard
+  must not alert or act.
+
+Alert and remediator timings are the shipped ones divided by the incident's time compression. The
+terminal shows both incident runs side by side each second; the report folder gets `report.html`
+(one self-contained page), `summary.md`, `summary.json`, the PNGs (side by side, do no harm, the
+three Grafana dashboards drawn from what Prometheus recorded), the remediator's audit log and the
+webhooks on-call received. Without Prometheus and Alertmanager (`--no-prometheus`) the remediator
+watches the exporters itself (standalone mode) and the report has no dashboards.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import csv
 import json
+import logging
 import secrets
 import signal
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -36,38 +41,52 @@ from types import FrameType
 from typing import Any
 
 import httpx
-from oomguard.alerts.generate import RULES
-from oomguard.alerts.generate import outputs as alert_outputs
-from oomguard.exporter.main import Exporter
+from oomguard.alerts.generate import dump
+from oomguard.alerts.rules import rule_groups
 from oomguard.exporter.render import Family
-from oomguard.twin.charts import render
-from oomguard.twin.gpu import GIB, TwinGpu, TwinNvml
+from oomguard.twin.gpu import GIB
 from oomguard.twin.processes import (
     Alertmanager,
-    Process,
     Prometheus,
     RemediatorProcess,
-    VllmProcess,
     free_port,
     have_prometheus_stack,
-    start_all,
-    twin_exporter,
 )
+from oomguard.twin.runner import Fleet, remediator_timings
+from oomguard.twin.traces import TRACES, Trace
 
-from oomguard.thresholds import AlertThresholds, PressureThresholds
+from oomguard.thresholds import AlertThresholds
 
-NEIGHBOUR_PID = 424242
-TARGETS = ("llama-a", "llama-b")
-# The shipped timings (pressure held 30 s, 2 minutes of hysteresis) compressed for a 1-minute show
-DEMO_THRESHOLDS = AlertThresholds(pressure_for="5s", critical_for="0s", keep_firing_for="8s")
+INCIDENT = TRACES / "demo" / "neighbour-incident.json"
+DO_NO_HARM = TRACES / "demo" / "do-no-harm-24gb.json"
 LEVELS = {0: "ok", 1: "caution", 2: "pressure", 3: "CRITICAL"}
+# node names the report and Prometheus use (the exporters' `instance` label)
+GUARDED_NODE, HEALTHY_NODE = "gpu-node-a", "gpu-node-24gb"
+PERIOD = 0.25  # wall seconds between the fleets' GPU driver passes (five engines share 2 cores)
 
 
 @dataclass
 class Options:
-    duration: float = 75.0
     report_dir: Path = Path("demo-report")
     prometheus: bool = True
+    quick: bool = False  # twice the time compression, shorter recovery watch: about a minute
+
+
+def demo_thresholds(compression: float) -> AlertThresholds:
+    """The shipped alert timings, divided by the incident's time compression."""
+
+    def scaled(seconds: float) -> str:
+        return f"{max(1, round(1000 * seconds / compression))}ms"
+
+    wanted = {
+        "rule_interval": "1s",
+        "pressure_for": scaled(30),
+        "critical_for": "0s",
+        "keep_firing_for": scaled(120),
+        "action_keep_firing_for": scaled(30),
+    }
+    fields = AlertThresholds.model_fields
+    return AlertThresholds(**{k: v for k, v in wanted.items() if k in fields})
 
 
 class Inbox:
@@ -82,18 +101,14 @@ class Inbox:
                 pass
 
             def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                length = min(int(self.headers.get("Content-Length", 0) or 0), 1 << 20)
+                body = self.rfile.read(length)
                 try:
                     payload = json.loads(body)
                 except json.JSONDecodeError:
                     payload = {}
                 inbox.received.append(
-                    {
-                        "at": time.time(),
-                        "receiver": self.path.strip("/"),
-                        "auth": self.headers.get("Authorization", ""),
-                        "payload": payload,
-                    }
+                    {"at": time.time(), "receiver": self.path.strip("/"), "payload": payload}
                 )
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
@@ -115,391 +130,359 @@ def _samples(families: list[Family], name: str) -> list[tuple[dict[str, str], fl
     return []
 
 
-class Load:
-    """Steady traffic: a few concurrent requests per engine until stopped."""
+def read_audit(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
 
-    def __init__(self, engines: list[VllmProcess], per_engine: int = 4) -> None:
-        self.engines, self.per_engine = engines, per_engine
-        self.ok = self.failed = self.rerouted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
-    async def _worker(self, client: httpx.AsyncClient, engine: VllmProcess, k: int) -> None:
-        i = k * 100_000
-        others = [e for e in self.engines if e is not engine]
-        while not self._stop.is_set():
-            i += 1
-            body = {
-                "model": engine.model,
-                "max_tokens": 48,
-                "ignore_eos": True,
-                "prompt": [(i * 7919 + j * 31) % 30000 + 10 for j in range(600)],
-            }
-            try:
-                r = await client.post(f"{engine.url}/v1/completions", json=body)
-                if r.status_code == 503 and others:
-                    # a draining engine says 503 + Retry-After: the gateway sends it elsewhere
-                    self.rerouted += 1
-                    r = await client.post(f"{others[0].url}/v1/completions", json=body)
-                if r.status_code == 200:
-                    self.ok += 1
-                else:
-                    self.failed += 1
-                    await asyncio.sleep(0.5)
-            except httpx.HTTPError:
-                self.failed += 1
-                await asyncio.sleep(0.5)
-
-    async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=60) as client:
-            await asyncio.gather(
-                *(
-                    self._worker(client, e, n * 10 + k)
-                    for n, e in enumerate(self.engines)
-                    for k in range(self.per_engine)
-                )
-            )
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(70)
+def describe(entry: dict[str, Any]) -> str:
+    """One audit entry as a sentence."""
+    after = entry.get("after") or {}
+    target = entry.get("target", "?")
+    what = {
+        "lower_cap": f"lowered {target}'s cap to {after.get('cap')}",
+        "raise_cap": f"raised {target}'s cap to {after.get('cap')}",
+        "readmit": f"set {target}'s cap to {after.get('cap')} to re-admit",
+        "drain": f"drained {target}",
+        "resume": f"resumed {target}",
+        "restart": f"restarted {target}",
+    }.get(entry.get("action", ""), f"{entry.get('event')} {entry.get('action', '')} {target}")
+    if entry.get("event") != "acted":
+        what = f"{entry.get('event')} {entry.get('action', '')} on {target}: {entry.get('result')}"
+    return f"{what} ({entry.get('reason', '')})"
 
 
 @dataclass
 class Demo:
     opts: Options
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="oomguard-demo-")))
-    processes: list[Process] = field(default_factory=list)
-    timeline: list[dict[str, Any]] = field(default_factory=list)
-    events: list[tuple[float, str]] = field(default_factory=list)
+    events: list[tuple[float, str, str]] = field(default_factory=list)  # (wall s, run, text)
+    healthy_rows: list[dict[str, Any]] = field(default_factory=list)
+    alert_rows: list[tuple[float, list[str]]] = field(default_factory=list)
     t0_wall: float = 0.0
+    t0: float = 0.0
 
     def say(self, text: str) -> None:
         print(text, flush=True)
 
-    def start_engines(self, token: str) -> list[VllmProcess]:
-        self.say("starting two vLLM 0.33 servers (model-free executor, oomguard plugin)...")
-
-        def launch(i: int) -> Callable[[], VllmProcess]:
-            return lambda: VllmProcess(
-                "--max-num-seqs",
-                "32",
-                "--max-model-len",
-                "4096",
-                log=self.workdir / f"vllm-{i}.log",
-                token=token,
-                env={"OOMGUARD_TWIN_KV_BLOCKS": "1024", "OOMGUARD_TWIN_STEP_SECONDS": "0.01"},
+    # -- set-up --------------------------------------------------------------------------------
+    def traces(self) -> tuple[Trace, Trace]:
+        incident, healthy = Trace.load(INCIDENT), Trace.load(DO_NO_HARM)
+        if self.opts.quick:
+            incident = incident.model_copy(
+                update={"time_compression": 2 * incident.time_compression}
             )
-
-        engines = start_all([launch(0), launch(1)])
-        self.processes.extend(engines)
-        return engines
+            healthy = healthy.model_copy(update={"duration_s": healthy.duration_s / 2})
+        return incident, healthy
 
     def run(self) -> int:
-        plugin_token = secrets.token_hex(16)
-        remediator_token = secrets.token_hex(16)
-        (self.workdir / "plugin-token").write_text(plugin_token)
-        token_file = self.workdir / "remediator-token"
-        token_file.write_text(remediator_token)
+        w = self.workdir
+        incident, healthy_trace = self.traces()
+        c = incident.time_compression
+        self.say(
+            f"oomguard demo (work files in {w})\n"
+            f"  incident: {incident.description}\n"
+            f"  replayed twice with the same seed and GPU events: vLLM alone, vLLM + oomguard "
+            f"(x{c:g} time compression)\n"
+            f"  do no harm: {healthy_trace.description}"
+        )
+        stack = self.opts.prometheus and have_prometheus_stack()
+        token_file = w / "remediator-token"
+        token_file.write_text(secrets.token_hex(16))
+        audit = w / "remediator-audit.jsonl"
+        alone = Fleet(
+            incident,
+            "default",
+            w / "alone",
+            self._log,
+            prefix="alone",
+            hostname="alone",
+            period=PERIOD,
+            served_name=incident.model,
+        )
+        guarded = Fleet(
+            incident,
+            "oomguard",
+            w / "guarded",
+            self._log,
+            prefix="llama",
+            hostname=GUARDED_NODE,
+            own_remediator=False,
+            period=PERIOD,
+            served_name=incident.model,
+            audit=audit,
+        )
+        healthy = Fleet(
+            healthy_trace,
+            "oomguard",
+            w / "healthy",
+            self._log,
+            engines=1,
+            prefix="llama-24gb",
+            hostname=HEALTHY_NODE,
+            own_remediator=False,
+            period=PERIOD,
+            served_name=f"{healthy_trace.model}-24gb",
+            audit=audit,
+        )
+        fleets = {"alone": alone, "oomguard": guarded, "healthy": healthy}
         inbox: Inbox | None = None
-        exporter: Exporter | None = None
-        load: Load | None = None
+        am: Alertmanager | None = None
+        prom: Prometheus | None = None
+        remediator: RemediatorProcess | None = None
+        started = time.monotonic()
         try:
-            engines = self.start_engines(plugin_token)
-            gpus = [
-                TwinGpu(f"GPU-twin-{i}-0000-0000-0000-00000000000{i}", minor=i) for i in range(2)
-            ]
-            nvml = TwinNvml(gpus)
-            for i, engine in enumerate(engines):
-                # vLLM takes gpu_memory_utilization (0.9) of the device at start: weights + pool
-                nvml.set_process(i, engine.proc.pid, int(0.9 * gpus[i].total) - gpus[i].reserved)
-            exporter, port = twin_exporter(
-                {TARGETS[i]: e.url for i, e in enumerate(engines)},
-                nvml,
-                self.workdir / "allocator",
-            )
-            self.say(f"exporter on http://127.0.0.1:{port}/metrics reading 2 simulated H100s")
-            prom: Prometheus | None = None
-            config = self.remediator_config(engines, token_file)
-            if self.opts.prometheus and have_prometheus_stack():
+            listen = f"127.0.0.1:{free_port()}"
+            if stack:
                 inbox = Inbox()
-                listen = f"127.0.0.1:{free_port()}"
-                am = Alertmanager(
-                    self.workdir / "alertmanager",
-                    inbox.url,
-                    token_file,
-                    remediator=f"http://{listen}",
+                am = Alertmanager(w / "alertmanager", inbox.url, token_file, f"http://{listen}")
+                self.say(f"Alertmanager {am.url} (shipped routes; on-call webhooks to {inbox.url})")
+            else:
+                self.say(
+                    "Prometheus/Alertmanager not installed (or --no-prometheus): the remediator "
+                    "watches the exporters itself (standalone mode), no dashboards in the report; "
+                    "`make demo` installs them"
                 )
-                self.processes.append(am)
-                rules = self.workdir / "oomguard.rules.yaml"
-                rules.write_text(alert_outputs(DEMO_THRESHOLDS)[RULES])
+            self.start_fleets(fleets)
+            config: dict[str, Any] = {
+                "listen": listen,
+                "auth": {"bearer_token_file": str(token_file)},
+                "targets": guarded.remediator_targets() + healthy.remediator_targets(),
+                **remediator_timings(c),
+                "audit_log": str(audit),
+            }
+            if am is not None:
+                rules = w / "oomguard.rules.yaml"
+                rules.write_text(dump(rule_groups(demo_thresholds(c))))
+                exporters = {
+                    f"127.0.0.1:{guarded.exporter_port}": GUARDED_NODE,
+                    f"127.0.0.1:{healthy.exporter_port}": HEALTHY_NODE,
+                }
                 prom = Prometheus(
-                    self.workdir / "prometheus",
+                    w / "prometheus",
                     {
-                        "oomguard-exporter": [f"127.0.0.1:{port}"],
-                        "vllm": [e.url.removeprefix("http://") for e in engines],
+                        "oomguard-exporter": list(exporters),
+                        "vllm": [
+                            e.url.removeprefix("http://") for e in guarded.engines + healthy.engines
+                        ],
+                        "oomguard-remediator": [listen],
                     },
                     alertmanager=am.url.removeprefix("http://"),
                     rules=rules,
+                    labels={address: {"instance": node} for address, node in exporters.items()},
+                    every_job_at="1s",
                 )
-                self.processes.append(prom)
-                config.update(listen=listen, alertmanager={"url": am.url, "resync_seconds": 10})
-                self.say(f"Prometheus {prom.url} (generated rules), Alertmanager {am.url}")
+                config["alertmanager"] = {"url": am.url, "resync_seconds": 10}
+                self.say(f"Prometheus {prom.url} (generated rules, timings /{c:g})")
             else:
-                config.update(
-                    mode="standalone",
-                    standalone={
-                        "exporters": [f"http://127.0.0.1:{port}/metrics"],
-                        "interval_seconds": 0.5,
-                        "pressure_for_seconds": 5,
-                        "critical_for_seconds": 0,
-                        "keep_firing_seconds": 8,
-                    },
-                )
-                self.say(
-                    "Prometheus/Alertmanager not installed (or --no-prometheus): the remediator "
-                    "runs in standalone mode on the exporter's pressure levels; `make demo` "
-                    "installs them"
-                )
-            remediator = RemediatorProcess(self.workdir / "remediator", config)
-            self.processes.append(remediator)
-            self.say(f"remediator {remediator.url} ({config.get('mode', 'alertmanager')} mode)")
-            load = Load(engines)
-            load.start()
-            self.replay(nvml, gpus, exporter, engines, prom, inbox)
+                config["mode"] = "standalone"
+                config["standalone"] = {
+                    "exporters": [
+                        f"http://127.0.0.1:{f.exporter_port}/metrics" for f in (guarded, healthy)
+                    ],
+                    "interval_seconds": 0.25,
+                    "pressure_for_seconds": 30 / c,
+                    "critical_for_seconds": 0,
+                    "keep_firing_seconds": 120 / c,
+                }
+            remediator = RemediatorProcess(w / "remediator", config)
+            self.say(
+                f"remediator {remediator.url} ({config.get('mode', 'alertmanager')} mode); "
+                f"set-up took {time.monotonic() - started:.0f} s\n"
+            )
+            self.replay(fleets, prom, audit)
         except KeyboardInterrupt:
             self.say("\ninterrupted: stopping every process")
+            self.stop(fleets, remediator, prom, am, inbox)
+            return 130
+        except BaseException:
+            self.stop(fleets, remediator, prom, am, inbox)
+            raise
+        from oomguard.twin.report import write_report
+
+        try:
+            self.say("\nwriting the report (querying Prometheus, drawing the dashboards)...")
+            write_report(self, fleets, prom, inbox, self.opts.report_dir)
         finally:
-            if load is not None:
-                load.stop()
-            if exporter is not None:
-                exporter.stop()
-            for p in reversed(self.processes):
-                p.stop()
-            if inbox is not None:
-                inbox.close()
-        return self.report(inbox, load)
-
-    def remediator_config(self, engines: list[VllmProcess], token_file: Path) -> dict[str, Any]:
-        return {
-            "auth": {"bearer_token_file": str(token_file)},
-            "targets": [
-                {
-                    "name": TARGETS[i],
-                    "url": e.url,
-                    "model": "tiny-llama",
-                    "token_file": str(self.workdir / "plugin-token"),
-                }
-                for i, e in enumerate(engines)
-            ],
-            # compressed like the alert timings: one lowering step every 5 s
-            "policy": {"step_seconds": 5},
-            "safety": {"cooldown_seconds": 2},
-            "audit_log": str(self.workdir / "remediator-audit.jsonl"),
-            "reconcile_seconds": 0.5,
-        }
-
-    def actions(self) -> list[dict[str, Any]]:
-        path = self.workdir / "remediator-audit.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                entry = json.loads(line)
-                if entry["event"] in ("acted", "withheld", "failed", "held"):
-                    out.append(entry)
-        return out
-
-    def replay(
-        self,
-        nvml: TwinNvml,
-        gpus: list[TwinGpu],
-        exporter: Exporter,
-        engines: list[VllmProcess],
-        prom: Prometheus | None,
-        inbox: Inbox | None,
-    ) -> None:
-        d = self.opts.duration
-        floor = PressureThresholds().floor_for(gpus[0].total)
-        start_free = gpus[0].free
-        grow_from, grow_to, leave_at = 0.15 * d, 0.45 * d, 0.65 * d
-        target = start_free - 0.5 * floor  # the neighbour takes all but half the floor
-        self.say(
-            f"\nincident: a neighbour job starts on GPU 0 at {grow_from:.0f}s and grows to "
-            f"{target / GIB:.1f} GiB (critical floor {floor / GIB:.1f} GiB), leaves at "
-            f"{leave_at:.0f}s. Ctrl-C stops.\n"
-        )
-        t0 = time.monotonic()
-        self.t0_wall = time.time()
-        fired: set[str] = set()
-        seen_actions = 0
-        while (t := time.monotonic() - t0) < d:
-            if grow_from <= t < leave_at:
-                share = min(1.0, (t - grow_from) / (grow_to - grow_from))
-                nvml.set_process(0, NEIGHBOUR_PID, int(target * share))
-            elif t >= leave_at:
-                nvml.set_process(0, NEIGHBOUR_PID, None)
-            row = self.sample(t, exporter, engines, prom, inbox)
-            for name in row["alerts"]:
-                if name not in fired:
-                    fired.add(name)
-                    self.events.append((t, f"alert firing: {name}"))
-            for name in fired - set(row["alerts"]):
-                fired.discard(name)
-                self.events.append((t, f"alert resolved: {name}"))
-            actions = self.actions()
-            for a in actions[seen_actions:]:
-                self.events.append((a["time"] - self.t0_wall, f"remediator: {describe(a)}"))
-            seen_actions = len(actions)
-            row["actions"] = seen_actions
-            self.show(row, d)
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - t0 - t)))
-
-    def sample(
-        self,
-        t: float,
-        exporter: Exporter,
-        engines: list[VllmProcess],
-        prom: Prometheus | None,
-        inbox: Inbox | None,
-    ) -> dict[str, Any]:
-        families = exporter.poller.latest.families
-        free = {s["gpu"]: v for s, v in _samples(families, "oomguard_gpu_memory_free_bytes")}
-        gpu_level = {
-            s["gpu"]: (int(v), s["reason"])
-            for s, v in _samples(families, "oomguard_gpu_pressure_level")
-        }
-        kv = {s["target"]: v for s, v in _samples(families, "oomguard_vllm_kv_cache_usage_ratio")}
-        preempted: dict[str, float] = {}
-        for s, v in _samples(families, "oomguard_vllm_preemptions_total"):
-            preempted[s["target"]] = preempted.get(s["target"], 0.0) + v
-        states = {}
-        for i, e in enumerate(engines):
-            try:
-                states[TARGETS[i]] = httpx.get(f"{e.url}/oomguard/v1/state", timeout=2).json()
-            except httpx.HTTPError:
-                states[TARGETS[i]] = {}
-        alerts: list[str] = []
-        if prom is not None:
-            with contextlib.suppress(httpx.HTTPError, RuntimeError):
-                firing = prom.query('ALERTS{alertstate="firing", alertname!="Watchdog"}')
-                alerts = sorted({r["metric"]["alertname"] for r in firing})
-        row = {
-            "t": round(t, 1),
-            "gpu0_free_gib": round(free.get("0", 0) / GIB, 2),
-            "gpu0_level": gpu_level.get("0", (0, "ok"))[0],
-            "gpu0_reason": gpu_level.get("0", (0, "ok"))[1],
-            "gpu1_free_gib": round(free.get("1", 0) / GIB, 2),
-            "gpu1_level": gpu_level.get("1", (0, "ok"))[0],
-            "alerts": alerts,
-            "webhooks": len(inbox.received) if inbox else 0,
-        }
-        for name, st in states.items():
-            row[f"{name}_kv"] = round(kv.get(name, 0.0), 3)
-            row[f"{name}_preemptions"] = preempted.get(name, 0.0)
-            row[f"{name}_cap"] = st.get("admission_cap")
-            row[f"{name}_mode"] = st.get("mode")
-            row[f"{name}_running"] = st.get("running")
-            row[f"{name}_waiting"] = st.get("waiting")
-        self.timeline.append(row)
-        return row
-
-    def show(self, row: dict[str, Any], duration: float) -> None:
-        bar = "#" * int(30 * row["t"] / duration)
-        lines = [
-            f"[{bar:<30}] {row['t']:5.1f}s / {duration:.0f}s",
-            f"  GPU 0  free {row['gpu0_free_gib']:6.2f} GiB  level {LEVELS[row['gpu0_level']]:<9}"
-            f" ({row['gpu0_reason']})",
-            f"  GPU 1  free {row['gpu1_free_gib']:6.2f} GiB  level {LEVELS[row['gpu1_level']]}",
-        ]
-        for name in TARGETS:
-            lines.append(
-                f"  {name}  KV {100 * row.get(f'{name}_kv', 0):5.1f} %  cap "
-                f"{row.get(f'{name}_cap')!s:>3}  {row.get(f'{name}_mode')!s:<8}  running "
-                f"{row.get(f'{name}_running')}  waiting {row.get(f'{name}_waiting')}"
-            )
-        lines.append(f"  alerts firing: {', '.join(row['alerts']) or '-'}")
-        lines.extend(f"  {t:5.1f}s  {e}" for t, e in sorted(self.events)[-4:])
-        if sys.stdout.isatty():
-            print("\x1b[H\x1b[2J" + "\n".join(lines), flush=True)
-        elif int(row["t"]) % 5 == 0:
-            print("\n".join(lines), flush=True)
-
-    def report(self, inbox: Inbox | None, load: Load | None) -> int:
-        out = self.opts.report_dir
-        out.mkdir(parents=True, exist_ok=True)
-        if self.timeline:
-            fields = list(dict.fromkeys(k for row in self.timeline for k in row))
-            with (out / "timeline.csv").open("w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=fields)
-                writer.writeheader()
-                for row in self.timeline:
-                    writer.writerow({**row, "alerts": " ".join(row["alerts"])})
-        webhooks = inbox.received if inbox else []
-        (out / "webhooks.json").write_text(json.dumps(webhooks, indent=2))
-        audit = self.workdir / "remediator-audit.jsonl"
-        if audit.exists():
-            (out / "remediator-audit.jsonl").write_text(audit.read_text())
-        actions = [a for a in self.actions() if a["event"] == "acted"]
-        chart = "(no chart: no samples)"
-        if self.timeline:
-            floor = PressureThresholds().floor_for(TwinGpu("x").total) / GIB
-            render(self.timeline, self.events, TARGETS, floor, out / "timeline.png")
-            chart = "![timeline](timeline.png)"
-        worst = max((r["gpu0_level"] for r in self.timeline), default=0)
-        caps = [r.get("llama-a_cap") for r in self.timeline if r.get("llama-a_cap") is not None]
-        lowest = min(caps, default=None)
-        back = bool(caps) and caps[-1] == max(caps)
-        lines = [
-            "# oomguard demo report",
-            "",
-            f"- duration: {self.opts.duration:.0f} s, samples: {len(self.timeline)}",
-            f"- worst GPU 0 pressure level: {worst} ({LEVELS[worst]})",
-            f"- remediator actions: {len(actions)}; llama-a cap went down to {lowest} and "
-            + ("came back to its startup value" if back else "had not come back yet"),
-            f"- requests completed: {load.ok if load else 0}, failed: {load.failed if load else 0}"
-            f", sent to the other engine while one drained: {load.rerouted if load else 0}",
-            f"- alert webhooks to on-call receivers: "
-            f"{sum(1 for w in webhooks if w['receiver'] != 'remediator')}",
-            "",
-            "## Timeline",
-            "",
-            chart,
-            "",
-            *(f"- {t:5.1f}s  {e}" for t, e in sorted(self.events)),
-            "",
-            "## Dashboards",
-            "",
-            "Import `dashboards/generated/oomguard-*.json` into Grafana (Dashboards > New >",
-            "Import), or provision them with `deploy/grafana/provisioning/`. They read the",
-            "Prometheus that scrapes the exporters (`deploy/prometheus/prometheus.yml`).",
-            "",
-            "Files: `timeline.png`, `timeline.csv` (one row per second),",
-            "`remediator-audit.jsonl` (every decision and action), `webhooks.json` (what on-call",
-            "receivers were sent).",
-        ]
-        (out / "summary.md").write_text("\n".join(lines) + "\n")
-        self.say(f"\nreport written to {out}/summary.md")
-        self.say("load the dashboards: import dashboards/generated/*.json into Grafana")
+            self.stop(fleets, remediator, prom, am, inbox)
+        self.say(f"report: {self.opts.report_dir / 'report.html'} (and summary.md)")
         return 0
 
+    def _log(self, text: str) -> None:
+        pass  # the live view says what the fleets do
 
-def describe(entry: dict[str, Any]) -> str:
-    after = entry.get("after") or {}
-    what = {
-        "lower_cap": f"lowered {entry['target']}'s cap to {after.get('cap')}",
-        "raise_cap": f"raised {entry['target']}'s cap to {after.get('cap')}",
-        "readmit": f"set {entry['target']}'s cap to {after.get('cap')} to re-admit",
-        "drain": f"drained {entry['target']}",
-        "resume": f"resumed {entry['target']}",
-    }.get(entry.get("action", ""), f"{entry['event']} {entry.get('action', '')} {entry['target']}")
-    if entry["event"] != "acted":
-        what = f"{entry['event']} {entry.get('action', '')} on {entry['target']}: {entry['result']}"
-    return f"{what} ({entry.get('reason', '')})"
+    def start_fleets(self, fleets: dict[str, Fleet]) -> None:
+        """Start every fleet at once (each vLLM takes seconds to load); all or none."""
+        n = sum(f.n for f in fleets.values())
+        self.say(f"starting {n} vLLM 0.33 servers (model-free executor, oomguard plugin)...")
+        errors: list[BaseException] = []
+        done: list[str] = []
+
+        def start(name: str, fleet: Fleet) -> None:
+            try:
+                fleet.start()
+                done.append(name)
+            except BaseException as exc:  # reported below, in this thread
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=start, args=item, daemon=True) for item in fleets.items()
+        ]
+        t0 = said = time.monotonic()
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.5)
+            if time.monotonic() - said >= 5:
+                said = time.monotonic()
+                self.say(f"  {said - t0:4.0f} s: ready: {', '.join(done) or '-'}")
+        if errors:
+            raise RuntimeError(f"a fleet did not start: {errors[0]}") from errors[0]
+
+    def stop(self, fleets: dict[str, Fleet], *procs: Any) -> None:
+        for fleet in fleets.values():
+            with contextlib.suppress(Exception):
+                fleet.stop()
+        for p in procs:
+            if p is None:
+                continue
+            with contextlib.suppress(Exception):
+                p.close() if isinstance(p, Inbox) else p.stop()
+
+    # -- the replay ----------------------------------------------------------------------------
+    def replay(self, fleets: dict[str, Fleet], prom: Prometheus | None, audit: Path) -> None:
+        threads = {
+            name: threading.Thread(target=fleet.replay, daemon=True)
+            for name, fleet in fleets.items()
+        }
+        self.t0, self.t0_wall = time.monotonic(), time.time()
+        for t in threads.values():
+            t.start()
+        expect = self.expected_seconds(fleets)
+        fired: set[str] = set()
+        seen_actions = 0
+        modes: dict[str, str] = {}
+        crashes = {name: 0 for name in fleets}
+        while any(t.is_alive() for t in threads.values()):
+            now = time.monotonic() - self.t0
+            alerts = self.firing(prom)
+            self.alert_rows.append((now, alerts))
+            for a in sorted(set(alerts) - fired):
+                self.events.append((now, "oomguard", f"alert firing: {a}"))
+            for a in sorted(fired - set(alerts)):
+                self.events.append((now, "oomguard", f"alert resolved: {a}"))
+            fired = set(alerts)
+            entries = [e for e in read_audit(audit) if e.get("event") in ("acted", "failed")]
+            for e in entries[seen_actions:]:
+                self.events.append(
+                    (e.get("time", self.t0_wall) - self.t0_wall, "oomguard", describe(e))
+                )
+            seen_actions = len(entries)
+            for name, fleet in fleets.items():
+                if len(fleet.crash_times) > crashes[name]:
+                    crashes[name] = len(fleet.crash_times)
+                    self.events.append((now, name, "engine 0: CUDA out of memory, engine died"))
+                mode = fleet.views[0].mode
+                if modes.get(name) != mode and name != "healthy":
+                    self.events.append((now, name, f"engine 0 {mode}"))
+                modes[name] = mode
+            self.sample_healthy(fleets["healthy"], alerts)
+            self.show(fleets, alerts, now, expect)
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - self.t0 - now)))
+        self.say(f"replay done in {time.monotonic() - self.t0:.0f} s")
+
+    def expected_seconds(self, fleets: dict[str, Fleet]) -> float:
+        """Rough wall length: the longest trace, plus a reload and a restart for the crash."""
+        longest = max(f.trace.duration_s / f.trace.time_compression for f in fleets.values())
+        alone = fleets["alone"].trace
+        return max(longest, (700 + alone.reload_s) / alone.time_compression + 15)
+
+    def firing(self, prom: Prometheus | None) -> list[str]:
+        if prom is None:
+            return []
+        with contextlib.suppress(httpx.HTTPError, RuntimeError, ValueError):
+            rows = prom.query('ALERTS{alertstate="firing", alertname!="Watchdog"}')
+            return sorted(
+                {
+                    f"{r['metric']['alertname']}"
+                    f"({r['metric'].get('target') or r['metric'].get('instance', '')})"
+                    for r in rows
+                }
+            )
+        return []
+
+    def sample_healthy(self, fleet: Fleet, alerts: list[str]) -> None:
+        """The do-no-harm engine as the exporter sees it (pressure level, free memory)."""
+        level, reason = 0, "ok"
+        if fleet.exporter is not None:
+            for labels, v in _samples(
+                fleet.exporter.poller.latest.families, "oomguard_gpu_pressure_level"
+            ):
+                if int(v) >= level:
+                    level, reason = int(v), labels.get("reason", "")
+        v = fleet.views[0]
+        self.healthy_rows.append(
+            {
+                "t": round(fleet.now(), 1),
+                "free_gib": round(v.gpu_free / GIB, 3),
+                "level": level,
+                "reason": reason,
+                "kv": v.kv,
+                "running": v.running,
+                "waiting": v.waiting,
+                "alerts": [a for a in alerts if fleet.names[0] in a or HEALTHY_NODE in a],
+            }
+        )
+
+    def show(self, fleets: dict[str, Fleet], alerts: list[str], now: float, expect: float) -> None:
+        bar = "#" * min(30, int(30 * now / expect))
+        a, g, h = fleets["alone"], fleets["oomguard"], fleets["healthy"]
+
+        def engine(f: Fleet, i: int) -> str:
+            v = f.views[i]
+            if v.mode == "down":
+                return "DOWN: CUDA OOM, reloading" if f.crash_times else "down"
+            if v.mode in ("capped", "draining"):
+                return f"{v.mode} (cap {v.cap})"
+            return f"{v.mode} (running {v.running})"
+
+        def served(f: Fleet) -> str:
+            ok, lost, flying = f.counts()
+            return f"{ok} ok, {lost} lost, {flying} in flight"
+
+        lines = [
+            f"[{bar:<30}] {now:4.0f} s of about {expect:.0f} s",
+            f"{'':16}{'vLLM alone':<34}vLLM + oomguard",
+            f"{'trace time':16}{a.now():<34.0f}{g.now():.0f} s",
+            f"{'GPU 0 neighbour':16}{a.views[0].neighbour / GIB:<34.1f}"
+            f"{g.views[0].neighbour / GIB:.1f} GiB",
+            f"{'GPU 0 free':16}{a.views[0].gpu_free / GIB:<34.1f}"
+            f"{g.views[0].gpu_free / GIB:.1f} GiB",
+            f"{'engine 0':16}{engine(a, 0):<34}{engine(g, 0)}",
+            f"{'engine 1':16}{engine(a, 1):<34}{engine(g, 1)}",
+            f"{'requests':16}{served(a):<34}{served(g)}",
+            f"{'CUDA OOMs':16}{len(a.crash_times):<34}{len(g.crash_times)}",
+        ]
+        row = self.healthy_rows[-1] if self.healthy_rows else {}
+        ok, lost, _ = h.counts()
+        lines.append(
+            f"do no harm ({h.trace.gpu} at gmu {h.trace.engine.gpu_memory_utilization}): KV "
+            f"{100 * row.get('kv', 0):3.0f} %, running {row.get('running', 0)}, waiting "
+            f"{row.get('waiting', 0)}, free {row.get('free_gib', 0):.1f} GiB, level "
+            f"{LEVELS.get(row.get('level', 0), '?')}, alerts {len(row.get('alerts', []))}, "
+            f"served {ok}, lost {lost}"
+        )
+        lines.append(f"alerts firing: {', '.join(alerts) or '-'}")
+        lines.extend(f"  {t:5.1f}s  [{run}] {e}" for t, run, e in sorted(self.events)[-5:])
+        if sys.stdout.isatty():
+            print("\x1b[H\x1b[2J" + "\n".join(lines), flush=True)
+        elif int(now) % 5 == 0:
+            print("\n".join(lines) + "\n", flush=True)
 
 
 def run(opts: Options) -> int:
@@ -507,4 +490,15 @@ def run(opts: Options) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    return Demo(opts).run()
+    demo = Demo(opts)
+    # The in-process exporter and its HTTP server log to stderr (a scrape cut short prints a
+    # traceback): keep the live view readable and put them in a file named on failure.
+    log = demo.workdir / "demo.log"
+    with log.open("w") as fh, contextlib.redirect_stderr(fh):
+        logging.getLogger().handlers.clear()
+        logging.basicConfig(stream=fh, level=logging.INFO, force=True)
+        try:
+            return demo.run()
+        except Exception as exc:
+            print(f"demo failed: {exc} (details in {log})", file=sys.__stderr__, flush=True)
+            raise

@@ -170,12 +170,23 @@ class Prometheus(Process):
         alertmanager: str | None = None,
         scrape_interval: str = "1s",
         rules: Path = RULES,
+        labels: dict[str, dict[str, str]] | None = None,
+        every_job_at: str | None = None,
     ) -> None:
+        """`labels`: extra target labels by address (an `instance` label names the node);
+        `every_job_at`: one scrape interval for every job (the demo's pictures need 1 s data)."""
         config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
         config["rule_files"] = [str(rules)]
         config["global"]["scrape_interval"] = scrape_interval
         config["scrape_configs"] = [
-            {**job, "static_configs": [{"targets": targets[job["job_name"]]}]}
+            {
+                **job,
+                **({"scrape_interval": every_job_at} if every_job_at else {}),
+                "static_configs": [
+                    {"targets": [address], "labels": (labels or {}).get(address, {})}
+                    for address in targets[job["job_name"]]
+                ],
+            }
             for job in config["scrape_configs"]
             if targets.get(job["job_name"])
         ]
@@ -204,6 +215,16 @@ class Prometheus(Process):
         body = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
         if body["status"] != "success":
             raise RuntimeError(f"query {expr!r} failed: {body}")
+        return body["data"]["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        body = httpx.get(
+            f"{self.url}/api/v1/query_range",
+            params={"query": expr, "start": start, "end": end, "step": step},
+            timeout=30,
+        ).json()
+        if body["status"] != "success":
+            raise RuntimeError(f"query {expr!r} failed: {body.get('error', body)}")
         return body["data"]["result"]
 
     def rules(self) -> list[dict[str, Any]]:
@@ -350,7 +371,11 @@ class SupervisedVllm(Process):
 
 
 def twin_exporter(
-    targets: dict[str, str], nvml: Any, allocator_dir: Path, interval: float = 0.5
+    targets: dict[str, str],
+    nvml: Any,
+    allocator_dir: Path,
+    interval: float = 0.5,
+    hostname: str = "twin-node",
 ) -> tuple[Any, int]:
     """The real exporter, in this process, reading twin GPUs through its NVML code path.
 
@@ -363,7 +388,7 @@ def twin_exporter(
         ExporterConfig(
             listen=f"127.0.0.1:{port}",
             interval_seconds=interval,
-            hostname="twin-node",
+            hostname=hostname,
             vllm=[
                 VllmTarget(name=name, url=f"{url}/metrics", gpus=[str(i)])
                 for i, (name, url) in enumerate(targets.items())
