@@ -72,6 +72,7 @@ bench: setup setup-vllm system-deps
 	$(BIN)/python bench/remediator.py
 	$(BIN)/python bench/detection.py
 	$(BIN)/python bench/outcome.py
+	$(BIN)/python bench/matrix.py
 
 demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo

@@ -109,6 +109,7 @@ class Poller:
         self.engine_gmu = engine_gmu or {}
         self.clock = clock
         self.renderer = TextRenderer()
+        self.render_dropped: Counter[str] = Counter()  # samples refused while building
         self.polls = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -231,13 +232,19 @@ class Poller:
 
     def _render(self) -> Snapshot:
         now = self.clock()
-        out = FamilyBuilder()
+        out = FamilyBuilder(self.render_dropped)
         fresh: list[tuple[CollectorState, Any]] = []
         for state in self.states:
             reading = self._fresh(state, now)
             if reading is not None:
                 fresh.append((state, reading))
-                state.collector.families(reading, out)
+                try:
+                    state.collector.families(reading, out)
+                except Exception:
+                    # A bug in one collector's families must not take every metric down.
+                    with state.lock:
+                        state.errors["unexpected"] += 1
+                    log.exception("collector %s %s failed to render", *_names(state))
         fresh_ids = {id(state) for state, _ in fresh}
 
         gpus, processes = self._merge_gpus(fresh)
@@ -348,6 +355,12 @@ class Poller:
                 out.add("oomguard_vllm_up", (c.target,), up)
                 if result is not None:
                     out.add("oomguard_vllm_scrape_duration_seconds", (c.target,), result.duration)
+        for reason, count in sorted((self.render_dropped + self.renderer.dropped).items()):
+            out.add("oomguard_exporter_invalid_samples_total", ("render", "", reason), count)
         out.add("oomguard_exporter_snapshot_timestamp_seconds", (), now)
         out.add("oomguard_exporter_polls_total", (), self.polls)
         out.add("oomguard_exporter_render_duration_seconds", (), self._last_render_seconds)
+
+
+def _names(state: CollectorState) -> tuple[str, str]:
+    return state.collector.name, state.collector.target

@@ -27,7 +27,7 @@ it runs on and of its own allocator events. What cannot be read is blind (-1), n
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,7 +241,11 @@ class PressureEvaluator:
             if key not in readable_keys:
                 unreadable.setdefault(key, ident)
         known = [g.identity for g in readable] + list(unreadable.values())
-        mapping = {src.key: self._locate(src, known, reports, processes) for src in engines}
+        per_target = Counter(src.target for src in engines)
+        mapping = {
+            src.key: self._locate(src, known, reports, processes, per_target[src.target] == 1)
+            for src in engines
+        }
         plans = self._plans(readable, engines, mapping, reports, processes)
 
         gpu_out = [self._gpu_level(g, plans.get(g.identity.key), reports) for g in readable]
@@ -286,9 +290,11 @@ class PressureEvaluator:
         gpus: Sequence[GpuIdentity],
         reports: Sequence[AllocatorReport],
         processes: Sequence[tuple[GpuIdentity, int, float]],
+        alone: bool,
     ) -> list[EngineGpu]:
         """The GPUs an engine runs on: configured, else learned from its ranks' reports (device
-        UUID, or its PIDs in the GPU's process list for MIG), else the node's only GPU."""
+        UUID, or its PIDs in the GPU's process list for MIG), else the node's only GPU for the
+        only engine of its endpoint (data-parallel engines never share one GPU)."""
         if src.gpus:
             wanted = set(src.gpus)
             return [EngineGpu(g, "config") for g in gpus if g.gpu in wanted or g.uuid in wanted]
@@ -304,7 +310,7 @@ class PressureEvaluator:
             ]
             if found:
                 return found
-        if len(gpus) == 1:
+        if len(gpus) == 1 and alone:
             return [EngineGpu(gpus[0], "single_gpu")]
         return []  # unknown: the engine takes the worst level of the node's GPUs
 

@@ -217,3 +217,42 @@ def test_a_collector_hung_at_start_up_does_not_hold_the_others_back():
     finally:
         hung.gate.set()
         poller.stop()
+
+
+def test_a_collector_whose_families_raise_does_not_take_the_page_down():
+    class Broken(Scripted):
+        def families(self, reading, out: FamilyBuilder) -> None:
+            raise RuntimeError("bug")
+
+    good, bad = Scripted(name="good"), Broken(name="bad")
+    poller = Poller([good, bad])
+    for s in poller.states:
+        poller.poll(s)
+    text = poller.render().text
+    assert value(text, "oomguard_exporter_collector_up", collector="good") == 1
+    assert (
+        value(
+            text, "oomguard_exporter_collector_errors_total", collector="bad", reason="unexpected"
+        )
+        == 1
+    )
+
+
+def test_unrenderable_samples_are_counted_not_fatal():
+    class Huge(Scripted):
+        def families(self, reading, out: FamilyBuilder) -> None:
+            out.add("oomguard_vllm_up", ("x",), 10**400)  # cannot be a float
+
+    poller = Poller([Huge()])
+    poller.poll(poller.states[0])
+    text = poller.render().text
+    assert (
+        value(
+            text,
+            "oomguard_exporter_invalid_samples_total",
+            collector="render",
+            reason="unrenderable",
+        )
+        == 1
+    )
+    assert b"oomguard_exporter_polls_total" in text

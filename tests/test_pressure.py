@@ -424,3 +424,49 @@ def test_matrix_subset_steady_is_left_alone_and_the_incident_is_caught_in_time(g
     assert cell.lead_s is not None and cell.lead_s >= 30  # level 2 well before the OOM
     assert cell.first_critical_s is not None and cell.first_critical_s < cell.oom_without_s
     assert cell.oom_with_s is None  # drained before its next full chunk no longer fit
+
+
+# -- end to end through the exporter's own collectors --------------------------------------
+def test_l4_at_vllms_default_read_from_dcgm_is_left_alone(local_server, repo_root):
+    """The defect from the field: dcgm-exporter on an L4 serving vLLM at 0.92, nothing wrong."""
+    from oomguard.exporter.collectors.dcgm import DcgmCollector
+    from oomguard.exporter.collectors.vllm import VllmCollector
+    from oomguard.exporter.poller import Poller
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fixtures = repo_root / "tests" / "fixtures"
+    # One engine of the data-parallel capture (gmu 0.92): an L4 serves one engine.
+    vllm_text = "\n".join(
+        line
+        for line in (fixtures / "vllm" / "vllm-dp2-multiproc.constructed.prom")
+        .read_text()
+        .split("\n")
+        if 'engine="1"' not in line
+    )
+    server = local_server(vllm_text + "\n")
+    dcgm = DcgmCollector("node-a", file=str(fixtures / "dcgm" / "l4-vllm-092.constructed.prom"))
+    poller = Poller([dcgm, VllmCollector("llama", server.url)])
+    for s in poller.states:
+        poller.poll(s)
+    got = {}
+    for fam in text_string_to_metric_families(poller.render().text.decode()):
+        for sample in fam.samples:
+            if sample.name.endswith("pressure_level") or sample.name == "oomguard_engine_gpu_info":
+                got.setdefault(sample.name, []).append((sample.labels, sample.value))
+    (gpu_level,) = got["oomguard_gpu_pressure_level"]
+    (engine_level,) = got["oomguard_engine_pressure_level"]
+    assert (gpu_level[0]["reason"], gpu_level[1]) == ("ok", 0)
+    assert (engine_level[0]["reason"], engine_level[1]) == ("ok", 0)
+    (where,) = got["oomguard_engine_gpu_info"]
+    assert where[0]["source"] == "single_gpu" and where[0]["UUID"].startswith("GPU-5b1e")
+    # What the landed floor model said of the same numbers: under two floors free.
+    free = 1809 * MIB
+    assert free < 2 * PressureThresholds().floor_for(23034 * MIB)
+
+
+def test_data_parallel_engines_are_never_placed_together_on_the_only_gpu():
+    two = [EngineSource("t", engine(0.92, "0")), EngineSource("t", engine(0.92, "1"))]
+    out = PressureEvaluator().evaluate([gpu(6 * GB)], two, [], 0)
+    assert [ep.gpus for ep in out.engines] == [[], []]
+    assert out.gpus[0].planned_bytes is None  # no plan guessed: 2 x 0.92 would read critical
+    assert {ep.level.level for ep in out.engines} == {0}
