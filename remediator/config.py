@@ -140,7 +140,12 @@ class StandaloneConfig(BaseModel):
     interval_seconds: float = Field(1.0, gt=0)
     pressure_for_seconds: float = Field(30.0, ge=0, description="Level 2 held this long acts.")
     critical_for_seconds: float = Field(0.0, ge=0, description="Level 3 held this long acts.")
-    keep_firing_seconds: float = Field(120.0, ge=0, description="Hysteresis after it clears.")
+    keep_firing_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="Hysteresis after a condition clears (the rules' keep_firing_for on action "
+        "alerts; recovery starts only when the alert resolves).",
+    )
 
 
 class RemediatorConfig(BaseModel):

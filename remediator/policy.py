@@ -34,6 +34,8 @@ Action = Literal["lower_cap", "drain", "restart", "hold"]
 ACTIONS: tuple[Action, ...] = ("hold", "drain", "lower_cap", "restart")  # in order of precedence
 # Alerts that never act, whatever a label or the policy says: KV near 100 % is normal for vLLM.
 NEVER_ACT = frozenset({"OomguardKVCacheUsageHigh", "OomguardMemoryCaution", "Watchdog"})
+# Alerts that always hold their engine, whatever their labels say: the exporter cannot judge it.
+ALWAYS_HOLD = frozenset({"OomguardPressureBlind"})
 
 
 class PolicyConfig(BaseModel):
@@ -112,6 +114,9 @@ def actions_for(alerts: Iterable[Alert], policy: PolicyConfig) -> set[Action]:
     wanted: set[Action] = set()
     for alert in alerts:
         if alert.status != "firing" or alert.name in NEVER_ACT:
+            continue
+        if alert.name in ALWAYS_HOLD:
+            wanted.add("hold")
             continue
         action = policy.actions.get(alert.name) or alert.labels.get("oomguard_action")
         if action in ACTIONS:

@@ -77,3 +77,29 @@ def test_an_exporter_that_cannot_be_read_holds_the_alerts(local_server):
     assert [a.status for a in critical] == ["firing"]
     server.serve_text(levels(a=0))
     assert {a.status for a in watcher.poll().alerts} == {"resolved"}
+
+
+def test_a_blind_engine_is_held_at_once_and_let_go_at_once(local_server, tmp_path):
+    server = local_server(levels(a=3, b=0))
+    now = [0.0]
+    watcher = PressureWatcher(
+        StandaloneConfig(exporters=[server.url], keep_firing_seconds=20), clock=lambda: now[0]
+    )
+    engines = Engines.of("a", "b")
+    c = Controller(config(tmp_path, "a", "b"), engines, AuditLog(tmp_path / "audit.jsonl"))
+
+    def tick(seconds: float) -> None:
+        now[0] += seconds
+        c.receive(watcher.poll(), source="standalone")
+        c.reconcile()
+
+    tick(1)
+    assert engines.engines["a"].draining
+    server.serve_text(levels(a=-1, b=0))  # the exporter lost sight of a: blind, not healthy
+    tick(30)  # the critical alert resolves after its hysteresis, but a stays as it is
+    assert engines.engines["a"].draining and c.status["a"].mode == "held"
+    names = {a.name for a in c.book.firing()}
+    assert names == {"OomguardPressureBlind"}
+    server.serve_text(levels(a=0, b=0))  # it can see again: healthy, re-admission starts
+    tick(1)
+    assert not engines.engines["a"].draining and engines.engines["a"].cap == 1
