@@ -190,6 +190,29 @@ def _report(t: float, device_uuid: str, p: Physics, frag: int) -> AllocatorRepor
     )
 
 
+def scaled_trace(trace: Trace, gpu_name: str, gmu: float, overshoot: float = 1.1) -> Trace:
+    """The trace on another GPU and gmu, its memory events scaled as `simulate` scales them: the
+    same cell, for the real vLLM twin (twin/runner.py)."""
+    model = model_for(gpu_name)
+    p = Physics.for_model(model, gpu=gpu_name, gpu_memory_utilization=gmu)
+    horizon = [trace.gpu_at(t) for t in range(int(trace.duration_s) + 1)]
+    worst = max((n + f for n, f in horizon), default=0)
+    scale = overshoot * (1.0 - gmu) * p.usable / worst if worst else 0.0
+    events = [
+        e.model_copy(
+            update={
+                "neighbour_gib": e.neighbour_gib * scale,
+                "fragmentation_gib": e.fragmentation_gib * scale,
+            }
+        )
+        for e in trace.gpu_events
+    ]
+    engine = trace.engine.model_copy(update={"gpu_memory_utilization": gmu})
+    return trace.model_copy(
+        update={"gpu": gpu_name, "model": model, "engine": engine, "gpu_events": events}
+    )
+
+
 def run(
     gpus: tuple[str, ...] = tuple(GPU_MODELS),
     gmus: tuple[float, ...] = GMUS,
