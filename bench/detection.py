@@ -81,7 +81,8 @@ def main() -> int:
         gpus = [TwinGpu(f"GPU-twin-{i}", minor=i) for i in range(2)]
         nvml = TwinNvml(gpus)
         for i, e in enumerate(engines):
-            nvml.set_process(i, e.proc.pid, int(0.9 * gpus[i].total) - gpus[i].reserved)
+            # at its planned peak: vLLM's default gmu 0.92 x the CUDA total (NVML's less reserved)
+            nvml.set_process(i, e.proc.pid, int(0.92 * (gpus[i].total - gpus[i].reserved)))
         port = free_port()
         exporter = Exporter(
             ExporterConfig(
@@ -149,7 +150,8 @@ def main() -> int:
                 else 0
             )
             t0 = time.time()
-            nvml.set_process(0, NEIGHBOUR, gpu.free - 1 * GIB)  # leaves 1 GiB: below the floor
+            # leaves 0.25 GiB free: the engine's next peak no longer has its headroom (critical)
+            nvml.set_process(0, NEIGHBOUR, gpu.free - GIB // 4)
             marks: dict[str, float] = {}
             deadline = time.monotonic() + 30
             while len(marks) < 4 and time.monotonic() < deadline:
