@@ -1,1 +1,1 @@
-"""The remediator: Alertmanager webhooks to safe, automatic action on vLLM (being built)."""
+"""The remediator: Alertmanager webhooks to safe, automatic action on vLLM (cap, drain, restart)."""

@@ -1,1 +1,1 @@
-"""GPU twin: a model-free vLLM executor now; the GPU memory and step-time model later."""
+"""GPU twin: a model-free vLLM executor with GPU memory and step-time physics, and traces."""
