@@ -21,7 +21,13 @@ as a real one does. Also:
   state_file     OOMGUARD_TWIN_STATE_FILE     JSON the trace driver writes: neighbour_bytes,
                                               fragmentation_bytes (read every 0.2 s)
   allocator_dir  OOMGUARD_ALLOCATOR_DIR       where it publishes allocator stats (hand-off format)
+  incident_dir   OOMGUARD_INCIDENT_DIR        OOM incident records (<allocator_dir>/incidents)
   target         OOMGUARD_TARGET              target name in those reports
+
+A simulated CUDA OOM goes through the plugin's out-of-memory observer
+(`oomguard.vllm_plugin.oom.OomRecorder.observe`), as a real one does from PyTorch's allocator:
+the hand-off file shows the OOM and an incident record names the step's batch before the
+exception leaves the step.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from oomguard.vllm_plugin.oom import note_step
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -71,6 +78,21 @@ class GpuTwin:
         self.state_file = _text(twin, "state_file", "OOMGUARD_TWIN_STATE_FILE")
         self.allocator_dir = _text(twin, "allocator_dir", "OOMGUARD_ALLOCATOR_DIR")
         self.target = _text(twin, "target", "OOMGUARD_TARGET")
+        from oomguard.vllm_plugin.oom import OomRecorder, note_flags
+
+        note_flags(vllm_config)
+        incident_dir = _text(twin, "incident_dir", "OOMGUARD_INCIDENT_DIR") or (
+            str(Path(self.allocator_dir) / "incidents") if self.allocator_dir else ""
+        )
+        self.oom = OomRecorder(
+            self.allocator_dir,
+            incident_dir,
+            self.target,
+            stats=self.memory_stats,
+            identity=dict,
+            extra=self.memory_details,
+        )
+        self.last_peak = 0
         self.neighbour = 0
         self.fragmentation = 0
         self.ooms = 0
@@ -90,20 +112,44 @@ class GpuTwin:
         except (OSError, ValueError, TypeError):
             pass  # the driver rewrites it atomically; a missing file means no neighbour
 
-    def publish(self, step_peak: int, force: bool = False) -> None:
+    def memory_stats(self) -> dict[str, int]:
+        """What `torch.cuda.memory_stats()` would say on this GPU (the keys the hand-off reads)."""
+        p = self.physics
+        allocated = p.weights + p.kv_pool + p.graph_pool_bytes
+        reserved = allocated + p.activation(p.max_num_batched_tokens) + self.fragmentation
+        peak = max(0, self.peak_seen - p.driver_reserved)
+        return {
+            "allocated_bytes.all.current": allocated,
+            "reserved_bytes.all.current": reserved,
+            "allocated_bytes.all.peak": max(allocated, peak),
+            "reserved_bytes.all.peak": max(reserved, peak),
+            "inactive_split_bytes.all.current": self.fragmentation,
+            "num_alloc_retries": 0,
+            "num_ooms": self.ooms,
+        }
+
+    def memory_details(self) -> dict[str, int | bool]:
+        """Incident details a real allocator snapshot cannot give: what the twin simulated."""
+        return {
+            "simulated": True,
+            "step_peak_bytes": self.last_peak,
+            "device_total_bytes": self.physics.total,
+            "neighbour_bytes": self.neighbour,
+            "fragmentation_bytes": self.fragmentation,
+        }
+
+    def publish(self, force: bool = False) -> None:
         now = time.monotonic()
         if not self.allocator_dir or (not force and now - self._published_at < 0.5):
             return
         self._published_at = now
         from oomguard.handoff import AllocatorReport, write_report
 
-        p = self.physics
-        allocated = p.weights + p.kv_pool + p.graph_pool_bytes
-        reserved = allocated + p.activation(p.max_num_batched_tokens) + self.fragmentation
         try:
             write_report(
                 self.allocator_dir,
-                AllocatorReport(
+                AllocatorReport.from_memory_stats(
+                    self.memory_stats(),
                     timestamp=time.time(),
                     pid=os.getpid(),
                     rank=0,
@@ -111,13 +157,6 @@ class GpuTwin:
                     engine="0",
                     device_index=0,
                     device_uuid="",
-                    allocated_bytes=allocated,
-                    reserved_bytes=reserved,
-                    allocated_peak_bytes=max(allocated, self.peak_seen - p.driver_reserved),
-                    reserved_peak_bytes=max(reserved, self.peak_seen - p.driver_reserved),
-                    inactive_split_bytes=self.fragmentation,
-                    alloc_retries=0,
-                    ooms=self.ooms,
                 ),
             )
         except OSError:
@@ -130,7 +169,7 @@ class GpuTwin:
         self._read_state()
         p = self.physics
         free = p.total - p.driver_reserved - self.neighbour
-        wanted = p.gpu_memory_utilization * p.total
+        wanted = p.gpu_memory_utilization * p.usable
         if free < wanted:
             raise ValueError(
                 f"Free memory on device ({free / 2**30:.2f}/{p.total / 2**30:.2f} GiB) on startup "
@@ -144,11 +183,16 @@ class GpuTwin:
         self._read_state()
         p = self.physics
         peak = p.peak(step, self.fragmentation, self.neighbour)
+        self.last_peak = peak
         self.peak_seen = max(self.peak_seen, peak - self.neighbour)
         if peak > p.total:
             self.ooms += 1
-            self.publish(peak, force=True)
             need = peak - p.total
+            # the step's transient allocation, and what was free when it was asked for
+            transient = p.activation(step.tokens) + p.logits(step.logits)
+            free = max(0, p.total - (peak - transient))
+            # what PyTorch's allocator does before it raises: call the OOM observers
+            self.oom.observe(0, transient, p.total, free)
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory. Tried to allocate {need / 2**30:.2f} GiB. GPU 0 has a total "
                 f"capacity of {p.total / 2**30:.2f} GiB (twin {p.gpu}; step of {step.tokens} "
@@ -156,7 +200,7 @@ class GpuTwin:
                 f"{self.neighbour / 2**30:.2f} GiB, fragmentation "
                 f"{self.fragmentation / 2**30:.2f} GiB)"
             )
-        self.publish(peak)
+        self.publish()
         return p.step_seconds(step) / self.compression
 
 
@@ -217,6 +261,7 @@ class ModelFreeWorker:
     # -- steps -------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: Any) -> None:
         started = time.monotonic()
+        note_step(scheduler_output)  # as the plugin does in a GPU worker: for OOM incidents
         for req_id in scheduler_output.finished_req_ids:
             self._needed.pop(req_id, None)
             self._logprobs.discard(req_id)

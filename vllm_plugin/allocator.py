@@ -35,7 +35,7 @@ _started = False
 _lock = threading.Lock()
 
 
-def _rank_and_engine() -> tuple[int, str]:
+def rank_and_engine() -> tuple[int, str]:
     rank, engine = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)) or 0), "0"
     with contextlib.suppress(Exception):  # vLLM's groups exist only after distributed init
         from vllm.distributed import parallel_state
@@ -86,7 +86,7 @@ class AllocatorPublisher:
                 self._last_gc = now
             props = self.cuda.get_device_properties(device)
             uuid = str(getattr(props, "uuid", ""))
-            rank, engine = _rank_and_engine()
+            rank, engine = rank_and_engine()
             report = AllocatorReport.from_memory_stats(
                 self.cuda.memory_stats(device),
                 timestamp=now,

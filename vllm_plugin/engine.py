@@ -277,6 +277,35 @@ UTILITIES = {
 }
 
 
+def _wrap_worker_execute(execute: Any) -> Any:
+    from oomguard.vllm_plugin import oom
+
+    @functools.wraps(execute)
+    def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_oomguard_flags_noted", False):
+            oom.note_flags(getattr(self, "vllm_config", None))
+            self._oomguard_flags_noted = True
+        oom.note_step(scheduler_output)  # read only if this step runs out of memory
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    wrapper._oomguard_wrapper = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _patch_worker() -> None:
+    """The GPU worker notes each step for OOM incident records (no GPU worker: nothing to do)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return  # no CUDA in this install: no GPU worker to patch, no import cost
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception:  # an install whose GPU worker does not import
+        return
+    if not getattr(Worker.execute_model, "_oomguard_wrapper", False):
+        Worker.execute_model = _wrap_worker_execute(Worker.execute_model)  # type: ignore[method-assign]
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point. Idempotent: patches once per process."""
     try:
@@ -296,7 +325,10 @@ def register() -> None:
     if not getattr(Scheduler._preempt_request, "_oomguard_wrapper", False):
         Scheduler._preempt_request = _wrap_preempt(Scheduler._preempt_request)  # type: ignore[method-assign]
     setattr(EngineCore, _PATCHED, True)
+    _patch_worker()
     from oomguard.vllm_plugin.allocator import install as install_allocator_publisher
+    from oomguard.vllm_plugin.oom import attach_to_torch
 
     install_allocator_publisher()
+    attach_to_torch()
     log.debug("oomguard plugin registered in this process")

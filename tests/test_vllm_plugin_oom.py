@@ -1,0 +1,145 @@
+"""The out-of-memory observer: a fatal CUDA OOM is on disk before the process dies (issue 11,
+item 4), with an incident record that names the step's batch (issue 16, item 3).
+
+Without a GPU the observer is driven by the GPU twin's simulated OOM (the same `observe` PyTorch
+would call); the process is then ended with `os._exit`, as a dying worker ends, so nothing after
+the observer (atexit handlers, the publisher thread, finally blocks) can write anything. The real
+vLLM server path is in tests/test_restart.py; the real CUDA path runs where a GPU exists.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_server import require_vllm
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys
+    from types import SimpleNamespace
+    import torch
+    from oomguard.twin.executor import GpuTwin
+    from oomguard.twin.physics import Step
+    from oomguard.vllm_plugin import oom
+
+    directory = sys.argv[1]
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=64,
+                                         enable_chunked_prefill=True),
+        cache_config=SimpleNamespace(gpu_memory_utilization=0.9, block_size=16),
+        model_config=SimpleNamespace(max_model_len=32768),
+    )
+    twin = GpuTwin(config, {"gpu": "H100", "allocator_dir": directory, "target": "llama"})
+    twin.publish(force=True)  # the last periodic report: no OOM in it
+    twin.neighbour = 6 * 2**30  # another process holds 6 GiB of the H100
+    # the step the engine was running: a 6,000-token prompt asking for prompt_logprobs
+    new = SimpleNamespace(
+        req_id="cmpl-big", prompt_token_ids=list(range(6000)), prefill_token_ids=None,
+        num_computed_tokens=0,
+        sampling_params=SimpleNamespace(n=1, best_of=None, logprobs=None, prompt_logprobs=5,
+                                        max_tokens=4),
+    )
+    cached = SimpleNamespace(req_ids=["cmpl-small"], num_computed_tokens=[130])
+    oom.note_step(SimpleNamespace(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"cmpl-big": 6000, "cmpl-small": 1},
+        total_num_scheduled_tokens=6001,
+    ))
+    try:
+        twin.step(Step(tokens=6001, logits=6000))
+    except torch.OutOfMemoryError:
+        os._exit(1)  # dies at once: no atexit, no publisher, no cleanup
+    os._exit(0)
+    """
+)
+
+
+def run_child(directory: Path) -> int:
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, str(directory)], timeout=240, check=False
+    ).returncode
+
+
+def test_a_fatal_oom_is_on_disk_before_the_process_dies(tmp_path):
+    require_vllm()
+    assert run_child(tmp_path) == 1  # the twin's 6,000-token prompt-logprobs step did not fit
+    reports = [json.loads(p.read_text()) for p in tmp_path.glob("pid-*.json")]
+    assert len(reports) == 1 and reports[0]["ooms"] == 1, reports
+    assert reports[0]["target"] == "llama" and reports[0]["schema"] == "oomguard.allocator.v1"
+
+    [path] = (tmp_path / "incidents").glob("oom-*.json")
+    record = json.loads(path.read_text())
+    assert record["schema"] == "oomguard.oom_incident.v1" and record["kind"] == "cuda_oom"
+    assert record["pid"] == reports[0]["pid"]
+    # FP32 logits of 6,000 prompt tokens x 128,256 vocabulary are in the failed allocation
+    assert record["requested_bytes"] >= 6000 * 128_256 * 4
+    assert record["requested_bytes"] > record["device_free_bytes"]
+    assert record["allocator"]["ooms"] == 1 and record["allocator"]["simulated"] is True
+    assert record["allocator"]["neighbour_bytes"] == 6 * 2**30
+    batch = record["batch"]
+    assert batch["requests"] == 2 and batch["scheduled_tokens"] == 6001
+    big = batch["largest"][0]
+    assert big["id"] == "cmpl-big" and big["prompt_tokens"] == 6000
+    assert big["params"]["prompt_logprobs"] == 5
+    assert record["flags"]["gpu_memory_utilization"] == 0.9
+    assert record["flags"]["max_num_batched_tokens"] == 8192
+
+
+def test_the_observer_never_raises(tmp_path):
+    from oomguard.vllm_plugin.oom import OomRecorder
+
+    def broken() -> dict:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    (tmp_path / "file").write_text("")
+    rec = OomRecorder(str(tmp_path / "file" / "x"), str(tmp_path), "t", broken, dict)
+    rec.observe(0, 1, 2, 3)  # unwritable directory and failing stats: logged, not raised
+    assert rec.ooms == 1
+
+
+def test_no_cuda_observer_hook_on_a_cpu_torch():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from oomguard.vllm_plugin.oom import attach_to_torch
+
+    assert attach_to_torch() is False
+
+
+CUDA_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["OOMGUARD_ALLOCATOR_DIR"] = sys.argv[1]
+    import torch
+    from oomguard.vllm_plugin.oom import attach_to_torch
+    assert attach_to_torch()
+    torch.empty(1, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    try:
+        torch.empty(total * 2, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        os._exit(1)
+    os._exit(0)
+    """
+)
+
+
+def test_a_real_cuda_oom_is_counted_before_the_process_dies(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    code = subprocess.run(
+        [sys.executable, "-c", CUDA_CHILD, str(tmp_path)], timeout=120, check=False
+    ).returncode
+    assert code == 1
+    [report] = [json.loads(p.read_text()) for p in tmp_path.glob("pid-*.json")]
+    assert report["ooms"] >= 1
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "incidents").glob("*.json")]
+    assert record["requested_bytes"] >= torch.cuda.mem_get_info()[1]
+    assert record["allocator"]["segments"] >= 1
