@@ -60,7 +60,7 @@ KEYWORDS = {
 
 def substitute_grafana(expr: str) -> str:
     """Make a Grafana panel query plain PromQL: variables become match-all regexes."""
-    expr = expr.replace("$__rate_interval", "1m")
+    expr = expr.replace("$__rate_interval", "1m").replace("$__interval", "1m")
     return re.sub(r"\$(\w+)", ".*", expr)
 
 
