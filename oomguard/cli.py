@@ -332,6 +332,71 @@ def _run_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- preflight ----------------------------------------------------------------------------------
+def _add_preflight(sub: Any) -> None:
+    from oomguard.budget import GPU_MEMORY_MIB
+
+    p = sub.add_parser(
+        "preflight",
+        help="the longest prompt at max batch against a live vLLM, stopping before danger",
+        description="Ramp prompt length (with prompt_logprobs) and concurrency against a vLLM "
+        "server with the oomguard plugin, watching the allocator's peak, retries and OOMs in "
+        "the hand-off directory; stop a margin before the device is full. Report the largest "
+        "safe load, the headroom at the peak and recommended flags. Exit 0: safe at the target "
+        "load; 1: a limit below it, or a failure; 2: the preflight could not run.",
+    )
+    p.add_argument("url", metavar="URL", help="the vLLM API server, e.g. http://127.0.0.1:8000")
+    gpu = p.add_mutually_exclusive_group(required=True)
+    gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_MIB), help="a known GPU's memory")
+    gpu.add_argument("--gpu-memory", metavar="SIZE", help="one GPU's memory, e.g. 80GiB")
+    p.add_argument(
+        "--driver-reserved",
+        metavar="SIZE",
+        default="1GiB",
+        help="NVML's reserved memory, never usable (nvidia-smi -q; default 1GiB, conservative)",
+    )
+    p.add_argument(
+        "--allocator-dir",
+        default="/run/oomguard/allocator",
+        help="hand-off directory the ranks publish allocator stats into",
+    )
+    p.add_argument(
+        "--margin", metavar="SIZE", default="256MiB", help="stop this far below the device"
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=256, help="phase B's ceiling (default 256)"
+    )
+    p.add_argument("--target-prompt-len", type=int, help="default: max_model_len - 1")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_run_preflight)
+
+
+def _run_preflight(args: argparse.Namespace) -> int:
+    from oomguard.budget import GPU_MEMORY_MIB, parse_size
+    from oomguard.preflight import PreflightError, Settings, render, run
+
+    try:
+        device = GPU_MEMORY_MIB[args.gpu] * 2**20 if args.gpu else parse_size(args.gpu_memory)
+        settings = Settings(
+            url=args.url.rstrip("/"),
+            device_bytes=device,
+            driver_reserved_bytes=parse_size(args.driver_reserved),
+            allocator_dir=args.allocator_dir,
+            margin_bytes=parse_size(args.margin),
+            max_concurrency=args.max_concurrency,
+            target_prompt_len=args.target_prompt_len,
+        )
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+    if not args.url.startswith(("http://", "https://")):
+        raise PreflightError(f"URL must start with http:// or https://, got {args.url!r}")
+    if args.max_concurrency < 1 or (args.target_prompt_len or 1) < 1:
+        raise PreflightError("--max-concurrency and --target-prompt-len must be at least 1")
+    report = run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    return report.exit_code
+
+
 # -- generate -----------------------------------------------------------------------------------
 def _add_generate(sub: Any) -> None:
     p = sub.add_parser(
@@ -585,6 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_exporter(sub)
     _add_budget(sub)
+    _add_preflight(sub)
     _add_generate(sub)
     _add_demo(sub)
     _add_remediator(sub)

@@ -1,0 +1,246 @@
+"""`oomguard preflight` against the GPU twin: real vLLM servers (model-free executor) whose twin
+GPUs raise a CUDA OOM when a step's peak exceeds the device. Preflight must find each twin's
+known limit for a prompt with prompt_logprobs within 10 %, without an OOM, on two GPU sizes;
+pushing past that limit must then OOM the twin (the danger was real)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from oomguard.twin.processes import VllmProcess
+
+from oomguard.cli import main
+from oomguard.handoff import read_reports
+from oomguard.preflight import (
+    GIB,
+    Load,
+    PreflightError,
+    Report,
+    Settings,
+    Stage,
+    _slope,
+    allocator_state,
+    render,
+    run,
+)
+from tests.vllm_server import TOKEN, require_vllm
+
+# (twin GPU, --max-model-len = --max-num-batched-tokens): both long enough that a max_model_len
+# prompt with prompt_logprobs does not fit the memory vLLM leaves free at gmu 0.92.
+CASES = [("RTX4090", 8192), ("H100", 16384)]
+
+
+def true_limit(gpu: str, batched: int) -> int:
+    """The longest prompt_logprobs prefill step the twin's physics lets through (one chunk)."""
+    from oomguard.twin.physics import Physics, Step
+
+    p = Physics.for_model(
+        "llama-3-8b", gpu=gpu, gpu_memory_utilization=0.92, max_num_batched_tokens=batched
+    )
+    low, high = 1, batched
+    while low < high:
+        mid = (low + high + 1) // 2
+        if p.fits(Step(tokens=mid, logits=mid)):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def twin_server(*args: str, env: dict[str, str], log: Path) -> VllmProcess:
+    """`vllm serve` with the model-free executor on a twin GPU (start-up is slow on a busy
+    two-core machine: a generous bound)."""
+    return VllmProcess(*args, log=log, token=TOKEN, env=env, timeout=480)
+
+
+def alive(server: VllmProcess) -> bool:
+    try:
+        return httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -- without vLLM -----------------------------------------------------------------------------
+def test_slope_is_zero_while_the_peak_is_flat() -> None:
+    assert _slope([(512, 10)]) == 0.0
+    assert _slope([(512, 10), (640, 10)]) == 0.0
+    assert _slope([(1000, 100), (2000, 1100)]) == 1.0
+
+
+def test_no_allocator_stats_refuses_to_push(tmp_path: Path) -> None:
+    with pytest.raises(PreflightError, match="will not push memory it cannot see"):
+        allocator_state(str(tmp_path))
+
+
+def test_report_exit_codes_and_render() -> None:
+    r = Report("http://x", "m", 8192, 64, 0.97, None, 24 * GIB, 23 * GIB)
+    r.stages.append(Stage(Load(1, 512, True), True, 20 * GIB, 3 * GIB))
+    r.longest_safe_prompt_logprobs = 512
+    assert r.exit_code == 1
+    text = render(r)
+    assert "LIMIT FOUND" in text and "1 x 512 tokens, prompt_logprobs" not in text
+    r.safe_at_target = True
+    assert r.exit_code == 0 and json.loads(json.dumps(r.to_dict()))["exit_code"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["preflight", "http://127.0.0.1:1", "--gpu-memory", "80"], "no unit"),
+        (["preflight", "127.0.0.1:1", "--gpu", "H100"], "http://"),
+        (["preflight", "http://127.0.0.1:1", "--gpu", "H100"], "cannot reach"),
+    ],
+)
+def test_cli_cannot_run_exits_2_with_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+# -- against the twin -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def twins(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[tuple[str, int, VllmProcess, Path]]]:
+    require_vllm()
+    from oomguard.twin.processes import start_all
+
+    root = tmp_path_factory.mktemp("preflight")
+    made = []
+    for gpu, length in CASES:
+        alloc = root / f"alloc-{gpu}"
+        alloc.mkdir()
+        env = {
+            "OOMGUARD_TWIN_GPU": gpu,
+            "OOMGUARD_TWIN_MODEL": "llama-3-8b",
+            "OOMGUARD_ALLOCATOR_DIR": str(alloc),
+            "OOMGUARD_TWIN_TIME_COMPRESSION": "50",
+        }
+        args = ("--max-model-len", str(length), "--max-num-batched-tokens", str(length))
+        made.append((gpu, length, alloc, env, args))
+    servers = start_all(
+        [
+            (
+                lambda a=args, e=env, g=gpu: twin_server(
+                    *a, "--max-num-seqs", "64", env=e, log=root / f"vllm-{g}.log"
+                )
+            )
+            for gpu, _, _, env, args in made
+        ]
+    )
+    try:
+        yield [
+            (gpu, length, server, alloc)
+            for (gpu, length, alloc, _, _), server in zip(made, servers, strict=True)
+        ]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[gpu for gpu, _ in CASES])
+def test_preflight_finds_the_twin_limit_without_an_oom(
+    twins: list[tuple[str, int, VllmProcess, Path]], index: int
+) -> None:
+    from oomguard.twin.gpu import GPU_MODELS
+
+    gpu, length, server, alloc = twins[index]
+    model = GPU_MODELS[gpu]
+    lines: list[str] = []
+    report = run(
+        Settings(
+            url=server.url,
+            device_bytes=model.total_mib * 2**20,
+            driver_reserved_bytes=model.reserved_mib * 2**20,
+            allocator_dir=str(alloc),
+            max_concurrency=64,
+        ),
+        progress=lines.append,
+    )
+    limit = true_limit(gpu, length)
+    assert limit < length - 1  # the target is past the limit: there is something to find
+    found = report.longest_safe_prompt_logprobs
+    assert 0.9 * limit <= found <= limit, (found, limit, "\n".join(lines))
+    assert report.projected_limit_prompt_logprobs == pytest.approx(limit, rel=0.02)
+    # no OOM: the engine is up, the allocator never reported one, every stage was clean
+    assert alive(server) and not report.stopped
+    reports, _ = read_reports(alloc, time.time(), 60)
+    assert reports and all(r.ooms == 0 for r in reports)
+    # phase B ran the max batch of max_model_len prompts (vLLM queues what the KV pool cannot hold)
+    assert report.largest_safe_batch == Load(64, length - 1, False)
+    assert report.exit_code == 1 and "gateway input cap" in " ".join(report.recommendations)
+    assert any(line.startswith("phase B") for line in lines)
+
+    # Past the limit the twin really runs out of memory: the danger preflight stopped before.
+    over = min(int(limit * 1.1), length - 1)
+    body = {"model": report.model, "prompt": [11] * over, "max_tokens": 1, "prompt_logprobs": 1}
+    try:
+        status = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code
+    except httpx.HTTPError:
+        status = 599
+    assert status != 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        reports, _ = read_reports(alloc, time.time(), 60)
+        if any(r.ooms for r in reports):
+            break
+        time.sleep(0.5)
+    assert any(r.ooms for r in reports)
+
+
+def test_cli_json_report_and_exit_status_against_a_twin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A twin with room to spare: preflight reaches the target and exits 0."""
+    require_vllm()
+    alloc = tmp_path / "alloc"
+    alloc.mkdir()
+    env = {
+        "OOMGUARD_TWIN_GPU": "H100",
+        "OOMGUARD_TWIN_MODEL": "llama-3-8b",
+        "OOMGUARD_ALLOCATOR_DIR": str(alloc),
+        "OOMGUARD_TWIN_TIME_COMPRESSION": "50",
+    }
+    server = twin_server(
+        "--max-model-len",
+        "4096",
+        "--max-num-batched-tokens",
+        "4096",
+        "--max-num-seqs",
+        "8",
+        env=env,
+        log=tmp_path / "vllm.log",
+    )
+    try:
+        code = main(
+            [
+                "preflight",
+                server.url,
+                "--gpu",
+                "H100",
+                "--driver-reserved",
+                "567MiB",
+                "--allocator-dir",
+                str(alloc),
+                "--json",
+            ]
+        )
+    finally:
+        server.stop()
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert code == 0 and report["exit_code"] == 0 and report["safe_at_target"]
+    assert report["longest_safe_prompt_logprobs"] == 4095
+    assert report["largest_safe_batch"] == {
+        "concurrency": 8,
+        "prompt_len": 4095,
+        "prompt_logprobs": False,
+    }
+    assert "phase A" in captured.err and "phase B" in captured.err  # progress on stderr
