@@ -187,7 +187,11 @@ def explain(
     """
     reader = actuator or PluginActuator(timeout=config.actuation_timeout_seconds, attempts=1)
     if backends is None:
-        backends = {} if config.dry_run else restart_backends(config)
+        try:
+            backends = {} if config.dry_run else restart_backends(config)
+        except Exception as exc:  # e.g. no Kubernetes credentials where explain runs
+            log.warning("explain: restart backends unavailable (%s): restarts not shown", exc)
+            backends = {}
     out: list[dict[str, Any]] = []
     selected = [(alert, select(alert, config.targets)) for alert in webhook.alerts]
     for alert, names in selected:
