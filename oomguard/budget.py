@@ -51,7 +51,9 @@ DTYPE_BYTES: dict[str, float] = {
     "int8": 1,
 }
 
-# Device memory as NVML reports it (MiB), for `--gpu NAME`.
+# Device memory as NVML reports it (MiB), for `--gpu NAME`, and NVML's "reserved" part that the
+# CUDA runtime's total (what vLLM multiplies by gpu_memory_utilization) leaves out. Reserved
+# figures as seen on typical drivers, the same table the GPU twin uses (twin/gpu.py).
 GPU_MEMORY_MIB: dict[str, int] = {
     "B200": 183359,
     "H200": 143771,
@@ -59,11 +61,26 @@ GPU_MEMORY_MIB: dict[str, int] = {
     "A100-80GB": 81920,
     "A100-40GB": 40960,
     "L40S": 46068,
-    "A40": 46068,
     "RTX4090": 24564,
-    "RTX3090": 24576,
     "L4": 23034,
 }
+GPU_RESERVED_MIB: dict[str, int] = {
+    "B200": 650,
+    "H200": 600,
+    "H100": 567,
+    "A100-80GB": 543,
+    "A100-40GB": 470,
+    "L40S": 500,
+    "RTX4090": 346,
+    "L4": 430,
+}
+
+
+def cuda_total_bytes(gpu: str) -> int:
+    """What `torch.cuda.mem_get_info` reports as total for a known GPU: NVML's total less the
+    driver-reserved part (vllm/v1/worker/utils.py requests gmu x this)."""
+    return (GPU_MEMORY_MIB[gpu] - GPU_RESERVED_MIB[gpu]) * MIB
+
 
 # vLLM 0.33 defaults (vllm/config/cache.py, vllm/engine/arg_utils.py).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -619,8 +636,9 @@ def kv_capacity(
 # -- the budget -------------------------------------------------------------------------------
 @dataclass
 class BudgetInputs:
-    gpu_memory_bytes: int
+    gpu_memory_bytes: int  # the CUDA runtime's total for one GPU (NVML total less reserved)
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    gpu_name: str = ""  # for vLLM's by-name defaults (an A100 gets the small tier)
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: vLLM's default for this GPU
     tensor_parallel_size: int = 1
@@ -665,13 +683,13 @@ class Budget:
         return asdict(self)
 
 
-def serve_defaults(gpu_memory_bytes: int) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) `vllm serve` picks for a GPU of this size
-    (vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args; an A100 80GB
-    gets the small tier by name, which this size-only rule cannot see)."""
+def serve_defaults(gpu_memory_bytes: int, gpu_name: str = "") -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) `vllm serve` picks for this GPU
+    (vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args: by memory,
+    and an A100 gets the small tier by name)."""
     if gpu_memory_bytes >= 160 * GIB:
         return 16384, 1024
-    if gpu_memory_bytes >= 70 * GIB:
+    if gpu_memory_bytes >= 70 * GIB and "a100" not in gpu_name.lower():
         return 8192, 1024
     return 2048, 256
 
@@ -750,7 +768,7 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
     if any(s.kind != "mla" and s.kv_heads < tp for s in specs):
         notes.append(f"KV heads are replicated: fewer KV heads than TP={tp} ranks")
 
-    default_batched, default_seqs = serve_defaults(inp.gpu_memory_bytes)
+    default_batched, default_seqs = serve_defaults(inp.gpu_memory_bytes, inp.gpu_name)
     batched = inp.max_num_batched_tokens or default_batched
     seqs = inp.max_num_seqs or default_seqs
     max_len = inp.max_model_len or shape.max_position_embeddings or 0

@@ -177,7 +177,11 @@ def _add_budget(sub: Any) -> None:
     )
     gpu = p.add_mutually_exclusive_group(required=True)
     gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_MIB), help="a known GPU's memory")
-    gpu.add_argument("--gpu-memory", metavar="SIZE", help="device memory, e.g. 80GiB or 24GB")
+    gpu.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="the CUDA total of one GPU (NVML total less reserved), e.g. 79.1GiB",
+    )
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -257,9 +261,9 @@ def _gib(value: float) -> str:
 
 def _run_budget(args: argparse.Namespace) -> int:
     from oomguard.budget import (
-        GPU_MEMORY_MIB,
         BudgetInputs,
         compute,
+        cuda_total_bytes,
         parse_size,
         shape_from_hf_config,
     )
@@ -276,11 +280,12 @@ def _run_budget(args: argparse.Namespace) -> int:
     if not isinstance(config, dict):
         raise BudgetError(f"{path} is not a JSON object")
     try:
-        memory = GPU_MEMORY_MIB[args.gpu] * 2**20 if args.gpu else parse_size(args.gpu_memory)
+        memory = cuda_total_bytes(args.gpu) if args.gpu else parse_size(args.gpu_memory)
         size = lambda v: parse_size(v) if v else None  # noqa: E731
         inputs = BudgetInputs(
             gpu_memory_bytes=memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_name=args.gpu or "",
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             tensor_parallel_size=args.tensor_parallel_size,
@@ -303,7 +308,7 @@ def _run_budget(args: argparse.Namespace) -> int:
         print(json.dumps(budget.to_dict(), indent=2))
         return 0
     rows = [
-        ("device memory", _gib(memory)),
+        ("device memory (CUDA total)", _gib(memory)),
         ("gpu_memory_utilization", f"{inputs.gpu_memory_utilization:.2f}"),
         ("weights per GPU", _gib(budget.weights_bytes_per_gpu)),
         ("non-KV (profile) per GPU", _gib(budget.overhead_bytes_per_gpu)),
@@ -352,8 +357,8 @@ def _add_preflight(sub: Any) -> None:
     p.add_argument(
         "--driver-reserved",
         metavar="SIZE",
-        default="1GiB",
-        help="NVML's reserved memory, never usable (nvidia-smi -q; default 1GiB, conservative)",
+        help="NVML's reserved memory, never usable (nvidia-smi -q; default: the known GPU's, "
+        "else 1GiB)",
     )
     p.add_argument(
         "--allocator-dir",
@@ -372,15 +377,19 @@ def _add_preflight(sub: Any) -> None:
 
 
 def _run_preflight(args: argparse.Namespace) -> int:
-    from oomguard.budget import GPU_MEMORY_MIB, parse_size
+    from oomguard.budget import GPU_MEMORY_MIB, GPU_RESERVED_MIB, parse_size
     from oomguard.preflight import PreflightError, Settings, render, run
 
     try:
         device = GPU_MEMORY_MIB[args.gpu] * 2**20 if args.gpu else parse_size(args.gpu_memory)
+        if args.driver_reserved:
+            reserved = parse_size(args.driver_reserved)
+        else:
+            reserved = GPU_RESERVED_MIB[args.gpu] * 2**20 if args.gpu else 2**30
         settings = Settings(
             url=args.url.rstrip("/"),
             device_bytes=device,
-            driver_reserved_bytes=parse_size(args.driver_reserved),
+            driver_reserved_bytes=reserved,
             allocator_dir=args.allocator_dir,
             margin_bytes=parse_size(args.margin),
             max_concurrency=args.max_concurrency,

@@ -150,22 +150,37 @@ def test_one_request_needs_what_vllm_logged(case: dict[str, Any]) -> None:
     assert need / GIB == pytest.approx(case["needed_gib"], rel=0.02)
 
 
-def test_full_budget_matches_the_logged_3090_run() -> None:
-    """End to end, from device memory: Llama-3.1-8B on an RTX 3090 at max_model_len 20,000
-    (issue 10517: 1,952 blocks = 31,232 tokens; the old budget said 0)."""
+E2E_CASES = [c for c in LOGGED if "cuda_total_gib" in c]
+
+
+@pytest.mark.parametrize("case", E2E_CASES, ids=[c["id"] for c in E2E_CASES])
+def test_pool_from_device_memory_against_vllm_logs(case: dict[str, Any]) -> None:
+    """End to end, from the device's memory and the flags, the "Available KV cache memory"
+    vLLM logged. Dense and small MoE models within their tolerance; the large MoE runs are
+    known to be loose (docs/budget.md), so for them the output must say so instead."""
+    f = case["flags"]
+    s = shape(case["config"])
     b = compute(
-        shape("Llama-3.1-8B-Instruct"),
+        s,
         BudgetInputs(
-            gpu_memory_bytes=int(23.58 * GIB),
-            gpu_memory_utilization=0.9,
-            max_model_len=20000,
-            max_num_batched_tokens=20000,  # V0 without chunked prefill profiled max_model_len
-            max_num_seqs=256,
-            enforce_eager=True,  # V0 did not count CUDA graphs in the profile
+            gpu_memory_bytes=int(case["cuda_total_gib"] * GIB),
+            gpu_memory_utilization=f["gpu_memory_utilization"],
+            max_model_len=f["max_model_len"],
+            tensor_parallel_size=f.get("tensor_parallel_size", 1),
+            max_num_batched_tokens=f.get("max_num_batched_tokens", 8192),
+            max_num_seqs=f.get("max_num_seqs", 256),
+            enforce_eager=f.get("enforce_eager", False),
+            async_scheduling=f.get("async_scheduling", True),
         ),
     )
-    assert b.kv_pool_tokens == pytest.approx(31232, rel=0.10)
     assert not [w for w in b.warnings if "weights alone" in w]
+    tolerance = case["e2e_tolerance"]
+    if tolerance is None:
+        assert any("MoE" in n and "Available KV cache memory" in n for n in b.notes)
+        return
+    assert b.kv_pool_bytes_per_gpu / GIB == pytest.approx(case["available_gib"], rel=tolerance)
+    if "weights_gib" in case:
+        assert b.weights_bytes_per_gpu / GIB == pytest.approx(case["weights_gib"], rel=0.10)
 
 
 def test_logged_pool_never_warns_weights_exceed_the_budget() -> None:
@@ -339,3 +354,13 @@ def test_capacity_equals_vllm_planning(vllm_config: Any, name: str, tp: int, max
     assert ours.groups == len(groups)
     assert ours.num_blocks == kv_config.num_blocks
     assert ours.max_concurrency == pytest.approx(theirs, rel=1e-9)
+
+
+def test_vllm_serve_defaults_by_gpu() -> None:
+    from oomguard.budget import cuda_total_bytes, serve_defaults
+
+    assert serve_defaults(cuda_total_bytes("H100"), "H100") == (8192, 1024)
+    assert serve_defaults(cuda_total_bytes("A100-80GB"), "A100-80GB") == (2048, 256)
+    assert serve_defaults(cuda_total_bytes("B200"), "B200") == (16384, 1024)
+    assert serve_defaults(cuda_total_bytes("L4"), "L4") == (2048, 256)
+    assert cuda_total_bytes("H100") == (81559 - 567) * 2**20
