@@ -61,10 +61,12 @@ test: setup setup-vllm system-deps lint
 	$(BIN)/oomguard generate --check
 	$(BIN)/python -m pytest -ra
 
-# The quick lane: no apt, no torch, no vLLM, no network; tests that need them are marked (pyproject).
+# The quick lane: no apt, no torch, no vLLM, no network. Tests that start processes or need PyPI
+# are marked (pyproject.toml); tests/fast_lane.py makes vLLM and torch count as absent, so the
+# tests that need them skip as on a machine without them.
 check: setup lint
 	$(BIN)/oomguard generate --check
-	$(BIN)/python -m pytest -q -m 'not slow and not vllm and not network'
+	$(BIN)/python -m pytest -q -p tests.fast_lane -m 'not slow and not network'
 
 bench: setup setup-vllm system-deps
 	$(BIN)/python bench/exporter.py
