@@ -52,7 +52,7 @@ from oomguard.twin.processes import (
     free_port,
     have_prometheus_stack,
 )
-from oomguard.twin.runner import Fleet, remediator_timings
+from oomguard.twin.runner import RECOVERY_WATCH_S, Fleet, remediator_timings
 from oomguard.twin.traces import TRACES, Trace
 
 from oomguard.thresholds import AlertThresholds
@@ -69,7 +69,7 @@ PERIOD = 0.25  # wall seconds between the fleets' GPU driver passes (five engine
 class Options:
     report_dir: Path = Path("demo-report")
     prometheus: bool = True
-    quick: bool = False  # twice the time compression, shorter recovery watch: about a minute
+    quick: bool = False  # a shorter healthy segment; no waiting for the crashed engine's reload
 
 
 def demo_thresholds(compression: float) -> AlertThresholds:
@@ -166,6 +166,7 @@ class Demo:
     alert_rows: list[tuple[float, list[str]]] = field(default_factory=list)
     t0_wall: float = 0.0
     t0: float = 0.0
+    t_end: float = 0.0  # wall clock when the replay ended
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -173,10 +174,7 @@ class Demo:
     # -- set-up --------------------------------------------------------------------------------
     def traces(self) -> tuple[Trace, Trace]:
         incident, healthy = Trace.load(INCIDENT), Trace.load(DO_NO_HARM)
-        if self.opts.quick:
-            incident = incident.model_copy(
-                update={"time_compression": 2 * incident.time_compression}
-            )
+        if self.opts.quick:  # the same incident; a shorter healthy segment
             healthy = healthy.model_copy(update={"duration_s": healthy.duration_s / 2})
         return incident, healthy
 
@@ -204,6 +202,8 @@ class Demo:
             hostname="alone",
             period=PERIOD,
             served_name=incident.model,
+            # --quick does not wait for the crashed engine's model reload
+            recovery_watch_s=100 if self.opts.quick else RECOVERY_WATCH_S,
         )
         guarded = Fleet(
             incident,
@@ -277,7 +277,9 @@ class Demo:
                     labels={address: {"instance": node} for address, node in exporters.items()},
                     every_job_at="1s",
                 )
-                config["alertmanager"] = {"url": am.url, "resync_seconds": 10}
+                # re-read the firing alerts each second (compressed time: 20 s of real time), so a
+                # decision withheld by a cooldown is retried without waiting for a new webhook
+                config["alertmanager"] = {"url": am.url, "resync_seconds": 1}
                 self.say(f"Prometheus {prom.url} (generated rules, timings /{c:g})")
             else:
                 config["mode"] = "standalone"
@@ -305,11 +307,13 @@ class Demo:
             raise
         from oomguard.twin.report import write_report
 
+        # everything but Prometheus stops first: the report needs only its data and the CPU
+        self.say("\nstopping the engines; writing the report (Prometheus, dashboards)...")
+        self.stop(fleets, remediator, am)
         try:
-            self.say("\nwriting the report (querying Prometheus, drawing the dashboards)...")
             write_report(self, fleets, prom, inbox, self.opts.report_dir)
         finally:
-            self.stop(fleets, remediator, prom, am, inbox)
+            self.stop({}, prom, inbox)
         self.say(f"report: {self.opts.report_dir / 'report.html'} (and summary.md)")
         return 0
 
@@ -345,14 +349,18 @@ class Demo:
             raise RuntimeError(f"a fleet did not start: {errors[0]}") from errors[0]
 
     def stop(self, fleets: dict[str, Fleet], *procs: Any) -> None:
-        for fleet in fleets.values():
+        """Stop fleets and processes, all at once (each vLLM takes seconds to shut down)."""
+
+        def stop_one(part: Any) -> None:
             with contextlib.suppress(Exception):
-                fleet.stop()
-        for p in procs:
-            if p is None:
-                continue
-            with contextlib.suppress(Exception):
-                p.close() if isinstance(p, Inbox) else p.stop()
+                part.close() if isinstance(part, Inbox) else part.stop()
+
+        parts = [*fleets.values(), *(p for p in procs if p is not None)]
+        threads = [threading.Thread(target=stop_one, args=(p,)) for p in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     # -- the replay ----------------------------------------------------------------------------
     def replay(self, fleets: dict[str, Fleet], prom: Prometheus | None, audit: Path) -> None:
@@ -394,6 +402,7 @@ class Demo:
             self.sample_healthy(fleets["healthy"], alerts)
             self.show(fleets, alerts, now, expect)
             time.sleep(max(0.0, 1.0 - (time.monotonic() - self.t0 - now)))
+        self.t_end = time.time()
         self.say(f"replay done in {time.monotonic() - self.t0:.0f} s")
 
     def expected_seconds(self, fleets: dict[str, Fleet]) -> float:

@@ -188,7 +188,7 @@ def write_report(
     demo: Demo, fleets: dict[str, Fleet], prom: Prometheus | None, inbox: Inbox | None, out: Path
 ) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    start, end = demo.t0_wall, time.time()
+    start, end = demo.t0_wall, demo.t_end or time.time()
     alone, guarded, healthy = fleets["alone"], fleets["oomguard"], fleets["healthy"]
     audit_path = demo.workdir / "remediator-audit.jsonl"
     from oomguard.twin.demo import describe, read_audit
@@ -263,6 +263,11 @@ def write_report(
     return summary
 
 
+def _lost(side: dict[str, Any]) -> str:
+    why = "; ".join(f"{n} {reason}" for reason, n in sorted(side.get("lost_why", {}).items()))
+    return f"{side['lost']} of {side['requests']}" + (f" ({why})" if why else "")
+
+
 def _verdict(sides: dict[str, Any]) -> list[list[str]]:
     a, g = sides["alone"], sides["oomguard"]
 
@@ -274,8 +279,7 @@ def _verdict(sides: dict[str, Any]) -> list[list[str]]:
          cell(g["crashes"], g["crashes"] > 0)],
         ["engine deaths (model reloads)", cell(a["engine_deaths"], a["engine_deaths"] > 0),
          cell(g["engine_deaths"], g["engine_deaths"] > 0)],
-        ["requests lost", cell(f"{a['lost']} of {a['requests']}", a["lost"] > 0),
-         cell(f"{g['lost']} of {g['requests']}", g["lost"] > 0)],
+        ["requests lost", cell(_lost(a), a["lost"] > 0), cell(_lost(g), g["lost"] > 0)],
         ["engine 0 dead or reloading", _e(_minutes(a["down_s"])), _e(_minutes(g["down_s"]))],
         ["engine 0 draining (its peer serves)", _e(_minutes(a["draining_s"])),
          _e(_minutes(g["draining_s"]))],
@@ -431,7 +435,7 @@ def markdown(
         "|---|---|---|",
         f"| CUDA OOMs | {a['crashes']} | {g['crashes']} |",
         f"| engine deaths | {a['engine_deaths']} | {g['engine_deaths']} |",
-        f"| requests lost | {a['lost']} of {a['requests']} | {g['lost']} of {g['requests']} |",
+        f"| requests lost | {_lost(a)} | {_lost(g)} |",
         f"| engine 0 dead or reloading (s) | {a['down_s']} | {g['down_s']} |",
         f"| time to serve normally again (s) | {a['recovery_s']} | {g['recovery_s']} |",
         f"| goodput over {a['horizon_s']:.0f} s (tokens/s) | {a['goodput_tokens_per_s']} | "

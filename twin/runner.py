@@ -64,6 +64,7 @@ class Outcome:
     preemptions: int = 0
     recovery_s: float | None = None  # pressure end -> engine 0 back at full admission
     actions: list[str] = field(default_factory=list)
+    lost_why: dict[str, int] = field(default_factory=dict)  # why requests were lost, counted
     wall_s: float = 0.0
 
 
@@ -74,6 +75,7 @@ class _Sent:
     done_s: float | None = None  # when it ended, served or lost (trace seconds)
     tokens: int = 0
     status: str = "pending"  # ok | lost | pending
+    why: str = ""  # for a lost request: what the client saw
 
 
 class Gateway:
@@ -88,8 +90,8 @@ class Gateway:
     def now(self) -> float:
         return (time.monotonic() - self.t0) * self.compression
 
-    def _end(self, s: _Sent, status: str) -> None:
-        s.status, s.done_s = status, self.now()
+    def _end(self, s: _Sent, status: str, why: str = "") -> None:
+        s.status, s.done_s, s.why = status, self.now(), why
 
     async def _one(self, client: httpx.AsyncClient, s: _Sent, k: int, deadline: float) -> None:
         r = s.request
@@ -113,7 +115,7 @@ class Gateway:
                         await asyncio.sleep(0.05)
                         continue
                     if resp.status_code != 200:
-                        self._end(s, "lost")
+                        self._end(s, "lost", f"HTTP {resp.status_code}")
                         return
                     failed = False
                     async for line in resp.aiter_lines():
@@ -130,14 +132,18 @@ class Gateway:
                         # reached the user yet, so a gateway retries it elsewhere
                         await asyncio.sleep(0.05)
                         continue
-                    self._end(s, "ok" if s.tokens else "lost")
+                    if s.tokens:
+                        self._end(s, "ok")
+                    else:
+                        self._end(s, "lost", "error mid-stream" if failed else "no tokens")
                     return
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 if s.first_token_s is not None or isinstance(exc, httpx.ReadError):
-                    self._end(s, "lost")  # the engine died under a request in flight
+                    # the engine died under a request in flight
+                    self._end(s, "lost", "engine died mid-request")
                     return
                 await asyncio.sleep(0.05)
-        self._end(s, "lost")
+        self._end(s, "lost", "no engine took it before the deadline")
 
     async def replay(self, reqs: list[Request], end_s: float) -> None:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
@@ -203,10 +209,13 @@ class Fleet:
         period: float = 0.1,
         served_name: str | None = None,
         audit: Path | None = None,
+        recovery_watch_s: float = RECOVERY_WATCH_S,
     ) -> None:
         """`period`: wall seconds between the GPU driver's passes (GPU state, engine reads);
         `served_name`: vLLM's --served-model-name (the `model_name` label of its metrics);
-        `audit`: the remediator's audit log when the caller runs the remediator."""
+        `audit`: the remediator's audit log when the caller runs the remediator;
+        `recovery_watch_s`: trace seconds to keep watching for engine 0's recovery after the
+        trace (a crashed engine reloads for the trace's `reload_s`)."""
         assert config in CONFIGS, config
         self.trace, self.config, self.log = trace, config, log
         self.work = workdir or Path(tempfile.mkdtemp(prefix=f"oomguard-{trace.name}-{config}-"))
@@ -227,6 +236,7 @@ class Fleet:
         self.sent: list[_Sent] = []
         self.audit = audit or self.work / "audit.jsonl"
         self.served_name = served_name
+        self.recovery_watch_s = recovery_watch_s
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._gmu = [trace.engine.gpu_memory_utilization] * engines
@@ -345,8 +355,8 @@ class Fleet:
         self.sent = list(gateway.sent)  # the trace's requests (the recovery watch adds its own)
         if trace.pressure_ends_s is not None:
             # keep watching (with light traffic, so staged re-admission can proceed) until
-            # engine 0 is back at full admission, for at most RECOVERY_WATCH_S
-            end = max(trace.duration_s, trace.pressure_ends_s) + RECOVERY_WATCH_S
+            # engine 0 is back at full admission, for at most `recovery_watch_s`
+            end = max(trace.duration_s, trace.pressure_ends_s) + self.recovery_watch_s
             tail = [
                 Request(at, 256, 16, False)
                 for at in range(int(gateway.now()) + 1, int(end), max(1, int(c / 2)))
@@ -469,6 +479,10 @@ class Fleet:
         ok = [s for s in sent if s.status == "ok"]
         o.completed = len(ok)
         o.lost = len(sent) - len(ok)
+        for x in sent:
+            if x.status != "ok":
+                why = x.why or "unfinished"
+                o.lost_why[why] = o.lost_why.get(why, 0) + 1
         ttfts = [s.first_token_s - s.request.at_s for s in ok if s.first_token_s is not None]
         if ttfts:
             ranked = sorted(ttfts)
@@ -497,8 +511,12 @@ class Fleet:
         self._stop.set()
         if self.exporter is not None:
             self.exporter.stop()
-        for p in reversed(self.procs):
-            p.stop()
+        # engines stop side by side: each waits for its vLLM to shut down
+        threads = [threading.Thread(target=p.stop) for p in reversed(self.procs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
 
 def remediator_timings(compression: float) -> dict[str, Any]:
