@@ -378,8 +378,9 @@ class Preflight:
             )
             drop = need / self.usable
             if 0 < drop <= 0.05:
+                lowered = math.floor((gmu - drop) * 100) / 100  # round down: toward safety
                 rec["gpu_memory_utilization"] = (
-                    f"{gmu - drop:.2f} (now {gmu:.2f}) takes max_model_len prompts with "
+                    f"{lowered:.2f} (now {gmu:.2f}) takes max_model_len prompts with "
                     "prompt_logprobs; the KV pool shrinks by the same bytes"
                 )
             elif drop > 0:
