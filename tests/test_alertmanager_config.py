@@ -121,3 +121,53 @@ def test_the_remediator_route_paces_with_rule_evaluation():
 def test_a_wrong_expectation_fails(repo_root):
     r = routes_test(repo_root, [PAGER], ["alertname=OomguardKVCacheUsageHigh", "severity=info"])
     assert r.returncode != 0
+
+
+@pytest.mark.slow
+def test_a_real_alertmanager_inhibits_tickets_but_never_hides_work_orders(tmp_path):
+    """One CUDA OOM incident posted to the real Alertmanager with the shipped config: the GPU
+    ticket is inhibited, while every work order stays in the list the remediator's resync reads
+    (receiver remediator, inhibited=false, silenced=false)."""
+    import httpx
+    from oomguard.twin.processes import Alertmanager
+
+    from tests.conftest import free_port
+
+    (tmp_path / "token").write_text("t\n")
+    am = Alertmanager(tmp_path / "am", f"http://127.0.0.1:{free_port()}", tmp_path / "token")
+    try:
+        L = Labels(T)
+        by_name = {a.name: a for a in ALERTS}
+
+        def posted(name: str, **extra: str) -> dict:
+            return {"labels": {"alertname": name, **by_name[name].labels(), **extra}}
+
+        rank = {**L.rank}
+        engine = {**L.engine}
+        gpu = {**L.gpu}
+        incident = [
+            posted("OomguardCudaOomObserved", **rank),
+            posted("OomguardMemoryCritical", **engine, reason="allocator_oom"),
+            posted("OomguardMemoryPressure", **engine, reason="allocator_oom"),
+            posted("OomguardGpuMemoryCritical", **gpu),
+        ]
+        httpx.post(f"{am.url}/api/v2/alerts", json=incident, timeout=10).raise_for_status()
+
+        def listed(**params: str) -> set[str]:
+            r = httpx.get(
+                f"{am.url}/api/v2/alerts", params={"active": "true", **params}, timeout=10
+            )
+            r.raise_for_status()
+            return {a["labels"]["alertname"] for a in r.json()}
+
+        resync = listed(silenced="false", inhibited="false", receiver="^remediator$")
+        assert resync == {
+            "OomguardCudaOomObserved",
+            "OomguardMemoryCritical",
+            "OomguardMemoryPressure",
+        }
+        visible = listed(silenced="false", inhibited="false")
+        assert "OomguardGpuMemoryCritical" not in visible  # the OOM's page covers its GPU
+        assert "OomguardGpuMemoryCritical" in listed()  # inhibited, not lost
+    finally:
+        am.stop()
