@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -114,6 +115,16 @@ def wait(predicate, timeout: float, what: str):
     raise AssertionError(f"{what} did not happen within {timeout}s")
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def state(engine) -> dict:
     return httpx.get(f"{engine.url}/oomguard/v1/state", timeout=5).json()
 
@@ -204,12 +215,21 @@ def test_a_cuda_oom_crash_comes_back_with_lower_flags_and_capped(engine):
     assert lowered == Flags(
         round(current.gpu_memory_utilization - 0.04, 4), int(current.max_num_seqs * 0.8)
     )
-    wait(lambda: state(engine)["startup_max_num_seqs"] == lowered.max_num_seqs, 120, "ready")
+    wait(lambda: state(engine)["startup_max_num_seqs"] == lowered.max_num_seqs, 300, "ready")
     s = state(engine)
     assert s["admission_cap"] == 1 and s["gpu_memory_utilization"] == lowered.gpu_memory_utilization
-    # the twin's allocator stats say what happened, in the hand-off format the exporter reads
+    # the twin's allocator stats say what happened, in the hand-off format the exporter reads:
+    # written by the OOM observer in the engine that died, before it died
     reports = [json.loads(p.read_text()) for p in (engine.work / "allocator").glob("pid-*.json")]
-    assert any(r["ooms"] >= 1 for r in reports)
+    [died] = [r for r in reports if r["ooms"] >= 1 and not pid_alive(r["pid"])]
+    assert died["ooms"] == 1, reports
+    incidents = [
+        json.loads(p.read_text()) for p in (engine.work / "allocator" / "incidents").glob("*.json")
+    ]
+    [record] = [i for i in incidents if i["pid"] == died["pid"]]
+    assert record["kind"] == "cuda_oom" and record["allocator"]["neighbour_bytes"] == neighbour
+    assert record["batch"]["largest"][0]["prompt_tokens"] == 4000  # the request that killed it
+    assert record["flags"]["gpu_memory_utilization"] == current.gpu_memory_utilization
     # and with the lower flags the same neighbour no longer kills it
     ok = httpx.post(
         f"{engine.url}/v1/completions",
