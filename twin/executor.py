@@ -162,6 +162,14 @@ class GpuTwin:
         except OSError:
             log.debug("twin: cannot publish allocator stats", exc_info=True)
 
+    def headroom(self) -> dict[str, int]:
+        """Room for one request's extra transient memory (what the plugin's request guard reads):
+        `idle` on this engine alone, `now` with the neighbour and fragmentation of the moment."""
+        self._read_state()
+        p = self.physics
+        idle = p.total - p.driver_reserved - p.resident - p.activation(p.max_num_batched_tokens)
+        return {"now": idle - self.neighbour - self.fragmentation, "idle": idle}
+
     def check_startup(self) -> None:
         """vLLM refuses to start when the device's free memory is below what it was told to take
         (another process holds the rest): the same check, against the twin's neighbour."""
@@ -254,6 +262,10 @@ class ModelFreeWorker:
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         pass
+
+    def oomguard_memory(self) -> dict[str, int] | None:
+        """The request guard's headroom (a GPU worker computes it from the allocator)."""
+        return self.gpu.headroom() if self.gpu is not None else None
 
     def check_health(self) -> None:
         pass

@@ -234,6 +234,8 @@ class OomguardEndpointPlugin:
         self.retry_after = int(os.environ.get("OOMGUARD_PLUGIN_RETRY_AFTER", "10"))
         self._draining = False
         self._draining_checked = 0.0
+        self.guard: Any = None
+        self._guard_task: asyncio.Task[None] | None = None
 
     # -- engine calls ------------------------------------------------------------------------
     async def call_engines(self, method: str, *args: Any) -> list[Any]:
@@ -274,6 +276,22 @@ class OomguardEndpointPlugin:
             except HTTPException:
                 self._draining_checked = time.monotonic()  # keep the last known mode
         return self._draining
+
+    def _start_guard(self) -> None:
+        """The request-level OOM guard (vllm_plugin/admission.py): hook plus headroom refresh."""
+        from oomguard.vllm_plugin import admission
+
+        try:
+            guard = admission.Guard.from_env()
+        except ValueError as exc:
+            log.error("oomguard: request guard off: %s", exc)
+            return
+        self.guard = guard
+        if admission.install(guard):
+            self._guard_task = asyncio.get_running_loop().create_task(
+                guard.run(lambda: self.call_engines("oomguard_headroom"))
+            )
+            log.info("oomguard: request guard in %s mode", guard.mode)
 
     # -- wiring ------------------------------------------------------------------------------
     def attach_router(self, app: FastAPI) -> None:
@@ -334,6 +352,7 @@ class OomguardEndpointPlugin:
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         self.engine_client = engine_client
+        self._start_guard()
         if (
             configured_token() is None
             and os.environ.get("OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED") != "1"

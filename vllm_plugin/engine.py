@@ -269,8 +269,45 @@ def oomguard_resume(self: Any) -> dict[str, Any]:
     return oomguard_state(self)
 
 
+def _memory_from_workers(core: Any) -> dict[str, int] | None:
+    """Each worker's transient headroom (the twin's or a GPU worker's `oomguard_memory`); the
+    tightest rank counts (tensor parallel ranks step together)."""
+    try:
+        results = core.model_executor.collective_rpc("oomguard_memory", timeout=2.0)
+    except Exception:
+        log.debug("oomguard: workers did not report memory", exc_info=True)
+        return None
+    reports = [r for r in results or [] if isinstance(r, dict) and "now" in r and "idle" in r]
+    if not reports:
+        return None
+    return {
+        "now": min(int(r["now"]) for r in reports),
+        "idle": min(int(r["idle"]) for r in reports),
+    }
+
+
+def oomguard_headroom(self: Any) -> dict[str, Any]:
+    """What the request guard needs from this engine: its shape and its live headroom."""
+    s = self.scheduler
+    config = self.vllm_config
+    sched, cache, model = config.scheduler_config, config.cache_config, config.model_config
+    pool = s.kv_cache_manager.block_pool
+    return {
+        "engine": int(getattr(self, "engine_index", 0) or 0),
+        "vocab_size": int(model.get_vocab_size()),
+        "hidden_size": int(model.get_hidden_size()),
+        "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+        "chunked_prefill": bool(sched.enable_chunked_prefill),
+        "block_size": int(cache.block_size or 16),
+        "total_kv_blocks": int(s.kv_cache_config.num_blocks),
+        "free_kv_blocks": int(pool.get_num_free_blocks()),
+        "memory": _memory_from_workers(self),
+    }
+
+
 UTILITIES = {
     "oomguard_state": oomguard_state,
+    "oomguard_headroom": oomguard_headroom,
     "oomguard_set_admission_cap": oomguard_set_admission_cap,
     "oomguard_drain": oomguard_drain,
     "oomguard_resume": oomguard_resume,
@@ -292,6 +329,33 @@ def _wrap_worker_execute(execute: Any) -> Any:
     return wrapper
 
 
+def worker_memory(self: Any) -> dict[str, int]:
+    """A GPU worker's transient headroom, from the caching allocator and the device.
+
+    now  = device free + reserved-but-free allocator cache - the profiled step's activations
+    idle = device total - allocated - non-torch memory at the first reading - the profiled step
+    (`idle` cannot tell a neighbour that started before the engine from the engine's own non-torch
+    memory; such a neighbour counts as the engine's.)
+    """
+    import torch
+    from oomguard.vllm_plugin.guard import ModelMemory, activation_bytes
+
+    free, total = torch.cuda.mem_get_info()
+    stats = torch.cuda.memory_stats()
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    allocated = int(stats.get("allocated_bytes.all.current", 0))
+    if not hasattr(self, "_oomguard_non_torch"):
+        self._oomguard_non_torch = max(0, total - free - reserved)
+    config = self.vllm_config
+    step = activation_bytes(
+        int(config.scheduler_config.max_num_batched_tokens),
+        ModelMemory(config.model_config.get_vocab_size(), config.model_config.get_hidden_size()),
+    )
+    now = free + (reserved - allocated) - step
+    idle = total - allocated - self._oomguard_non_torch - step
+    return {"now": int(now), "idle": int(idle)}
+
+
 def _patch_worker() -> None:
     """The GPU worker notes each step for OOM incident records (no GPU worker: nothing to do)."""
     try:
@@ -304,6 +368,7 @@ def _patch_worker() -> None:
         return
     if not getattr(Worker.execute_model, "_oomguard_wrapper", False):
         Worker.execute_model = _wrap_worker_execute(Worker.execute_model)  # type: ignore[method-assign]
+    Worker.oomguard_memory = worker_memory  # type: ignore[attr-defined]
 
 
 def register() -> None:

@@ -1,0 +1,182 @@
+"""The request guard's estimate and decision (pure), and its hook's behaviour per mode."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from oomguard.vllm_plugin.guard import (
+    EngineShape,
+    Headroom,
+    ModelMemory,
+    RequestShape,
+    decide,
+    estimate,
+    max_prompt_for,
+)
+
+GIB = 2**30
+LLAMA3 = ModelMemory(vocab_size=128_256, hidden_size=4096)  # Llama-3-8B config.json
+ENGINE = EngineShape(
+    max_num_batched_tokens=8192, chunked_prefill=True, block_size=16, num_gpu_blocks=26_000
+)
+
+
+def room(now: float, idle: float, free_kv: int = 20_000) -> Headroom:
+    return Headroom(int(now * GIB), int(idle * GIB), free_kv, 26_000)
+
+
+def test_prompt_logprobs_logits_match_the_field_figure():
+    # 8K prompt tokens x 128K vocabulary x 4 B (FP32) = 4.2 GB (REFERENCE.md)
+    est = estimate(RequestShape(8192, prompt_logprobs=True), LLAMA3, ENGINE)
+    assert est.logits == 8192 * 128_256 * 4 and est.logits == pytest.approx(4.2e9, rel=0.01)
+    # chunked prefill bounds the logits by the chunk, not the prompt
+    long = estimate(RequestShape(30_000, prompt_logprobs=True), LLAMA3, ENGINE)
+    assert long.logits == est.logits and long.activation == 0
+    # without chunked prefill a 30K prompt materialises everything, beyond the profiled step
+    unchunked = EngineShape(8192, False, 16, 26_000)
+    big = estimate(RequestShape(30_000, prompt_logprobs=True), LLAMA3, unchunked)
+    assert big.logits == 30_000 * 128_256 * 4
+    assert big.activation == pytest.approx(11.2e9 - 2.1e9 - (8192 - 2048) * 325_600, rel=0.02)
+
+
+def test_admit_defer_reject():
+    req = RequestShape(8192, prompt_logprobs=True)  # needs ~3.9 GiB
+    assert decide(req, LLAMA3, ENGINE, [room(6, 7)]).action == "admit"
+    deferred = decide(req, LLAMA3, ENGINE, [room(2, 7)])  # a neighbour holds memory now
+    assert deferred.action == "defer" and deferred.parameter == "prompt_logprobs"
+    rejected = decide(req, LLAMA3, ENGINE, [room(2, 3)])  # never fits on this engine
+    assert rejected.action == "reject" and rejected.parameter == "prompt_logprobs"
+    limit = max_prompt_for(3 * GIB, LLAMA3)
+    assert f"at most {limit} tokens" in rejected.message and limit == 6278
+    # the limit it names does fit
+    assert (
+        decide(RequestShape(limit, prompt_logprobs=True), LLAMA3, ENGINE, [room(3, 3)]).action
+        == "admit"
+    )
+
+
+def test_top_logprobs_scale_with_n():
+    req = RequestShape(100, n=64, logprobs=20)
+    assert estimate(req, LLAMA3, ENGINE).sampling == 64 * 128_256 * 4
+    decision = decide(req, LLAMA3, ENGINE, [room(0.01, 0.02)])
+    assert decision.action == "reject" and decision.parameter == "n"
+
+
+def test_data_parallel_rejects_only_what_fits_no_engine_and_defers_on_the_tightest():
+    req = RequestShape(8192, prompt_logprobs=True)
+    assert decide(req, LLAMA3, ENGINE, [room(1, 3), room(1, 5)]).action == "defer"
+    assert decide(req, LLAMA3, ENGINE, [room(5, 5), room(1, 5)]).action == "defer"
+    assert decide(req, LLAMA3, ENGINE, [room(5, 5), room(6, 6)]).action == "admit"
+    assert decide(req, LLAMA3, ENGINE, [room(1, 3), room(1, 3.5)]).action == "reject"
+
+
+def test_blind_means_admit():
+    req = RequestShape(60_000, prompt_logprobs=True)
+    assert decide(req, LLAMA3, ENGINE, []).action == "admit"
+
+
+def test_kv_budget_with_the_field_margin():
+    req = RequestShape(30_000, max_tokens=2_000)  # 2,000 blocks, 2,300 with 15 %
+    assert estimate(req, LLAMA3, ENGINE, 0.15).kv_blocks == 2300
+    assert decide(req, LLAMA3, ENGINE, [room(5, 5, free_kv=2300)], 0.15).action == "admit"
+    d = decide(req, LLAMA3, ENGINE, [room(5, 5, free_kv=2299)], 0.15)
+    assert d.action == "defer" and d.reason == "kv_reservation"
+    small_pool = Headroom(5 * GIB, 5 * GIB, 2000, 2000)
+    assert decide(req, LLAMA3, ENGINE, [small_pool], 0.15).action == "reject"
+    # off by default: vLLM queues for KV by itself
+    assert decide(req, LLAMA3, ENGINE, [room(5, 5, free_kv=0)]).action == "admit"
+
+
+requests = st.builds(
+    RequestShape,
+    prompt_tokens=st.integers(0, 8192),
+    max_tokens=st.integers(0, 4096),
+    n=st.integers(1, 8),
+)
+headroom = st.builds(
+    Headroom,
+    st.integers(-80 * GIB, 80 * GIB),
+    st.integers(-80 * GIB, 80 * GIB),
+    st.integers(0, 10**6),
+    st.integers(1, 10**6),
+)
+
+
+@given(requests, st.lists(headroom, min_size=1, max_size=4))
+def test_do_no_harm_requests_without_extra_transient_are_always_admitted(req, rooms):
+    """Sampling and the profiled step are vLLM's own budget: never a reason to refuse."""
+    assert decide(req, LLAMA3, ENGINE, rooms).action == "admit"
+
+
+@given(
+    st.integers(1, 60_000),
+    st.booleans(),
+    st.integers(0, 20),
+    st.integers(-10 * GIB, 80 * GIB),
+    st.integers(0, 20 * GIB),
+)
+def test_more_headroom_never_turns_an_admission_into_a_refusal(prompt, plp, logprobs, now, more):
+    req = RequestShape(prompt, prompt_logprobs=plp, logprobs=logprobs)
+    base = decide(req, LLAMA3, ENGINE, [Headroom(now, now, 0, 1)])
+    roomier = decide(req, LLAMA3, ENGINE, [Headroom(now + more, now + more, 0, 1)])
+    order = {"admit": 0, "defer": 1, "reject": 2}
+    assert order[roomier.action] <= order[base.action]
+    if base.action == "admit":
+        assert base.need_bytes <= now or base.need_bytes == 0
+
+
+def engine_request(prompt: int, prompt_logprobs: int | None = None, n: int = 1):
+    """The fields of vLLM's EngineCoreRequest the guard reads."""
+    return SimpleNamespace(
+        request_id="cmpl-1",
+        prompt_token_ids=list(range(prompt)),
+        sampling_params=SimpleNamespace(
+            n=n, best_of=None, logprobs=None, prompt_logprobs=prompt_logprobs, max_tokens=8
+        ),
+    )
+
+
+def reports(now: float, idle: float) -> list[dict]:
+    return [
+        {
+            "engine": 0,
+            "vocab_size": LLAMA3.vocab_size,
+            "hidden_size": LLAMA3.hidden_size,
+            "max_num_batched_tokens": 8192,
+            "chunked_prefill": True,
+            "block_size": 16,
+            "total_kv_blocks": 26_000,
+            "free_kv_blocks": 20_000,
+            "memory": {"now": int(now * GIB), "idle": int(idle * GIB)},
+        }
+    ]
+
+
+def test_the_hook_per_mode():
+    pytest.importorskip("vllm")
+    from oomguard.vllm_plugin.admission import Guard
+    from vllm.exceptions import GracefulHTTPError, VLLMValidationError
+
+    clock = [100.0]
+    enforce = Guard("enforce", clock=lambda: clock[0])
+    enforce.update(reports(2, 3))
+    assert enforce.check(engine_request(100)).action == "admit"
+    with pytest.raises(VLLMValidationError) as exc:
+        enforce.check(engine_request(8192, prompt_logprobs=1))
+    assert exc.value.parameter == "prompt_logprobs"
+    enforce.update(reports(2, 7))
+    with pytest.raises(GracefulHTTPError) as busy:
+        enforce.check(engine_request(8192, prompt_logprobs=1))
+    assert busy.value.http_status == 503
+    clock[0] += 60  # figures went stale: blind, admit
+    assert enforce.check(engine_request(8192, prompt_logprobs=1)).action == "admit"
+
+    observe = Guard("observe", clock=lambda: clock[0])
+    observe.update(reports(2, 3))
+    assert observe.check(engine_request(8192, prompt_logprobs=1)).action == "reject"  # no raise
+    assert observe.check(SimpleNamespace(sampling_params=None)) is None  # pooling requests
+    with pytest.raises(ValueError):
+        Guard("enforcing")

@@ -1,0 +1,221 @@
+"""The request-level OOM guard: does this request's own transient memory fit the engine?
+
+vLLM sizes its KV pool after a profiling step of `max_num_batched_tokens` tokens, so a normal
+step's activations are already budgeted. What is not: FP32 logits for `prompt_logprobs` (every
+prompt token of a prefill chunk x the vocabulary x 4 B: 8K tokens x 128K vocab = 4.2 GB), a prompt
+longer than the profiled step when chunked prefill is off, and top `logprobs` (an FP32
+log-softmax row per sequence, `n`/`best_of` of them). Sampling itself is profiled (a logits row
+for each of `max_num_seqs` sequences), so a request with none of these needs nothing extra and is
+always admitted. The guard estimates those
+from the request and the model, compares them with the engine's live headroom (published by the
+engine: free device memory plus allocator cache that is reserved but free, minus the profiled
+step), and decides:
+
+- admit: it fits now;
+- defer: it fits on this engine, not now (a neighbour, fragmentation): 503 + Retry-After, the
+  gateway retries elsewhere or later;
+- reject: it can never fit on this engine: 400 naming the parameter and the limit (the field
+  runbook's gateway input cap, automatic).
+
+Optionally (long-context deployments) a per-request KV budget: the prompt plus `max_tokens` (and
+each extra sequence's output) with a safety margin (the field's 15 %) must fit the free KV blocks,
+or the request is deferred; more than the whole pool is rejected.
+
+Pure functions over small dataclasses: no vLLM import, no I/O, a few integer operations per
+request (bench/guard measures the cost).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+Action = Literal["admit", "defer", "reject"]
+MODES = ("off", "observe", "enforce")
+
+LOGIT_BYTES = 4  # vLLM computes (prompt) logprobs in FP32
+# Activation bytes per token per unit of hidden size, calibrated on the field example for
+# Llama-3-8B (hidden 4096): an unchunked 30K-token prefill needed 11.2 GB, a 2,048-token chunk
+# 2.1 GB (../shared/REFERENCE.md): (11.2e9 - 2.1e9) / (30,000 - 2,048) / 4096 ~ 79.5 B.
+ACT_BYTES_PER_TOKEN_PER_HIDDEN = (11.2e9 - 2.1e9) / (30_000 - 2_048) / 4096
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    vocab_size: int
+    hidden_size: int
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+    block_size: int
+    num_gpu_blocks: int
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """One engine's room for a request's extra transient memory, in bytes, and its free KV.
+
+    `now`: what an allocation could get at the next step (device free + reserved-but-free
+    allocator cache - the profiled step's activations). `idle`: the same on this engine with
+    nothing else on the GPU (its own steady memory only): a request above it can never fit.
+    """
+
+    now: int
+    idle: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    measured_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    prompt_tokens: int
+    max_tokens: int = 16
+    n: int = 1
+    logprobs: int = 0
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Estimate:
+    logits: int  # FP32 prompt logits of the largest prefill chunk
+    activation: int  # activations beyond the profiled step (unchunked long prompts)
+    sampling: int  # FP32 log-softmax rows for top logprobs, one per n/best_of sequence
+    kv_blocks: int  # KV blocks the request reserves over its life (with the margin)
+
+    @property
+    def transient(self) -> int:
+        return self.logits + self.activation + self.sampling
+
+    def dominant(self) -> tuple[str, str]:
+        """(reason, parameter) of the largest transient part."""
+        parts = [
+            (self.logits, "prompt_logprobs_logits", "prompt_logprobs"),
+            (self.activation, "unchunked_prefill", "prompt"),
+            (self.sampling, "sampling_logits", "n"),
+        ]
+        _, reason, parameter = max(parts, key=lambda p: p[0])
+        return reason, parameter
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    parameter: str | None = None
+    need_bytes: int = 0
+    limit_bytes: int = 0
+    message: str = ""
+    estimate: Estimate | None = field(default=None, compare=False)
+
+
+def activation_bytes(tokens: int, model: ModelMemory) -> int:
+    return int(ACT_BYTES_PER_TOKEN_PER_HIDDEN * model.hidden_size * max(0, tokens))
+
+
+def estimate(
+    req: RequestShape, model: ModelMemory, engine: EngineShape, kv_margin: float = 0.0
+) -> Estimate:
+    chunk = (
+        min(req.prompt_tokens, engine.max_num_batched_tokens)
+        if engine.chunked_prefill
+        else req.prompt_tokens
+    )
+    logits = chunk * model.vocab_size * LOGIT_BYTES if req.prompt_logprobs else 0
+    beyond_profile = chunk - engine.max_num_batched_tokens
+    activation = activation_bytes(beyond_profile, model) if beyond_profile > 0 else 0
+    sequences = max(1, req.n)
+    sampling = sequences * model.vocab_size * LOGIT_BYTES if req.logprobs else 0
+    block = max(1, engine.block_size)
+    blocks = math.ceil((req.prompt_tokens + req.max_tokens) / block)
+    blocks += (sequences - 1) * math.ceil(req.max_tokens / block)  # forks share the prompt
+    return Estimate(logits, activation, sampling, math.ceil(blocks * (1 + kv_margin)))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def max_prompt_for(limit: int, model: ModelMemory) -> int:
+    """The longest prompt whose prompt_logprobs logits fit `limit` bytes."""
+    return max(0, limit // (model.vocab_size * LOGIT_BYTES))
+
+
+def decide(
+    req: RequestShape,
+    model: ModelMemory,
+    engine: EngineShape,
+    headrooms: list[Headroom],
+    kv_margin: float | None = None,
+) -> Decision:
+    """Admit, defer or reject one request against the engines that may serve it.
+
+    With data parallelism a request may land on any engine: it is rejected only when it fits
+    none of them even idle, deferred when it does not fit the tightest one now.
+    """
+    est = estimate(req, model, engine, kv_margin or 0.0)
+    if not headrooms:
+        return Decision("admit", "no_headroom_data", estimate=est)  # blind: never refuse
+    need = est.transient
+    if need == 0 and kv_margin is None:
+        return Decision("admit", "no_transient", estimate=est)  # the common request: profiled
+    best_idle = max(h.idle for h in headrooms)
+    if need > best_idle:
+        reason, parameter = est.dominant()
+        if parameter == "prompt_logprobs":
+            limit = max_prompt_for(best_idle, model)
+            message = (
+                f"prompt_logprobs needs {_gib(need)} of FP32 logits for this prompt; this "
+                f"engine has at most {_gib(best_idle)}: use prompt_logprobs with prompts of "
+                f"at most {limit} tokens"
+            )
+        else:
+            message = (
+                f"this request needs {_gib(need)} of transient GPU memory ({reason}); this "
+                f"engine has at most {_gib(best_idle)}: lower {parameter}"
+            )
+        return Decision("reject", reason, parameter, need, best_idle, message, est)
+    if kv_margin is not None:
+        total = min(h.total_kv_blocks for h in headrooms)
+        if est.kv_blocks > total:
+            return Decision(
+                "reject",
+                "kv_reservation",
+                "max_tokens",
+                est.kv_blocks,
+                total,
+                f"prompt + max_tokens need {est.kv_blocks} KV blocks with a {kv_margin:.0%} "
+                f"margin; the pool has {total}: lower max_tokens or the prompt",
+                est,
+            )
+    tightest = min(headrooms, key=lambda h: h.now)
+    if need > 0 and need > tightest.now:
+        reason, parameter = est.dominant()
+        return Decision(
+            "defer",
+            reason,
+            parameter,
+            need,
+            tightest.now,
+            f"not enough GPU memory for this request now ({_gib(need)} needed, "
+            f"{_gib(max(0, tightest.now))} free): retry later or on another replica",
+            est,
+        )
+    if kv_margin is not None:
+        free = min(h.free_kv_blocks for h in headrooms)
+        if est.kv_blocks > free:
+            return Decision(
+                "defer",
+                "kv_reservation",
+                "max_tokens",
+                est.kv_blocks,
+                free,
+                f"not enough free KV cache now ({est.kv_blocks} blocks needed with a "
+                f"{kv_margin:.0%} margin, {free} free): retry later or on another replica",
+                est,
+            )
+    return Decision("admit", "fits", need_bytes=need, limit_bytes=tightest.now, estimate=est)
