@@ -169,8 +169,9 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             "reason": "headroom_low",
             "severity": "warning",
             "oomguard_action": "lower_cap",
-            "description": f"The pressure level of {ENG} is 2 (reason headroom_low): free device "
-            "memory is low or the allocator had to retry. oomguard lowers its admission cap.",
+            "description": f"The pressure level of {ENG} is 2 (reason headroom_low): the memory "
+            "left on its GPU once every engine reaches its planned peak is low, or the allocator "
+            "had to retry. oomguard lowers its admission cap.",
         }
     ]
     add(Case("OomguardMemoryPressure", "3m", pressure, fired))
@@ -179,7 +180,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardMemoryPressure", "3m", level("blind", "-1x10")))
 
     # critical: fires at once; the remediator drains, nobody is paged
-    critical = level("headroom_below_floor", "0 3x3 0x10")
+    critical = level("headroom_exhausted", "0 3x3 0x10")
     add(Case("OomguardMemoryCritical", "0m", critical))
     add(
         Case(
@@ -189,11 +190,11 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             [
                 {
                     **L.engine,
-                    "reason": "headroom_below_floor",
+                    "reason": "headroom_exhausted",
                     "severity": "warning",
                     "oomguard_action": "drain",
-                    "description": f"The pressure level of {ENG} is 3 (reason "
-                    "headroom_below_floor): free device memory is below the critical floor or the "
+                    "description": f"The pressure level of {ENG} is 3 (reason headroom_exhausted): "
+                    "the memory left on its GPU at the engines' planned peak is nearly gone, or the "
                     "allocator reported an out-of-memory error. oomguard drains the engine.",
                 }
             ],
@@ -221,7 +222,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardPressureBlind", "12m", level("ok", "0x15")))
 
     def gpu_level(v: str) -> dict[str, str]:
-        return {sel("oomguard_gpu_pressure_level", {**L.gpu, "reason": "x"}): v}
+        return {sel("oomguard_gpu_pressure_level", {**L.gpu, "reason": "headroom_low"}): v}
 
     gpu_text = f"GPU 0 (GPU-a) on {NODE}"
     add(
@@ -233,8 +234,8 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
                 {
                     **L.gpu,
                     "severity": "warning",
-                    "description": f"{gpu_text} is at pressure level 2: its free memory is under "
-                    "the pressure threshold.",
+                    "description": f"{gpu_text} is at pressure level 2: its headroom at the "
+                    "engines' planned peak is low.",
                 }
             ],
         )
@@ -249,10 +250,10 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
                 {
                     **L.gpu,
                     "severity": "warning",
-                    "description": f"{gpu_text} is at pressure level 3: free memory is below its "
-                    "critical floor or a process on it hit a CUDA out-of-memory error. Engines on "
-                    "it are handled by their own alerts; look for a process that is not one of "
-                    "them.",
+                    "description": f"{gpu_text} is at pressure level 3: its headroom at the "
+                    "engines' planned peak is nearly gone or a process on it hit a CUDA "
+                    "out-of-memory error. Engines on it are handled by their own alerts; look for "
+                    "a process that is not one of them.",
                 }
             ],
         )

@@ -201,8 +201,9 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "oomguard_engine_pressure_level >= 2",
             "warning",
             "A vLLM engine is under GPU memory pressure.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: free device memory "
-            "is low or the allocator had to retry. oomguard lowers its admission cap.",
+            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
+            "its GPU once every engine reaches its planned peak is low, or the allocator had to "
+            "retry. oomguard lowers its admission cap.",
             for_=t.pressure_for,
             keep_firing_for=t.action_keep_firing_for,
             action="lower_cap",
@@ -212,9 +213,9 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "oomguard_engine_pressure_level >= 3",
             "warning",
             "A vLLM engine is about to run out of GPU memory; oomguard drains it.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: free device memory "
-            "is below the critical floor or the allocator reported an out-of-memory error. "
-            "oomguard drains the engine.",
+            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
+            "its GPU at the engines' planned peak is nearly gone, or the allocator reported an "
+            "out-of-memory error. oomguard drains the engine.",
             for_=t.critical_for,
             keep_firing_for=t.action_keep_firing_for,
             action="drain",
@@ -283,7 +284,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "gpu:oomguard_gpu_pressure_level:max == 2",
             "warning",
             "A GPU is low on free memory.",
-            f"{_GPU} is at pressure level 2: its free memory is under the pressure threshold.",
+            f"{_GPU} is at pressure level 2: its headroom at the engines' planned peak is low.",
             for_="5m",
             keep_firing_for=t.keep_firing_for,
         ),
@@ -292,9 +293,9 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "gpu:oomguard_gpu_pressure_level:max >= 3",
             "warning",
             "A GPU is about to run out of memory.",
-            f"{_GPU} is at pressure level 3: free memory is below its critical floor or a "
-            "process on it hit a CUDA out-of-memory error. Engines on it are handled by their "
-            "own alerts; look for a process that is not one of them.",
+            f"{_GPU} is at pressure level 3: its headroom at the engines' planned peak is "
+            "nearly gone or a process on it hit a CUDA out-of-memory error. Engines on it are "
+            "handled by their own alerts; look for a process that is not one of them.",
             for_="1m",
             keep_firing_for=t.keep_firing_for,
         ),
