@@ -92,6 +92,7 @@ class Report:
     device_bytes: int
     usable_bytes: int
     stages: list[Stage] = field(default_factory=list)
+    target_prompt_len: int = 0  # the longest prompt this run set out to test
     longest_safe_prompt_logprobs: int = 0
     projected_limit_prompt_logprobs: int | None = None
     peak_bytes_per_prompt_token: float = 0.0  # measured slope with prompt_logprobs
@@ -269,6 +270,7 @@ class Preflight:
             self._finish(report)
             return report
         target = min(self.s.target_prompt_len or max_len - 1, max_len - 1)
+        report.target_prompt_len = target
         base = (retries0, ooms0)
         self.progress(f"phase A: longest prompt with prompt_logprobs (target {target:,} tokens)")
         await self._longest_prompt(server, model, target, base, report)
@@ -341,10 +343,10 @@ class Preflight:
         if report.stages:
             report.peak_bytes = max(report.peak_bytes, *(s.peak_bytes for s in report.stages))
         report.headroom_at_peak_bytes = self.headroom(report.peak_bytes)
-        target = report.max_model_len - 1
+        target = report.target_prompt_len or report.max_model_len - 1
         top = min(report.max_num_seqs, self.s.max_concurrency)
         report.safe_at_target = (
-            report.longest_safe_prompt_logprobs >= min(self.s.target_prompt_len or target, target)
+            report.longest_safe_prompt_logprobs >= target
             and report.largest_safe_batch is not None
             and report.largest_safe_batch.concurrency >= top
             and all(s.ok for s in report.stages)
@@ -360,7 +362,7 @@ class Preflight:
                 "to one chunk"
             )
         elif longest:
-            rec["gateway input cap"] = f"max_model_len ({report.max_model_len:,}) is safe"
+            rec["gateway input cap"] = f"none needed up to the tested {longest:,} tokens"
         if report.kv_cache_tokens:
             fits = report.kv_cache_tokens / report.max_model_len
             low, high = max(1, math.floor(0.7 * fits)), max(1, math.floor(0.8 * fits))

@@ -145,6 +145,42 @@ def twins(
             server.stop()
 
 
+def test_cli_json_report_and_exit_status_against_a_twin(
+    twins: list[tuple[str, int, VllmProcess, Path]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A target the twin takes (4,096-token prompts, 8 at a time, on the H100 twin): preflight
+    reaches it and exits 0. Runs before the limit tests, which end by crashing each twin."""
+    _, _, server, alloc = twins[1]
+    code = main(
+        [
+            "preflight",
+            server.url,
+            "--gpu",
+            "H100",
+            "--allocator-dir",
+            str(alloc),
+            "--target-prompt-len",
+            "4096",
+            "--max-concurrency",
+            "8",
+            "--json",
+        ]
+    )
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert code == 0 and report["exit_code"] == 0 and report["safe_at_target"]
+    assert report["longest_safe_prompt_logprobs"] == 4096
+    assert report["largest_safe_batch"] == {
+        "concurrency": 8,
+        "prompt_len": 4096,
+        "prompt_logprobs": False,
+    }
+    # the known GPU's reserved memory, not the 1 GiB default
+    assert report["device_bytes"] - report["usable_bytes"] == 567 * 2**20
+    assert "phase A" in captured.err and "phase B" in captured.err  # progress on stderr
+    assert alive(server)
+
+
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[gpu for gpu, _ in CASES])
 def test_preflight_finds_the_twin_limit_without_an_oom(
     twins: list[tuple[str, int, VllmProcess, Path]], index: int
@@ -193,54 +229,3 @@ def test_preflight_finds_the_twin_limit_without_an_oom(
             break
         time.sleep(0.5)
     assert any(r.ooms for r in reports)
-
-
-def test_cli_json_report_and_exit_status_against_a_twin(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A twin with room to spare: preflight reaches the target and exits 0."""
-    require_vllm()
-    alloc = tmp_path / "alloc"
-    alloc.mkdir()
-    env = {
-        "OOMGUARD_TWIN_GPU": "H100",
-        "OOMGUARD_TWIN_MODEL": "llama-3-8b",
-        "OOMGUARD_ALLOCATOR_DIR": str(alloc),
-        "OOMGUARD_TWIN_TIME_COMPRESSION": "50",
-    }
-    server = twin_server(
-        "--max-model-len",
-        "4096",
-        "--max-num-batched-tokens",
-        "4096",
-        "--max-num-seqs",
-        "8",
-        env=env,
-        log=tmp_path / "vllm.log",
-    )
-    try:
-        code = main(
-            [
-                "preflight",
-                server.url,
-                "--gpu",
-                "H100",
-                "--driver-reserved",
-                "567MiB",
-                "--allocator-dir",
-                str(alloc),
-                "--json",
-            ]
-        )
-    finally:
-        server.stop()
-    captured = capsys.readouterr()
-    report = json.loads(captured.out)
-    assert code == 0 and report["exit_code"] == 0 and report["safe_at_target"]
-    assert report["longest_safe_prompt_logprobs"] == 4095
-    assert report["largest_safe_batch"] == {
-        "concurrency": 8,
-        "prompt_len": 4095,
-        "prompt_logprobs": False,
-    }
-    assert "phase A" in captured.err and "phase B" in captured.err  # progress on stderr
