@@ -779,6 +779,37 @@ def expr_cases(t: AlertThresholds | None = None) -> list[ExprCase]:
         # draining admits nothing: the whole startup capacity is withheld
         ExprCase("target:oomguard_capacity_withheld_seqs:max", "5m", drained, [(target, "64")]),
         ExprCase("model_name:oomguard_capacity_withheld_seqs:sum", "5m", drained, [(model, "64")]),
+        # the target was redeployed with another model 10 minutes ago: all of it counts for the
+        # model it serves now, and the old model's series in the last hour breaks nothing
+        ExprCase(
+            "model_name:oomguard_capacity_withheld_seqs:sum",
+            "20m",
+            {
+                startup: "64x20",
+                cap: "16x20",
+                mode: "0x20",
+                sel("oomguard_vllm_requests_running", {**L.engine, "model_name": "old/model"}): (
+                    "5x10"
+                ),
+                running: "_x10 5x10",
+            },
+            [(model, "48")],
+        ),
+        # restarting: no engine series now; the model it served within the hour still counts
+        ExprCase(
+            "model_name:oomguard_capacity_withheld_seqs:sum",
+            "20m",
+            {
+                startup: "64x20",
+                cap: "16x20",
+                mode: "0x20",
+                sel("oomguard_remediator_target_mode", {**L.rem_target, "mode": "restarting"}): (
+                    "0x10 1x10"
+                ),
+                running: "5x10",
+            },
+            [(model, "64")],
+        ),
         # uncapped and serving: nothing withheld (0, not absent: an autoscaler reads a number)
         ExprCase(
             "model_name:oomguard_capacity_withheld_seqs:sum",

@@ -86,6 +86,7 @@ def recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
     """The fast group: pressure, ratios and capacity, evaluated every `rule_interval`."""
     t = t or AlertThresholds()
     c = t.cluster_label
+    running = f'oomguard_vllm_requests_running{{job="{t.exporter_job}"}}'
     return [
         RecordingRule(
             "engine:oomguard_engine_pressure_level:max",
@@ -127,13 +128,17 @@ def recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
         ),
         RecordingRule(
             # per model: the remediator names a target as the exporter does (`target`), and the
-            # exporter's engine series carry vLLM's model_name
+            # exporter's engine series carry vLLM's model_name: the model a target serves now,
+            # else the one it served within the hour (a restarting engine has no series). topk
+            # keeps one model per target, so a model change never makes the join ambiguous.
             "model_name:oomguard_capacity_withheld_seqs:sum",
             f"sum by ({c}, model_name) (\n"
             "  target:oomguard_capacity_withheld_seqs:max\n"
-            f"  * on ({c}, target) group_left (model_name)\n"
-            f"  group by ({c}, target, model_name) "
-            f'(last_over_time(oomguard_vllm_requests_running{{job="{t.exporter_job}"}}[1h]))\n'
+            f"  + on ({c}, target) group_left (model_name)\n"
+            f"  0 * topk by ({c}, target) (1,\n"
+            f"    2 * group by ({c}, target, model_name) ({running})\n"
+            f"    or group by ({c}, target, model_name) (last_over_time({running}[1h]))\n"
+            "  )\n"
             ")",
         ),
     ]
