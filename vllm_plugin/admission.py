@@ -74,6 +74,7 @@ class Guard:
         self.engine: EngineShape | None = None
         self.headrooms: list[Headroom] = []
         self.last: Decision | None = None
+        self._counters: dict[tuple[str, str], Any] = {}  # labelled children: no lookup per request
 
     @classmethod
     def from_env(cls) -> Guard:
@@ -145,7 +146,11 @@ class Guard:
         )
         decision = decide(shape, self.model, self.engine, self.fresh(), self.kv_margin)
         self.last = decision
-        DECISIONS.labels(self.mode, decision.action, decision.reason).inc()
+        key = (decision.action, decision.reason)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = DECISIONS.labels(self.mode, *key)
+        counter.inc()
         if decision.action != "admit":
             log.info(
                 "oomguard guard (%s): %s request %s: %s",
