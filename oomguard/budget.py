@@ -92,6 +92,9 @@ NON_TORCH_BYTES = 512 * MIB  # cuBLAS/cuDNN workspaces and the allocator's own r
 NCCL_BYTES = 640 * MIB  # NCCL and custom all-reduce buffers, only with TP or PP > 1
 CUDA_GRAPH_BYTES = 512 * MIB  # the CUDA graph pool vLLM's profiler estimates
 SAMPLER_COPIES = 3  # FP32 logits, their softmax and the top-k/top-p sort buffer
+# Above this many parameters a MoE model's non-KV memory was measured 6-8 GiB over the estimate
+# (Qwen3-235B-A22B-FP8, gpt-oss-120b; gpt-oss-20b was within 1 %): the output says so.
+LARGE_MOE_PARAMS = 100e9
 
 
 # -- sizes ------------------------------------------------------------------------------------
@@ -125,6 +128,10 @@ def parse_size(text: str) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -243,6 +250,13 @@ class ModelShape:
             if q.attention_excluded and part == "attention":
                 quantized = False
             out[part] = params * (q.bytes_per_param if quantized else self.dtype_bytes)
+        if q.method == "mxfp4" and self.experts:
+            # vLLM pads MXFP4 expert weights to its kernels' tiles: hidden to a multiple of
+            # 256, intermediate to 128 (Marlin on Hopper/Ampere, TRT-LLM on Blackwell:
+            # mxfp4_round_up_hidden_size_and_intermediate_size in fused_moe/oracle/mxfp4.py).
+            h, i = self.hidden_size, self.expert_intermediate_size
+            padded = _round_up(h, 256) * _round_up(i, 128)
+            out["experts"] *= padded / (h * i)
         return out
 
 
@@ -845,11 +859,11 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
             f"max_num_seqs={seqs} but only {concurrency:.1f} requests of {context:,} tokens "
             "fit: under long contexts vLLM queues or preempts (normal, not an OOM)"
         )
-    if source == "estimate" and shape.experts:
+    if source == "estimate" and shape.experts and shape.parameter_count() > LARGE_MOE_PARAMS:
         notes.append(
-            "MoE model: vLLM's profiling run of fused-MoE kernels took 6-8 GiB more non-KV "
-            "memory than this estimate on logged runs (docs/budget.md); treat the pool as an "
-            "upper bound and read 'Available KV cache memory' from the startup log"
+            "large MoE model: vLLM's profiling run took 6-8 GiB more non-KV memory than this "
+            "estimate on logged runs (docs/budget.md); treat the pool as an upper bound and "
+            "read 'Available KV cache memory' from the startup log"
         )
     elif source == "estimate":
         notes.append(

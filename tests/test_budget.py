@@ -92,7 +92,9 @@ def test_per_layer_shapes_and_patterns() -> None:
     [
         ("Llama-3.1-8B-Instruct", 14.5, 15.5),  # vLLM logs 14.99 GiB (issue 10517)
         ("Qwen2.5-72B-Instruct-AWQ", 38, 42),  # 4-bit weights, FP16 embeddings
-        ("gpt-oss-120b", 58, 64),  # MXFP4 experts, BF16 attention (model card: 60.8 GiB)
+        # MXFP4 experts padded to vLLM's kernel tiles, BF16 attention: vLLM logged 65.97 GiB
+        # on an H100 (issue 23278)
+        ("gpt-oss-120b", 64, 67),
         ("Qwen3-235B-A22B-FP8", 215, 225),  # 1 byte a weight, BF16 embeddings
     ],
 )
@@ -174,13 +176,13 @@ def test_pool_from_device_memory_against_vllm_logs(case: dict[str, Any]) -> None
         ),
     )
     assert not [w for w in b.warnings if "weights alone" in w]
+    if "weights_gib" in case:  # "Model loading took X GiB"
+        assert b.weights_bytes_per_gpu / GIB == pytest.approx(case["weights_gib"], rel=0.05)
     tolerance = case["e2e_tolerance"]
     if tolerance is None:
         assert any("MoE" in n and "Available KV cache memory" in n for n in b.notes)
         return
     assert b.kv_pool_bytes_per_gpu / GIB == pytest.approx(case["available_gib"], rel=tolerance)
-    if "weights_gib" in case:
-        assert b.weights_bytes_per_gpu / GIB == pytest.approx(case["weights_gib"], rel=0.10)
 
 
 def test_logged_pool_never_warns_weights_exceed_the_budget() -> None:
