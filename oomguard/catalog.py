@@ -436,6 +436,48 @@ _SPECS: tuple[MetricSpec, ...] = (
         (),
         component="remediator",
     ),
+    _gauge(
+        "oomguard_remediator_pass_duration_seconds",
+        "How long the last reconcile pass took (reads, decision, actions).",
+        "seconds",
+        (),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_engines_read",
+        "Engines whose state the last reconcile pass read (attention plus the quiet resync).",
+        "",
+        (),
+        component="remediator",
+    ),
+    _counter(
+        "oomguard_remediator_engine_reads_total",
+        "Engine state reads made by reconcile passes.",
+        "",
+        (),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_targets",
+        "Targets by read schedule: quiet (read on the slow resync) or attention (every pass).",
+        "",
+        ("state",),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_targets_discovered",
+        "Targets discovered from Kubernetes pods (0 with a static list).",
+        "",
+        (),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_leader",
+        "1 while this replica holds the leader Lease and acts; 0 on a standby.",
+        "",
+        (),
+        component="remediator",
+    ),
 )
 
 CATALOG: dict[str, MetricSpec] = {spec.name: spec for spec in _SPECS}

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from oomguard.remediator.attention import AttentionConfig
 from oomguard.remediator.flags import FlagLimits
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
@@ -157,6 +158,7 @@ class RemediatorConfig(BaseModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)  # type: ignore[arg-type]
     safety: SafetyConfig = Field(default_factory=SafetyConfig)  # type: ignore[arg-type]
     flags: FlagLimits = Field(default_factory=FlagLimits)  # type: ignore[arg-type]
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)  # type: ignore[arg-type]
     audit_log: str = "/var/lib/oomguard/remediator-audit.jsonl"
     reconcile_seconds: float = Field(1.0, gt=0, description="Level-triggered pass interval.")
     actuation_timeout_seconds: float = Field(3.0, gt=0)

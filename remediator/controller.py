@@ -1,8 +1,9 @@
 """The reconcile loop: alerts firing now + each engine's observed state -> converge, safely.
 
 Level-triggered, like a Kubernetes controller. Webhooks only update the set of firing alerts (the
-AlertBook) and wake the loop; every pass then reads each allowlisted engine's state through the
-actuator, asks the policy for its desired state, and takes the steps between the two, each one
+AlertBook) and wake the loop; every pass then reads the state of each allowlisted engine that
+needs attention (in a fleet, the rest on a slow resync: attention.py) through the actuator, asks
+the policy for its desired state, and takes the steps between the two, each one
 through the safety limits and into the audit log. Nothing depends on which webhook arrived when,
 so retries, duplicates, restarts and a second replica all converge to the same place.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import httpx
 from oomguard.remediator.actuator import Actuator, ActuatorError, DryRunActuator, Target
 from oomguard.remediator.alertbook import AlertBook
+from oomguard.remediator.attention import Attention
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig, SecretFile, TargetConfig
 from oomguard.remediator.decision import (
@@ -160,7 +162,10 @@ class Controller:
         self._routes: dict[str, str | None] = {}  # alert key -> target (its labels are fixed)
         self._pruned = time.monotonic()
         self._noted: dict[tuple[str, str], Any] = {}  # (target, topic) -> last audited value
-        self._pool = ThreadPoolExecutor(max_workers=min(16, len(self.targets)))
+        self._pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(self.targets))))
+        # which engines each pass reads (attention.py); the rest keep their last state
+        self.attention = Attention(config.attention)
+        self.attention.track({t.name: t.model for t in config.targets})
         self.backends: dict[str, RestartBackend] = dict(backends or {})
         self._restarting: dict[str, threading.Thread] = {}
         self._flag_views: dict[str, tuple[float, FlagView]] = {}
@@ -329,12 +334,16 @@ class Controller:
         return out
 
     def inputs(
-        self, firing: Mapping[str, list[Alert]], states: Mapping[str, Any]
+        self,
+        firing: Mapping[str, list[Alert]],
+        states: Mapping[str, Any],
+        names: Iterable[str] | None = None,
     ) -> list[EngineInput]:
-        """What the decision needs for every target (the restart backends' flags read only
-        where a restart may be wanted)."""
+        """What the decision needs for every target in `names` (default: all; the restart
+        backends' flags read only where a restart may be wanted)."""
         out = []
-        for name, cfg in self.targets.items():
+        for name in self.targets if names is None else names:
+            cfg = self.targets[name]
             engine = EngineInput(
                 name,
                 cfg.model,
@@ -354,17 +363,40 @@ class Controller:
         return Context(c.policy, c.safety, c.flags, self.safety.state(), self.safety.clock())
 
     def _pass(self) -> None:
+        started = time.monotonic()
         firing = self.firing_by_target()
-        names = list(self.targets)
-        states = dict(zip(names, self._pool.map(self._read, names), strict=True))
-        verdicts = decide_fleet(self.inputs(firing, states), self.context())
+        att = self.attention
+        acted = {
+            n: st.last_action["time"]
+            for n, st in self.status.items()
+            if st.last_action and isinstance(st.last_action.get("time"), float)
+        }
+        due = att.due(
+            self.targets, firing, self.config.policy, started, self._restarting, acted, time.time()
+        )
+        states = dict(zip(due, self._pool.map(self._read, due), strict=True))
+        att.read(states)
+        peers = att.peers(due)  # quiet engines the fleet-wide limits still need to see
+        names = att.in_order([*due, *peers]) if peers else due
+        seen = {**{p: att.last(p) for p in peers}, **states}
+        verdicts = decide_fleet(self.inputs(firing, seen, names), self.context())
         for verdict in verdicts:
             name = verdict.target
+            if name not in states:  # a quiet peer, decided on its last state: never acted on
+                if verdict.steps:
+                    att.wake(name)
+                    self._dirty = True
+                continue
             try:
                 self._carry_out(verdict, states[name], firing[name])
+                att.settle(verdict, started)
             except Exception as exc:  # one target's surprise never stops the others
+                att.wake(name)
                 log.exception("reconciling %s failed", name)
                 self._hold(name, "internal", f"{type(exc).__name__}: {exc}", verdict)
+        self.metrics.observe_pass(
+            time.monotonic() - started, len(states), len(self.targets), att.quiet
+        )
 
     def _carry_out(self, v: Verdict, state: Any, alerts: list[Alert]) -> None:
         name = v.target

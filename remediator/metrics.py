@@ -84,9 +84,46 @@ class RemediatorMetrics:
             _help("oomguard_remediator_last_pass_timestamp_seconds"),
             registry=r,
         )
+        self.pass_duration = Gauge(
+            "oomguard_remediator_pass_duration_seconds",
+            _help("oomguard_remediator_pass_duration_seconds"),
+            registry=r,
+        )
+        self.engines_read = Gauge(
+            "oomguard_remediator_engines_read",
+            _help("oomguard_remediator_engines_read"),
+            registry=r,
+        )
+        self.reads = Counter(
+            "oomguard_remediator_engine_reads",
+            _help("oomguard_remediator_engine_reads_total"),
+            registry=r,
+        )
+        self.targets = Gauge(
+            "oomguard_remediator_targets",
+            _help("oomguard_remediator_targets"),
+            ("state",),
+            registry=r,
+        )
+        self.discovered = Gauge(
+            "oomguard_remediator_targets_discovered",
+            _help("oomguard_remediator_targets_discovered"),
+            registry=r,
+        )
+        self.leader = Gauge(
+            "oomguard_remediator_leader", _help("oomguard_remediator_leader"), registry=r
+        )
+        self.leader.set(1)  # one replica on one box leads; leader.py says otherwise on a cluster
         for outcome in WEBHOOK_OUTCOMES:  # present at 0 from the start, so rate() works
             self.webhooks.labels(outcome)
 
     def set_mode(self, target: str, mode: str) -> None:
         for m in MODES:
             self.mode.labels(target, m).set(1 if m == mode else 0)
+
+    def observe_pass(self, seconds: float, read: int, targets: int, quiet: int) -> None:
+        self.pass_duration.set(seconds)
+        self.engines_read.set(read)
+        self.reads.inc(read)
+        self.targets.labels("quiet").set(quiet)
+        self.targets.labels("attention").set(targets - quiet)
