@@ -147,6 +147,7 @@ def test_pip_check_reports_only_the_declared_cpu_omissions():
 
 @pytest.mark.network
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a fresh venv, PyPI, vLLM starts
 def test_plugin_install_changes_nothing_in_vllm_033(wheel, tmp_path):
     """The vLLM image's install step (deploy/docker/vllm.Dockerfile) in vLLM 0.33's environment:
     pip resolves vLLM plus that step with the environment's versions as constraints; the only
@@ -329,6 +330,7 @@ def _run(bin_dir: Path, *args: str, cwd: Path, timeout: float = 120) -> subproce
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a fresh venv, PyPI, vLLM starts
 def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     probe = subprocess.run(
         [str(installed / "python"), "-c", "import oomguard.twin.traces as t; print(t.__file__)"],
@@ -361,6 +363,7 @@ def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1600)  # a fresh venv, PyPI, vLLM starts
 def test_installed_wheel_runs_the_demo(installed, tmp_path):
     """The short demo from the wheel: the twin models, traces and Prometheus/Alertmanager configs
     come from the installed package. vLLM itself is borrowed from this environment (installing
