@@ -96,6 +96,13 @@ def test_promtool_unit_tests_can_fail(repo_root, tmp_path):
         ("OomguardCudaOomObserved", "increase(oomguard_allocator_ooms_total[5m]) > 0"),
         # no minimum count: an idle engine's single preemption reads 50 %
         ("OomguardPreemptionRateHigh", "engine:oomguard_vllm_preemption_ratio:rate5m > 0.01"),
+        # the remediator's first failed action: its counter is born at 1
+        (
+            "OomguardRemediationFailing",
+            'increase(oomguard_remediator_actions_total{result="failed"}[10m]) > 0 '
+            "or increase(oomguard_remediator_reconcile_errors_total[10m]) > 2",
+        ),
+        ("OomguardHostOomKill", "increase(oomguard_host_oom_kills_total[10m]) > 0"),
         # the job prometheus-operator gives a PodMonitor without relabeling: never matches
         ("OomguardExporterDown", 'up{job="oomguard/oomguard-exporter"} == 0'),
         # joined on `target` with the names the manifests used to give (vllm vs vllm-llama-3-8b)
