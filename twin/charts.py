@@ -19,7 +19,7 @@ MODE_COLOURS = {
     "down": "#f2495c",
     "starting": "#cccccc",
 }
-LEVEL_NAMES = ["ok", "caution", "pressure", "critical"]
+LEVEL_NAMES = ["blind", "ok", "caution", "pressure", "critical"]  # levels -1 .. 3
 
 
 def _pyplot() -> Any:
@@ -125,8 +125,8 @@ def do_no_harm(rows: Sequence[dict[str, Any]], actions: int, title: str, out: Pa
     mem.legend(loc="upper right", fontsize=8)
     mem.set_title(title)
     level.step(t, [r["level"] for r in rows], where="post", color="tab:green")
-    level.set_yticks(range(4), LEVEL_NAMES)
-    level.set_ylim(-0.3, 3.3)
+    level.set_yticks(range(-1, 4), LEVEL_NAMES)
+    level.set_ylim(-1.3, 3.3)
     level.set_ylabel("pressure level")
     alerts = sum(1 for r in rows if r.get("alerts"))
     level.text(

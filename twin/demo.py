@@ -63,6 +63,7 @@ LEVELS = {0: "ok", 1: "caution", 2: "pressure", 3: "CRITICAL"}
 # node names the report and Prometheus use (the exporters' `instance` label)
 GUARDED_NODE, HEALTHY_NODE = "gpu-node-a", "gpu-node-24gb"
 PERIOD = 0.25  # wall seconds between the fleets' GPU driver passes (five engines share 2 cores)
+START_TIMEOUT = 600.0  # five vLLMs loading at once on a busy 2-core machine take minutes
 
 
 @dataclass
@@ -136,13 +137,16 @@ def read_audit(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
+            entry = json.loads(line)
+            if isinstance(entry, dict):
+                out.append(entry)
     return out
 
 
 def describe(entry: dict[str, Any]) -> str:
     """One audit entry as a sentence."""
-    after = entry.get("after") or {}
+    after = entry.get("after")
+    after = after if isinstance(after, dict) else {}
     target = entry.get("target", "?")
     what = {
         "lower_cap": f"lowered {target}'s cap to {after.get('cap')}",
@@ -201,6 +205,7 @@ class Demo:
             prefix="alone",
             hostname="alone",
             period=PERIOD,
+            start_timeout=START_TIMEOUT,
             served_name=incident.model,
             # --quick does not wait for the crashed engine's model reload
             recovery_watch_s=100 if self.opts.quick else RECOVERY_WATCH_S,
@@ -214,6 +219,7 @@ class Demo:
             hostname=GUARDED_NODE,
             own_remediator=False,
             period=PERIOD,
+            start_timeout=START_TIMEOUT,
             served_name=incident.model,
             audit=audit,
         )
@@ -227,6 +233,7 @@ class Demo:
             hostname=HEALTHY_NODE,
             own_remediator=False,
             period=PERIOD,
+            start_timeout=START_TIMEOUT,
             served_name=f"{healthy_trace.model}-24gb",
             audit=audit,
         )
@@ -388,7 +395,7 @@ class Demo:
             entries = [e for e in read_audit(audit) if e.get("event") in ("acted", "failed")]
             for e in entries[seen_actions:]:
                 self.events.append(
-                    (e.get("time", self.t0_wall) - self.t0_wall, "oomguard", describe(e))
+                    (float(e.get("time") or self.t0_wall) - self.t0_wall, "oomguard", describe(e))
                 )
             seen_actions = len(entries)
             for name, fleet in fleets.items():

@@ -34,6 +34,15 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 RUNBOOKS = REPO / "runbooks"
 RUN_LABELS = {"alone": "vLLM alone", "oomguard": "vLLM + oomguard"}
+INTAKE = frozenset({"received", "resynced"})  # audit records of input, not of decisions
+
+
+def _seconds(at: Any, t0: float) -> str:
+    """An audit timestamp as seconds since `t0` (the log is input: a bad value shows as '?')."""
+    try:
+        return f"{float(at) - t0:.1f}"
+    except (TypeError, ValueError):
+        return "?"
 
 
 # -- numbers -------------------------------------------------------------------------------------
@@ -75,8 +84,14 @@ def downtime(fleet: Fleet) -> dict[str, float]:
 def side_numbers(fleet: Fleet) -> dict[str, Any]:
     o = fleet.outcome()
     modes = downtime(fleet)
+    lost = [
+        {"at_s": x.request.at_s, "ended_s": x.done_s, "engine": x.engine, "why": x.why}
+        for x in fleet.sent
+        if x.status != "ok"
+    ]
     return {
         **asdict(o),
+        "lost_requests": lost[:50],
         "engine_deaths": len(fleet.crash_times),
         "down_s": modes.get("down", 0.0),
         "draining_s": modes.get("draining", 0.0),
@@ -396,15 +411,23 @@ def page(
     else:
         parts.append("<p>No alert fired.</p>")
     parts.append("<h3 id='audit'>The remediator's audit, in order</h3>")
+    # decisions and what came of them; the intake (webhooks, resyncs) is counted, not listed
+    intake = [e for e in audit if e.get("event") in INTAKE]
     arows = [
-        [f"{e.get('time', demo.t0_wall) - demo.t0_wall:.1f}", _e(e.get("event")),
-         _e(e.get("target")), _e(e.get("action")), _e(describe(e))]
+        [_e(_seconds(e.get("time"), demo.t0_wall)), _e(e.get("event")), _e(e.get("target")),
+         _e(e.get("action")), _e(describe(e))]
         for e in audit
+        if e.get("event") not in INTAKE
     ]  # fmt: skip
+    parts.append(
+        f"<p>Wall seconds from the start of the replay. Besides these, the log holds "
+        f"{len(intake)} intake records (Alertmanager webhooks received, resyncs of the firing "
+        "alerts) in <code>remediator-audit.jsonl</code>.</p>"
+    )
     parts.append(
         _table(["s", "event", "target", "action", "what and why"], arows)
         if arows
-        else "<p>The remediator recorded nothing.</p>"
+        else "<p>The remediator decided nothing.</p>"
     )
     if runbooks:
         parts.append("<h2 id='runbooks'>Runbooks of the alerts that fired</h2>")
@@ -469,7 +492,7 @@ def markdown(
         "Remediator actions, in order:",
         "",
         *(
-            f"- {e.get('time', demo.t0_wall) - demo.t0_wall:5.1f} s {describe(e)}"
+            f"- {_seconds(e.get('time'), demo.t0_wall)} s {describe(e)}"
             for e in audit
             if e.get("event") in ("acted", "failed", "withheld")
         ),

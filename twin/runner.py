@@ -76,6 +76,7 @@ class _Sent:
     tokens: int = 0
     status: str = "pending"  # ok | lost | pending
     why: str = ""  # for a lost request: what the client saw
+    engine: int = -1  # the engine it was last sent to
 
 
 class Gateway:
@@ -107,7 +108,8 @@ class Gateway:
             body["prompt_logprobs"] = 1
         attempt = 0
         while self.now() < deadline:
-            url = self.urls[(k + attempt) % len(self.urls)]
+            s.engine = (k + attempt) % len(self.urls)
+            url = self.urls[s.engine]
             attempt += 1
             try:
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -210,12 +212,14 @@ class Fleet:
         served_name: str | None = None,
         audit: Path | None = None,
         recovery_watch_s: float = RECOVERY_WATCH_S,
+        start_timeout: float = 180.0,
     ) -> None:
         """`period`: wall seconds between the GPU driver's passes (GPU state, engine reads);
         `served_name`: vLLM's --served-model-name (the `model_name` label of its metrics);
         `audit`: the remediator's audit log when the caller runs the remediator;
         `recovery_watch_s`: trace seconds to keep watching for engine 0's recovery after the
-        trace (a crashed engine reloads for the trace's `reload_s`)."""
+        trace (a crashed engine reloads for the trace's `reload_s`); `start_timeout`: wall
+        seconds each vLLM may take to load."""
         assert config in CONFIGS, config
         self.trace, self.config, self.log = trace, config, log
         self.work = workdir or Path(tempfile.mkdtemp(prefix=f"oomguard-{trace.name}-{config}-"))
@@ -230,6 +234,7 @@ class Fleet:
         self.exporter_port: int | None = None
         self.gateway: Gateway | None = None
         self.t0 = 0.0
+        self.t0_wall = 0.0
         self.views = [EngineView() for _ in range(engines)]
         self.history: list[list[EngineView]] = []  # the views at each driver pass
         self.crash_times: list[float] = []  # trace seconds of every CUDA OOM exit
@@ -237,6 +242,7 @@ class Fleet:
         self.audit = audit or self.work / "audit.jsonl"
         self.served_name = served_name
         self.recovery_watch_s = recovery_watch_s
+        self.start_timeout = start_timeout
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._gmu = [trace.engine.gpu_memory_utilization] * engines
@@ -285,6 +291,7 @@ class Fleet:
                 restart_delay=trace.reload_s / c,
                 max_crashes=1000 if self.config != "oomguard" else 20,
                 keep_flags_on_crash=self.config != "oomguard",
+                timeout=self.start_timeout,
             )
 
         self.engines = start_all([lambda i=i: launch(i) for i in range(self.n)])
@@ -339,9 +346,13 @@ class Fleet:
     def now(self) -> float:
         return (time.monotonic() - self.t0) * self.c if self.t0 else 0.0
 
+    def trace_time(self, wall_clock: float) -> float:
+        """Trace seconds at a `time.time()` instant (0 before the replay started)."""
+        return max(0.0, (wall_clock - self.t0_wall) * self.c) if self.t0 else 0.0
+
     def replay(self) -> None:
         """Replay the trace (blocking), then watch until engine 0 is back at full admission."""
-        self.t0 = time.monotonic()
+        self.t0, self.t0_wall = time.monotonic(), time.time()
         trace, c = self.trace, self.c
         gateway = self.gateway = Gateway(
             [e.url for e in self.engines], c, self.t0, self.served_name or str(TINY_MODEL)
@@ -425,7 +436,10 @@ class Fleet:
                         self._restarted_at[i] = t if generation[i] > 1 else 0.0
                     self._gmu[i] = float(status["flags"]["current"]["gpu_memory_utilization"])
                     ooms = [x for x in status["exits"] if x["reason"] == "cuda_oom"]
-                    self.crash_times.extend(t for _ in ooms[exits_seen[i] :])
+                    # the exit's own wall clock, in trace time (this loop may run late)
+                    self.crash_times.extend(
+                        self.trace_time(float(x.get("time", 0))) or t for x in ooms[exits_seen[i] :]
+                    )
                     exits_seen[i] = max(exits_seen[i], len(ooms))
                 except (httpx.HTTPError, KeyError, ValueError, TypeError):
                     pass
