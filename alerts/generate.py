@@ -149,8 +149,17 @@ def alertmanager_config(t: AlertThresholds | None = None) -> dict[str, Any]:
                 },
                 # Work orders go to the remediator only; a critical one (a CUDA OOM) is also
                 # the incident's page, so it continues to the pager.
-                {**remediator, "matchers": [actions, 'severity="critical"'], "continue": True},
-                {**remediator, "matchers": [actions, 'severity!="critical"']},
+                {
+                    **remediator,
+                    "group_by": list(engine_group),
+                    "matchers": [actions, 'severity="critical"'],
+                    "continue": True,
+                },
+                {
+                    **remediator,
+                    "group_by": list(engine_group),  # a copy: no YAML alias in the output
+                    "matchers": [actions, 'severity!="critical"'],
+                },
                 {"receiver": PAGER, "matchers": ['severity="critical"'], "group_wait": "10s"},
                 {"receiver": TICKET, "matchers": ['severity="warning"']},
                 # info alerts are for dashboards: no ticket, fleet-wide or not
