@@ -180,3 +180,22 @@ def test_the_hook_per_mode():
     assert observe.check(SimpleNamespace(sampling_params=None)) is None  # pooling requests
     with pytest.raises(ValueError):
         Guard("enforcing")
+
+
+def test_the_hook_is_installed_once_and_reads_the_current_guard():
+    pytest.importorskip("vllm")
+    from oomguard.vllm_plugin import admission
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    first = admission.Guard("observe")
+    assert admission.install(first)
+    hooked = InputProcessor.__dict__["assign_request_id"]
+    second = admission.Guard("observe")
+    second.update(reports(2, 3))
+    assert admission.install(second)
+    assert InputProcessor.__dict__["assign_request_id"] is hooked  # not wrapped twice
+    request = engine_request(8192, prompt_logprobs=1)
+    request.external_req_id = None
+    InputProcessor.assign_request_id(request)
+    assert second.last is not None and second.last.action == "reject" and first.last is None
+    assert request.external_req_id == "cmpl-1"  # vLLM's own function still ran

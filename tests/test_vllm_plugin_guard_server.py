@@ -120,6 +120,8 @@ def test_enforce_rejects_never_fit_defers_busy_and_admits_the_rest(tmp_path):
         assert chat.status_code == 200, chat.text  # chat runs through the real tokenizer
         ok = logprobs_request(url, 4000)
         assert ok.status_code == 200, ok.text
+        plp = ok.json()["choices"][0]["prompt_logprobs"]  # as a GPU runner returns them
+        assert len(plp) == 4000 and plp[0] is None and len(plp[1]) >= 1
         never = logprobs_request(url, 8192, seed=1)
         assert never.status_code == 400, never.text
         error = never.json()["error"]

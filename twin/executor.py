@@ -232,6 +232,8 @@ class ModelFreeWorker:
                 self.kv_blocks,
             )
         self._logprobs: set[str] = set()  # requests that asked for prompt_logprobs
+        # prompt ids and top-k of those requests, until their prompt logprobs are returned
+        self._prompt_logprobs: dict[str, tuple[list[int], int]] = {}
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size or 16
         self.num_layers = model.get_num_layers(vllm_config.parallel_config)
@@ -277,6 +279,7 @@ class ModelFreeWorker:
         for req_id in scheduler_output.finished_req_ids:
             self._needed.pop(req_id, None)
             self._logprobs.discard(req_id)
+            self._prompt_logprobs.pop(req_id, None)
         done_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids or []
@@ -285,6 +288,8 @@ class ModelFreeWorker:
             params = getattr(new, "sampling_params", None)
             if params is not None and getattr(params, "prompt_logprobs", None) is not None:
                 self._logprobs.add(new.req_id)
+                top = int(params.prompt_logprobs)
+                self._prompt_logprobs[new.req_id] = (list(prompt), min(top if top >= 0 else 20, 20))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             done_before[req_id] = cached.num_computed_tokens[i]
@@ -296,6 +301,7 @@ class ModelFreeWorker:
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         tokens = attention = context = logits = 0
+        prompt_logprobs: dict[str, Any] = {}
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req_ids.append(req_id)
             before = done_before.get(req_id, 0)
@@ -308,6 +314,8 @@ class ModelFreeWorker:
             attention += n * before + n * (n + 1) // 2  # each token attends to all before it
             if req_id in self._logprobs and before < needed:
                 logits += min(n, needed - before)
+            if ready and req_id in self._prompt_logprobs:
+                prompt_logprobs[req_id] = self._prompt_logprob_tensors(req_id)
         step_seconds = self.step_seconds
         if self.gpu is not None:
             from oomguard.twin.physics import Step
@@ -317,10 +325,26 @@ class ModelFreeWorker:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            prompt_logprobs_dict=prompt_logprobs,
         )
         remaining = step_seconds - (time.monotonic() - started)
         if remaining > 0:
             time.sleep(remaining)
+
+    def _prompt_logprob_tensors(self, req_id: str) -> Any:
+        """What a GPU runner returns at the end of a prompt_logprobs prefill: for each prompt
+        position after the first, the next prompt token and top-k entries (no model: every
+        entry is that token, log-probability 0, rank 1)."""
+        from vllm.v1.outputs import LogprobsTensors
+
+        prompt, top = self._prompt_logprobs.pop(req_id)
+        targets = torch.tensor(prompt[1:], dtype=torch.int32)
+        ids = targets.unsqueeze(1).repeat(1, top + 1)
+        return LogprobsTensors(
+            logprob_token_ids=ids,
+            logprobs=torch.zeros(ids.shape, dtype=torch.float32),
+            selected_token_ranks=torch.ones(len(targets), dtype=torch.int32),
+        )
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
         output, self._pending = self._pending, None

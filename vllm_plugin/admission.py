@@ -193,9 +193,9 @@ def install(guard: Guard) -> bool:
         log.warning("oomguard guard: vLLM's InputProcessor is not importable; guard inactive")
         return False
     original = InputProcessor.__dict__["assign_request_id"]
-    if getattr(original, "_oomguard_wrapper", False):
-        return True
     assign = original.__func__ if isinstance(original, staticmethod) else original
+    if getattr(assign, "_oomguard_wrapper", False):
+        return True  # already hooked in this process; the hook reads the current guard
 
     def assign_request_id(request: Any) -> None:
         if _guard is not None:
