@@ -303,6 +303,11 @@ def _layer_kinds(cfg: dict[str, Any], layers: int) -> list[str]:
                     "'Available KV cache memory' and 'GPU KV cache size'"
                 )
         return kinds
+    hybrid = cfg.get("hybrid_layer_pattern")
+    if isinstance(hybrid, list) and hybrid:  # MiMo-V2: 1 marks a sliding-window layer
+        if len(hybrid) < layers:
+            raise BudgetError(f"hybrid_layer_pattern lists {len(hybrid)} layers, not {layers}")
+        return ["sliding" if p == 1 else "full" for p in hybrid[:layers]]
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window") is False or not window:
         return ["full"] * layers
@@ -424,12 +429,18 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
         )
 
     kinds = ["mla"] * layers if mla is not None else _layer_kinds(cfg, layers)
-    window = _int(cfg, "sliding_window")
+    window = _int(cfg, "sliding_window", "sliding_window_size")
     chunk = _int(cfg, "attention_chunk_size")
-    # Per-layer shapes: Gemma 4 global layers and MiMo's sliding layers have their own
-    # KV heads and head dims.
-    full_heads = _int(cfg, "num_global_key_value_heads", default=kv_heads) or kv_heads
-    full_dim = _int(cfg, "global_head_dim", default=head_dim) or head_dim
+    # Per-layer shapes. Gemma 4's global layers: `global_head_dim` (512 unless set) and, when
+    # `attention_k_eq_v`, `num_global_key_value_heads` (transformers' Gemma4TextConfig builds
+    # `per_layer_config` from them). MiMo-V2's sliding layers: `swa_num_key_value_heads`,
+    # `swa_head_dim`, `swa_v_head_dim` (vllm/model_executor/models/mimo_v2.py).
+    gemma4 = str(cfg.get("model_type", "")).startswith("gemma4")
+    full_heads, full_dim = kv_heads, head_dim
+    if gemma4:
+        full_dim = _int(cfg, "global_head_dim", default=512) or 512
+        if cfg.get("attention_k_eq_v"):
+            full_heads = _int(cfg, "num_global_key_value_heads", default=kv_heads) or kv_heads
     swa_heads = _int(cfg, "swa_num_key_value_heads", default=kv_heads) or kv_heads
     swa_dim = _int(cfg, "swa_head_dim", default=head_dim) or head_dim
     v_dim = _int(cfg, "v_head_dim", default=None) if mla is None else None
@@ -444,7 +455,7 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
         elif kind == "sliding":
             if not window:
                 raise BudgetError("layer_types has sliding layers but sliding_window is unset")
-            swa_v = _int(cfg, "swa_v_head_dim", default=v_dim or swa_dim) or swa_dim
+            swa_v = _int(cfg, "swa_v_head_dim", default=swa_dim) or swa_dim
             specs.append(LayerKV("sliding", swa_heads, swa_dim, swa_v, window, owns))
         elif kind == "chunked":
             if not chunk:
@@ -461,6 +472,15 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
             else s
             for i, s in enumerate(specs)
         ]
+    overrides = cfg.get("per_layer_config")
+    if isinstance(overrides, dict):  # explicit per-layer shapes win
+        for key, o in overrides.items():
+            i = int(key) if str(key).isdigit() else -1
+            if 0 <= i < len(specs) and isinstance(o, dict) and specs[i].kind != "mla":
+                sp = specs[i]
+                heads = _int(o, "num_key_value_heads", default=sp.kv_heads) or sp.kv_heads
+                dim = _int(o, "head_dim", default=sp.head_dim) or sp.head_dim
+                specs[i] = LayerKV(sp.kind, heads, dim, dim, sp.window, sp.owns_cache)
     if shared:
         notes.append(f"the last {shared} layers reuse earlier layers' KV cache")
 

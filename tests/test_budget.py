@@ -73,17 +73,42 @@ def test_per_layer_shapes_and_patterns() -> None:
     scout = shape("Llama-4-Scout-17B-16E-Instruct")
     kinds = [spec.kind for spec in scout.layer_specs()]
     assert kinds.count("chunked") == 36 and kinds.count("full") == 12
-    gemma4_like = shape_from_hf_config(
+    # Gemma 4's fields (transformers' Gemma4TextConfig): global layers take global_head_dim
+    # (512 unless set) and, with attention_k_eq_v, num_global_key_value_heads; the last
+    # num_kv_shared_layers layers read earlier caches.
+    gemma4_like = {
+        **config("gemma-3-27b-it")["text_config"],
+        "model_type": "gemma4_text",
+        "num_global_key_value_heads": 4,
+        "num_kv_shared_layers": 2,
+    }
+    full = [s for s in shape_from_hf_config(gemma4_like).layer_specs() if s.kind == "full"]
+    assert full[0].kv_heads == 16 and full[0].head_dim == 512  # no k_eq_v: heads unchanged
+    g4 = shape_from_hf_config({**gemma4_like, "attention_k_eq_v": True, "global_head_dim": 256})
+    full = [s for s in g4.layer_specs() if s.kind == "full"]
+    assert full[0].kv_heads == 4 and full[0].head_dim == 256
+    assert [s.owns_cache for s in g4.layer_specs()][-3:] == [True, False, False]
+    # MiMo-V2's fields (vllm/model_executor/models/mimo_v2.py): hybrid_layer_pattern marks the
+    # sliding layers, which have their own KV heads and head dims.
+    mimo = shape_from_hf_config(
         {
-            **config("gemma-3-27b-it")["text_config"],
-            "num_global_key_value_heads": 4,
-            "global_head_dim": 256,
-            "num_kv_shared_layers": 2,
+            **config("Qwen3-14B"),
+            "hybrid_layer_pattern": [0, 1, 1, 1] * 10,
+            "sliding_window_size": 128,
+            "swa_num_key_value_heads": 4,
+            "swa_head_dim": 192,
+            "swa_v_head_dim": 128,
+            "v_head_dim": 128,
         }
     )
-    full = [s for s in gemma4_like.layer_specs() if s.kind == "full"]
-    assert full[0].kv_heads == 4 and full[0].head_dim == 256
-    assert [s.owns_cache for s in gemma4_like.layer_specs()][-3:] == [True, False, False]
+    swa = [s for s in mimo.layer_specs() if s.kind == "sliding"]
+    assert len(swa) == 30 and (swa[0].kv_heads, swa[0].head_dim, swa[0].head_dim_v) == (4, 192, 128)
+    assert swa[0].window == 128
+    # explicit per_layer_config overrides win
+    pl = shape_from_hf_config(
+        {**config("Qwen3-14B"), "per_layer_config": {"3": {"num_key_value_heads": 2}}}
+    )
+    assert pl.layer_specs()[3].kv_heads == 2 and pl.layer_specs()[2].kv_heads == 8
 
 
 # -- quantization -----------------------------------------------------------------------------
@@ -330,13 +355,46 @@ def test_capacity_equals_vllm_planning(vllm_config: Any, name: str, tp: int, max
     """Blocks and max concurrency from vLLM 0.33's get_kv_cache_groups,
     get_kv_cache_config_from_groups and get_max_concurrency_for_kv_cache_config, for the
     per-layer specs this module reads from each real config.json."""
+    _check_against_vllm(vllm_config, shape(name), tp, max_len)
+
+
+# Per-layer shapes whose pages differ between layer types (vLLM unifies them by growing the
+# smaller page's block size): Gemma 4-style global layers and MiMo-V2-style sliding layers,
+# built on real configs with those models' fields.
+MIXED_PAGES = {
+    "gemma4-style": {
+        **json.loads((FIXTURES / "gemma-3-27b-it.json").read_text())["text_config"],
+        "model_type": "gemma4_text",
+        "attention_k_eq_v": True,
+        "num_global_key_value_heads": 4,
+        "global_head_dim": 512,
+    },
+    "mimo-v2-style": {
+        **json.loads((FIXTURES / "Qwen3-14B.json").read_text()),
+        "hybrid_layer_pattern": [0, 1, 1, 1] * 10,
+        "sliding_window_size": 128,
+        "swa_num_key_value_heads": 4,
+        "swa_head_dim": 192,
+        "swa_v_head_dim": 128,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_PAGES))
+@pytest.mark.parametrize(("tp", "max_len"), [(1, 8192), (2, 131072)])
+def test_mixed_page_sizes_equal_vllm_planning(
+    vllm_config: Any, name: str, tp: int, max_len: int
+) -> None:
+    _check_against_vllm(vllm_config, shape_from_hf_config(MIXED_PAGES[name]), tp, max_len)
+
+
+def _check_against_vllm(vllm_config: Any, s: Any, tp: int, max_len: int) -> None:
     from vllm.v1.core.kv_cache_planning import (
         get_kv_cache_config_from_groups,
         get_kv_cache_groups,
     )
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-    s = shape(name)
     block = 64 if s.layer_specs()[0].kind == "mla" else 16
     vllm_config.model_config.max_model_len = max_len
     vllm_config.scheduler_config.max_num_batched_tokens = 8192
