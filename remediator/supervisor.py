@@ -5,9 +5,12 @@ The local backend of the restart actuator, for single boxes, the demo and the tw
   `--gpu-memory-utilization` / `--max-num-seqs` survives every restart, of vLLM and of this);
 - restarts it on request (`POST /v1/restart`): stop gracefully (SIGTERM to its process group,
   SIGKILL after a deadline), start with the new flags and, when asked, an initial admission cap;
-- records why the child exited (CUDA out-of-memory from its output, killed by a signal, exit
-  code); a child that dies on its own comes back after `restart_delay`: after a CUDA OOM with
-  flags one step lower and capped at the first re-admission stage, never at full admission;
+- records why the child exited (CUDA out-of-memory from its output, another CUDA error, killed
+  by a signal, exit code) and writes an exit incident record next to the plugin's OOM records
+  (`exit-<pid>-<generation>.json`, schema `oomguard.exit_incident.v1`: reason, code, signal,
+  flags, the log's last lines, the OOM records the child wrote); a child that dies on its own
+  comes back after `restart_delay`: after a CUDA OOM with flags one step lower and capped at
+  the first re-admission stage, never at full admission;
 - crashloop guard: after `max_crashes` within `crash_window_seconds` it stops restarting and
   reports `gave_up` until an operator (or the remediator) asks for a restart;
 - restart rate limit: at most `max_restarts` requested restarts within `restart_window_seconds`
@@ -71,6 +74,16 @@ from oomguard.errors import ConfigError
 log = logging.getLogger("oomguard.supervisor")
 
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+# CUDA faults that are not out-of-memory (taxonomy type 6), some of them reported as if they were
+CUDA_ERROR_MARKERS = (
+    "CUDA error:",
+    "CUBLAS_STATUS_",
+    "CUDNN_STATUS_",
+    "NCCL error",
+    "Xid",
+    "illegal memory access",
+)
+EXIT_SCHEMA = "oomguard.exit_incident.v1"
 MAX_BODY_BYTES = 16 * 1024
 
 
@@ -107,16 +120,28 @@ class Exit:
     time: float
     generation: int
     returncode: int
-    reason: str  # cuda_oom | killed | exited | requested
+    reason: str  # cuda_oom | cuda_error | killed | exited | requested
     flags: dict[str, Any]
 
 
 def classify(returncode: int, tail: list[str]) -> str:
     if any(marker in line for line in tail for marker in OOM_MARKERS):
         return "cuda_oom"
+    if any(marker in line for line in tail for marker in CUDA_ERROR_MARKERS):
+        return "cuda_error"
     if returncode < 0 or returncode in (137, 143):
         return "killed"  # SIGKILL with no traceback: the host OOM killer, most often
     return "exited"
+
+
+def incident_dir(env: dict[str, str], state_dir: Path) -> str:
+    """Where the child's OOM observer writes (its environment), else the state directory."""
+    merged = {**os.environ, **env}
+    if merged.get("OOMGUARD_INCIDENT_DIR"):
+        return merged["OOMGUARD_INCIDENT_DIR"]
+    if merged.get("OOMGUARD_ALLOCATOR_DIR"):
+        return str(Path(merged["OOMGUARD_ALLOCATOR_DIR"]) / "incidents")
+    return str(state_dir / "incidents")
 
 
 def _port(argv: list[str]) -> tuple[str, int]:
@@ -168,6 +193,8 @@ class Supervisor:
         self.child: subprocess.Popen[bytes] | None = None
         self.initial_cap: int | None = None
         self._tail: deque[str] = deque(maxlen=200)
+        self._started_at = 0.0
+        self.incident_dir = incident_dir(self.env, state_dir)
         self._lock = threading.RLock()
         self._stopping = False
 
@@ -185,6 +212,7 @@ class Supervisor:
                 env[INITIAL_CAP_ENV] = str(initial_cap)
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._tail.clear()
+            self._started_at = time.time()
             self.child = subprocess.Popen(
                 self.command(),
                 env=env,
@@ -217,6 +245,7 @@ class Supervisor:
                 return
             reason = classify(code, list(self._tail))
             self._record(code, reason)
+            self._write_exit_incident(child.pid, code, reason)
             log.error("vLLM exited (code %d, %s)", code, reason)
             crashes = [e for e in self.exits if e.reason != "requested"]
             recent = [e for e in crashes if time.time() - e.time < self.window]
@@ -242,6 +271,38 @@ class Supervisor:
         self.exits.append(
             Exit(time.time(), self.generation, code, reason, asdict(self.flags.current))
         )
+
+    def _write_exit_incident(self, pid: int, code: int, reason: str) -> None:
+        """An exit record beside the OOM records the child's observer wrote (never raises)."""
+        try:
+            since = self._started_at
+            directory = Path(self.incident_dir)
+            oom_records = sorted(
+                p.name
+                for p in directory.glob("oom-*.json")
+                if p.is_file() and p.stat().st_mtime >= since - 1
+            )
+            record = {
+                "schema": EXIT_SCHEMA,
+                "kind": "exit",
+                "timestamp": time.time(),
+                "started_at": since,
+                "pid": pid,
+                "generation": self.generation,
+                "returncode": code,
+                "signal": -code if code < 0 else (code - 128 if code > 128 else None),
+                "reason": reason,
+                "flags": asdict(self.flags.current),
+                "oom_records": oom_records,
+                "log_tail": [line.rstrip()[:500] for line in list(self._tail)[-40:]],
+            }
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"exit-{pid}-{self.generation}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
+        except (OSError, ValueError):
+            log.warning("could not write the exit incident record", exc_info=True)
 
     def _stop_child(self) -> None:
         child = self.child

@@ -152,3 +152,47 @@ def test_out_of_range_flags_do_not_count_against_the_rate_limit(supervisor):
     assert restart(client, {"flags": {"gpu_memory_utilization": 0.86, "max_num_seqs": 12}}).json()[
         "flags"
     ] == {"gpu_memory_utilization": 0.86, "max_num_seqs": 12}
+
+
+# -- exit incidents: why the child died, next to the OOM observer's records ---------------------
+DYING = {
+    "cuda_error": "print('RuntimeError: CUDA error: an illegal memory access was encountered', "
+    "flush=True); sys.exit(1)",
+    "killed": "os.kill(os.getpid(), signal.SIGKILL)",
+    "cuda_oom": "import pathlib; d = pathlib.Path(os.environ['OOMGUARD_INCIDENT_DIR']); "
+    "d.mkdir(parents=True, exist_ok=True); (d / f'oom-{os.getpid()}-1.json').write_text('{}'); "
+    "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB', "
+    "flush=True); sys.exit(1)",
+}
+
+
+@pytest.mark.parametrize("reason", sorted(DYING))
+def test_a_crash_leaves_an_exit_incident_beside_the_oom_records(tmp_path, reason):
+    import json
+    import time
+
+    incidents = tmp_path / "incidents"
+    script = f"import os, signal, sys\n{DYING[reason]}"
+    sup = Supervisor(
+        [sys.executable, "-c", script, "--max-num-seqs", "8"],
+        tmp_path / "state",
+        max_crashes=1,  # no restart: one record to read
+        env={"OOMGUARD_INCIDENT_DIR": str(incidents)},
+    )
+    sup.start()
+    deadline = time.monotonic() + 60
+    while not list(incidents.glob("exit-*.json")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sup.stop()
+    [path] = list(incidents.glob("exit-*.json"))
+    record = json.loads(path.read_text())
+    assert record["schema"] == "oomguard.exit_incident.v1" and record["reason"] == reason
+    assert sup.exits[-1].reason == reason
+    if reason == "killed":
+        assert record["returncode"] == -9 and record["signal"] == 9
+    if reason == "cuda_oom":
+        assert record["oom_records"] == [f"oom-{record['pid']}-1.json"]
+        assert "CUDA out of memory" in record["log_tail"][-1]
+    if reason == "cuda_error":
+        assert "illegal memory access" in record["log_tail"][-1]
+    assert record["flags"]["max_num_seqs"] == 8
