@@ -59,8 +59,19 @@ def counters(scheduler: Any) -> Counters:
     if c is None:
         c = Counters()
         scheduler._oomguard_counters = c
+        # the startup active limit, before anything lowers it: `--max-num-active-seqs` when set
+        # (vLLM 0.33 keeps it in max_num_active_reqs), else max_num_seqs
+        scheduler._oomguard_ceiling = min(
+            int(scheduler.max_num_active_reqs), int(scheduler.max_num_running_reqs)
+        )
         _initial_cap(scheduler)
     return c
+
+
+def ceiling(scheduler: Any) -> int:
+    """The highest admission cap: the engine's startup active limit, never above it."""
+    counters(scheduler)
+    return int(scheduler._oomguard_ceiling)
 
 
 def _initial_cap(scheduler: Any) -> None:
@@ -74,7 +85,7 @@ def _initial_cap(scheduler: Any) -> None:
     except ValueError:
         log.warning("oomguard: ignoring %s=%r (not an integer)", INITIAL_CAP_ENV, raw)
         return
-    applied = max(1, min(cap, int(scheduler.max_num_running_reqs)))
+    applied = max(1, min(cap, int(scheduler._oomguard_ceiling)))
     scheduler.max_num_active_reqs = applied
     log.info("oomguard: starting with admission cap %d (%s)", applied, INITIAL_CAP_ENV)
 
@@ -195,7 +206,7 @@ def oomguard_state(self: Any) -> dict[str, Any]:
     admitted0, finished0, preempted0 = c.at_change
     return {
         "engine": int(getattr(self, "engine_index", 0) or 0),
-        "startup_max_num_seqs": int(s.max_num_running_reqs),
+        "startup_max_num_seqs": ceiling(s),
         "gpu_memory_utilization": _gpu_memory_utilization(self),
         "admission_cap": int(s.max_num_active_reqs),
         "mode": "draining" if draining else "serving",
@@ -219,14 +230,14 @@ def oomguard_state(self: Any) -> dict[str, Any]:
 
 def oomguard_set_admission_cap(self: Any, cap: int) -> dict[str, Any]:
     s = self.scheduler
-    ceiling = int(s.max_num_running_reqs)
-    applied = max(1, min(int(cap), ceiling))
+    highest = ceiling(s)
+    applied = max(1, min(int(cap), highest))
     changed = applied != s.max_num_active_reqs
     if changed:
         s.max_num_active_reqs = applied
         counters(s).mark_cap_change()
         log.info(
-            "oomguard: admission cap set to %d (requested %d, startup %d)", applied, cap, ceiling
+            "oomguard: admission cap set to %d (requested %d, startup %d)", applied, cap, highest
         )
     return {
         "requested": int(cap),
