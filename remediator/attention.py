@@ -8,6 +8,10 @@ not for a fleet of thousands. An engine needs attention, and is read every pass,
   a staged re-admission, a hold, an unreadable state), or it has never been read,
 - a restart sequence owns it, or the remediator acted on it within `recent_action_seconds`.
 
+Engines never read (at start, and on a standby that takes over) are read `first_read_batch` per
+pass, except that every engine of a model with an alert asking for action is read at once: the
+disruption budget and the last-ready rule see the whole model before anything is drained.
+
 Every other engine is quiet: its last state is still what the decision sees, and it is read again
 on a slow resync (`quiet_resync_seconds`, each engine at its own jittered time, so reads spread
 over the interval instead of arriving together). A quiet engine by definition needs no step, so
@@ -41,6 +45,12 @@ class AttentionConfig(BaseModel):
     )
     jitter: float = Field(
         0.2, ge=0, le=1, description="Share of the resync interval each read is spread over."
+    )
+    first_read_batch: int = Field(
+        1000,
+        ge=1,
+        description="Engines never read yet (at start, on a takeover) are read this many per "
+        "pass; all of a model at once when one of its engines has an alert asking for action.",
     )
 
 
@@ -96,15 +106,24 @@ class Attention:
             return ordered
         busy, acted_at = set(busy), acted_at or {}
         recent = self.config.recent_action_seconds
+        asking = {n for n, alerts in firing.items() if alerts and actions_for(alerts, policy)}
+        # an engine the decision may act on is decided with every peer of its model known
+        urgent = {self._models.get(n) for n in asking}
+        batch = self.config.first_read_batch
         out = []
         for name in ordered:
             until = self._quiet_until.get(name)
+            if name not in self._last:  # never read
+                if name in asking or self._models.get(name) in urgent or batch > 0:
+                    out.append(name)
+                    batch -= name not in asking and self._models.get(name) not in urgent
+                continue
             if (
                 until is None
                 or now >= until
                 or name in busy
+                or name in asking
                 or wall - acted_at.get(name, float("-inf")) < recent
-                or (firing.get(name) and actions_for(firing[name], policy))
             ):
                 out.append(name)
         return out

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Literal
 
 from oomguard.remediator.attention import AttentionConfig
+from oomguard.remediator.discovery import DiscoveryConfig
 from oomguard.remediator.flags import FlagLimits
+from oomguard.remediator.leader import LeaderElectionConfig
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -154,7 +156,13 @@ class RemediatorConfig(BaseModel):
 
     listen: str = Field("127.0.0.1:9849", pattern=r"^[^:]*:[0-9]+$")
     auth: AuthConfig
-    targets: list[TargetConfig] = Field(min_length=1)
+    targets: list[TargetConfig] = Field(
+        default_factory=list, description="The static allowlist (with discovery: added to it)."
+    )
+    discovery: DiscoveryConfig | None = Field(None, description="Targets from Kubernetes pods.")
+    leader_election: LeaderElectionConfig | None = Field(
+        None, description="Replicas elect one active remediator on a Lease (Kubernetes)."
+    )
     policy: PolicyConfig = Field(default_factory=PolicyConfig)  # type: ignore[arg-type]
     safety: SafetyConfig = Field(default_factory=SafetyConfig)  # type: ignore[arg-type]
     flags: FlagLimits = Field(default_factory=FlagLimits)  # type: ignore[arg-type]
@@ -174,6 +182,8 @@ class RemediatorConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> RemediatorConfig:
+        if not self.targets and self.discovery is None:
+            raise ValueError("targets: list at least one (or configure discovery)")
         names = [t.name for t in self.targets]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -307,6 +308,41 @@ class Controller:
                     break
         finally:
             self._pass_lock.release()
+
+    def restore(self) -> None:
+        """Rebuild the safety state from the audit log (on taking over as the leader: the
+        previous leader's cooldowns, budgets and answered restart episodes hold here too)."""
+        entries = self.audit.entries()
+        safety = Safety(self.config.safety, self.safety.clock)
+        safety.restore(entries)
+        self.safety = safety
+        self._restarted = restarted_from(entries)
+        self.metrics.paused.set(1 if self.paused else 0)
+
+    def set_targets(self, targets: Iterable[TargetConfig]) -> None:
+        """Replace the allowlist (discovered targets come and go): between passes, with the
+        alert routes recomputed. An alert that came before its pod was discovered selected
+        nothing then; the resync from Alertmanager finds it."""
+        targets = list(targets)
+        with self._pass_lock, self._book_lock:
+            old = self.targets
+            files = {s.path: s for s in self._tokens.values()}  # one reader per token file
+            self.targets = {t.name: t for t in targets}
+            self._tokens = {
+                t.name: files.get(Path(t.token_file)) or SecretFile(t.token_file)
+                for t in targets
+                if t.token_file
+            }
+            self.status = {
+                t.name: self.status[t.name]
+                if t.name in self.status and old.get(t.name) == t
+                else TargetStatus(t.name, t.url, t.model)
+                for t in targets
+            }
+            self._routes = {}
+            self.attention.track({t.name: t.model for t in targets})
+        if old.keys() != self.targets.keys():
+            self.resync_soon()
 
     def target(self, name: str) -> Target:
         return make_target(self.targets[name], self._tokens.get(name))

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -28,6 +31,8 @@ from oomguard.remediator.controller import (
     select,
 )
 from oomguard.remediator.decision import Context, EngineInput, decide_fleet, needs_flags
+from oomguard.remediator.discovery import PodDiscovery
+from oomguard.remediator.leader import LeaseElector
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.restart import FlagView, RestartBackend, SupervisorBackend
 from oomguard.remediator.safety import Safety
@@ -76,6 +81,19 @@ class Remediator:
             if config.mode == "standalone" and config.standalone
             else None
         )
+        self.discovery = (
+            PodDiscovery.from_environment(config.discovery) if config.discovery else None
+        )
+        self._discovered = -1  # the discovery version the controller has
+        self._leading = threading.Event()  # set while this replica leads (and has restored)
+        self.elector = None
+        if config.leader_election is not None:
+            le = config.leader_election
+            identity = le.identity or os.environ.get("POD_NAME") or socket.gethostname()
+            self.elector = LeaseElector.from_environment(le, identity, self._on_leading)
+            self.controller.metrics.leader.set(0)
+        else:
+            self._leading.set()  # one replica, as on one box: it leads
         self.scheduler = BackgroundScheduler(timezone=UTC)
         # A wake-up while a pass runs is folded into that pass (Controller.reconcile); the
         # scheduler's "skipped: maximum number of running instances" notice is expected then.
@@ -98,6 +116,37 @@ class Remediator:
         with contextlib.suppress(Exception):
             self.scheduler.modify_job("resync", next_run_time=datetime.now(UTC))
 
+    def _on_leading(self, leading: bool) -> None:
+        c = self.controller
+        if not leading:
+            self._leading.clear()
+            c.metrics.leader.set(0)
+            return
+        # the previous leader's actions are in the shared audit log: its cooldowns, budgets
+        # and answered restart episodes hold for this replica too
+        c.restore()
+        self._leading.set()
+        c.metrics.leader.set(1)
+        c.request()
+
+    def _sync_targets(self) -> None:
+        d = self.discovery
+        if d is None or d.version == self._discovered:
+            return
+        self._discovered = d.version
+        static = {t.name for t in self.config.targets}
+        found = [t for t in d.targets() if t.name not in static]
+        self.controller.set_targets([*self.config.targets, *found])
+        self.controller.metrics.discovered.set(len(found))
+
+    def _reconcile(self) -> None:
+        """A pass, on the leader only: a standby keeps its alert book warm (webhooks, resync)
+        and acts on nothing until it holds the Lease."""
+        self._sync_targets()
+        if not self._leading.is_set() or (self.elector is not None and not self.elector.leading):
+            return
+        self.controller.reconcile()
+
     def _resync(self) -> None:
         try:
             self.controller.resync()
@@ -113,14 +162,22 @@ class Remediator:
     def start(self) -> None:
         """Rebuild from Alertmanager and the engines, then start the jobs (not the API)."""
         c = self.controller
+        if self.discovery is not None:
+            self.discovery.start()
+            if not self.discovery.wait_synced(30):
+                log.warning("pod discovery not synced after 30 s: starting with what is known")
+            self._sync_targets()
         if self.config.mode == "alertmanager" and self.config.alertmanager:
             self._resync()
-        c.reconcile()  # the engines' own state: a re-admission in progress carries on
+        if self.elector is not None:
+            self.elector.try_once()  # lead at once when nobody else does
+            self.elector.start()
+        self._reconcile()  # the engines' own state: a re-admission in progress carries on
         c.wake = self._wake
         c.resync_soon = self._resync_soon
         s = self.scheduler
         s.add_job(
-            c.reconcile,
+            self._reconcile,
             "interval",
             id="reconcile",
             seconds=self.config.reconcile_seconds,
@@ -156,8 +213,12 @@ class Remediator:
         )
 
     def stop(self) -> None:
+        if self.elector is not None:
+            self.elector.stop()  # gives the Lease up: a standby takes over at once
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
+        if self.discovery is not None:
+            self.discovery.stop()
         self.controller.close()
 
     def serve(self) -> int:

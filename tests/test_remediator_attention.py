@@ -72,6 +72,20 @@ def test_a_quiet_fleet_is_read_once_then_only_on_the_resync(tmp_path):
     c.close()
 
 
+def test_engines_never_read_come_in_batches_but_an_alerting_model_at_once(tmp_path):
+    engines = Counting(Engines.of(*(f"e{i}" for i in range(30))))
+    c = make(tmp_path, engines, attention={**FLEET["attention"], "first_read_batch": 10})
+    c.receive(parse(payload(alert("OomguardMemoryCritical", "e25"))))
+    first = reads_in_a_pass(c, engines)
+    # the alerting engine's whole model (here: everyone) before a drain is decided
+    assert len(first) == 30 and engines.engines["e25"].draining
+    c.close()
+    engines = Counting(Engines.of(*(f"e{i}" for i in range(30))))
+    c = make(tmp_path, engines, attention={**FLEET["attention"], "first_read_batch": 10})
+    assert [len(reads_in_a_pass(c, engines)) for _ in range(4)] == [10, 10, 10, 0]
+    c.close()
+
+
 def test_small_fleets_are_read_every_pass_as_before(tmp_path):
     engines = Counting(Engines.of("a", "b", "c"))
     c = make(tmp_path, engines, attention={"read_all_below": 64})
@@ -184,6 +198,7 @@ def test_resync_reads_spread_over_the_interval():
     from oomguard.remediator.policy import Desired, Observed
 
     o = Observed.from_state(Engines.of("x").state(type("T", (), {"name": "x", "url": ""})()))
+    att.read({n: {} for n in names})
     for n in names:
         att.settle(Verdict(n, o, Desired(False, o.admission_cap, "serving", "")), 0.0)
     per_tenth = [len(att.due(names, {}, config_policy(), t + 10.0)) for t in range(0, 100, 10)]

@@ -1,0 +1,263 @@
+"""Targets discovered from Kubernetes pods, with the static allowlist's guarantees.
+
+A pod is a target when it is in one of the configured namespaces, matches the label selector,
+runs, and has an IP. Its address is the pod IP the API server reports and the plugin port (the
+pod's `oomguard.io/plugin-port` annotation, or the configured port); its plugin token is the
+configured token file, or one of the configured Secrets (mounted as files) that the pod's
+`oomguard.io/plugin-token-secret` annotation names: an annotation can choose among the Secrets
+the operator listed, never name another one, so a pod cannot make the remediator send it some
+other Secret's token. Alerts still only select among these targets by labels (by default the
+`namespace` and `pod` labels a PodMonitor gives every series); they never supply an address.
+
+Each namespace is listed once, then watched from the list's resourceVersion through the official
+client (no polling of the whole list); a watch that ends is resumed from the last
+resourceVersion seen, and only a 410 Gone (the version was compacted away) lists again.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # config.py imports this module's DiscoveryConfig
+    from oomguard.remediator.config import TargetConfig
+
+log = logging.getLogger("oomguard.remediator.discovery")
+
+PORT_ANNOTATION = "oomguard.io/plugin-port"
+TOKEN_ANNOTATION = "oomguard.io/plugin-token-secret"
+MODEL_ANNOTATION = "oomguard.io/model"
+PodField = Literal["namespace", "pod", "node", "target"]
+
+
+class DiscoveryConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespaces: list[str] = Field(
+        min_length=1, description="Namespaces whose pods may be targets (a Role in each)."
+    )
+    label_selector: str = Field(
+        "oomguard.io/remediate=true", min_length=1, description="Pods that may be targets."
+    )
+    port: int = Field(8000, ge=1, le=65535, description="Plugin (vLLM server) port.")
+    scheme: Literal["http", "https"] = "http"
+    token_file: str | None = Field(None, description="Default plugin token (a mounted Secret).")
+    token_secrets: dict[str, str] = Field(
+        default_factory=dict,
+        description="Secret name -> its mounted file: the only Secrets a pod's "
+        f"{TOKEN_ANNOTATION} annotation may name.",
+    )
+    model_label: str = Field(
+        "app.kubernetes.io/name",
+        description=f"Pod label giving the model (or the {MODEL_ANNOTATION} annotation).",
+    )
+    match: dict[str, PodField] = Field(
+        default_factory=lambda: {"namespace": "namespace", "pod": "pod"},
+        description="Alert label -> pod field that selects the pod.",
+    )
+    watch_seconds: int = Field(300, ge=1, description="Each watch request's server timeout.")
+
+
+def _name(namespace: str, pod: str) -> str:
+    return f"{namespace}:{pod}"  # target names allow ':'; pod and namespace names do not
+
+
+def pod_target(pod: Mapping[str, Any], config: DiscoveryConfig) -> TargetConfig | None:
+    """The target a pod is, or None (not running, no IP, bad annotations, or deleted)."""
+    from oomguard.remediator.config import TargetConfig
+
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    namespace, name = meta.get("namespace"), meta.get("name")
+    if not isinstance(namespace, str) or not isinstance(name, str):
+        return None
+    if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+        return None
+    try:  # the API server's podIP, and only an IP address: never a host name or a path
+        ip = str(ipaddress.ip_address(status.get("podIP")))
+    except ValueError:
+        return None
+    annotations = meta.get("annotations") or {}
+    labels = meta.get("labels") or {}
+    port = config.port
+    if PORT_ANNOTATION in annotations:
+        raw = str(annotations[PORT_ANNOTATION])
+        if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+            log.warning("pod %s/%s: bad %s %r: not a target", namespace, name, PORT_ANNOTATION, raw)
+            return None
+        port = int(raw)
+    token_file = config.token_file
+    if TOKEN_ANNOTATION in annotations:
+        secret = str(annotations[TOKEN_ANNOTATION])
+        if secret not in config.token_secrets:
+            log.warning(
+                "pod %s/%s names Secret %r, which is not in discovery.token_secrets: not a target",
+                namespace,
+                name,
+                secret,
+            )
+            return None
+        token_file = config.token_secrets[secret]
+    host = f"[{ip}]" if ":" in ip else ip
+    target = _name(namespace, name)
+    fields = {
+        "namespace": namespace,
+        "pod": name,
+        "node": str((pod.get("spec") or {}).get("nodeName") or ""),
+        "target": target,
+    }
+    model = annotations.get(MODEL_ANNOTATION) or labels.get(config.model_label) or ""
+    try:
+        return TargetConfig(
+            name=target,
+            url=f"{config.scheme}://{host}:{port}",
+            model=str(model),
+            token_file=token_file,
+            match={label: fields[field] for label, field in config.match.items()},
+        )
+    except ValueError as exc:  # e.g. a pod IP that is no address
+        log.warning("pod %s/%s is not a valid target: %s", namespace, name, exc)
+        return None
+
+
+class PodDiscovery:
+    """Watches the configured namespaces; `targets()` is the discovered allowlist now and
+    `version` changes whenever it does."""
+
+    def __init__(
+        self,
+        config: DiscoveryConfig,
+        api_client: Any,
+        on_change: Callable[[], None] = lambda: None,
+        backoff: float = 1.0,
+    ) -> None:
+        from kubernetes import client
+
+        self.config = config
+        self.core = client.CoreV1Api(api_client)
+        self.on_change = on_change
+        self.backoff = backoff
+        self.version = 0
+        self.lists = 0  # full lists made (at start, and after a 410 Gone)
+        self._pods: dict[str, dict[str, TargetConfig | None]] = {ns: {} for ns in config.namespaces}
+        self._synced = {ns: threading.Event() for ns in config.namespaces}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watches: list[Any] = []
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def from_environment(cls, config: DiscoveryConfig) -> PodDiscovery:
+        from kubernetes import client
+        from kubernetes import config as kube_config
+
+        try:
+            kube_config.load_incluster_config()
+        except kube_config.ConfigException:
+            kube_config.load_kube_config()
+        return cls(config, client.ApiClient())
+
+    def targets(self) -> list[TargetConfig]:
+        with self._lock:
+            found = [t for pods in self._pods.values() for t in pods.values() if t is not None]
+        return sorted(found, key=lambda t: t.name)
+
+    def wait_synced(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self._synced.values())
+
+    # -- one namespace -------------------------------------------------------------------------
+    def _set(self, namespace: str, pods: dict[str, TargetConfig | None], replace: bool) -> None:
+        with self._lock:
+            before = self._pods[namespace]
+            after = dict(pods) if replace else {**before, **pods}
+            after = {k: v for k, v in after.items() if v is not None}
+            changed = after != before
+            self._pods[namespace] = after
+            if changed:
+                self.version += 1
+        if changed:
+            self.on_change()
+
+    def _list(self, namespace: str) -> str:
+        r = self.core.list_namespaced_pod(
+            namespace, label_selector=self.config.label_selector, _preload_content=False
+        )
+        body = json.loads(r.data)
+        self.lists += 1
+        pods = {
+            item["metadata"]["name"]: pod_target(item, self.config)
+            for item in body.get("items") or []
+            if isinstance(item, dict) and isinstance(item.get("metadata"), dict)
+        }
+        self._set(namespace, pods, replace=True)
+        self._synced[namespace].set()
+        return str(body["metadata"]["resourceVersion"])
+
+    def _watch(self, namespace: str, version: str) -> str:
+        """Watch from `version` until the server ends the request; the last version seen."""
+        from kubernetes import watch
+
+        w = watch.Watch()
+        self._watches.append(w)
+        try:
+            for event in w.stream(
+                self.core.list_namespaced_pod,
+                namespace,
+                label_selector=self.config.label_selector,
+                resource_version=version,
+                timeout_seconds=self.config.watch_seconds,
+                allow_watch_bookmarks=True,
+            ):
+                if self._stop.is_set():
+                    break
+                kind, obj = event.get("type"), event.get("raw_object") or {}
+                meta = obj.get("metadata") or {}
+                version = str(meta.get("resourceVersion") or version)
+                name = meta.get("name")
+                if kind == "BOOKMARK" or not isinstance(name, str):
+                    continue
+                target = None if kind == "DELETED" else pod_target(obj, self.config)
+                self._set(namespace, {name: target}, replace=False)
+        finally:
+            self._watches.remove(w)
+        return version
+
+    def _run(self, namespace: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        version: str | None = None
+        while not self._stop.is_set():
+            try:
+                if version is None:
+                    version = self._list(namespace)
+                version = self._watch(namespace, version)
+            except ApiException as exc:
+                if exc.status == 410:  # compacted away: list again, then watch from there
+                    log.info("pods in %s: resourceVersion %s gone, listing", namespace, version)
+                    version = None
+                    continue
+                log.warning("pods in %s: %s (retrying; targets kept)", namespace, exc)
+                self._stop.wait(self.backoff)
+            except Exception as exc:  # unreachable API, bad answer: keep what is known
+                log.warning("pods in %s: %s (retrying; targets kept)", namespace, exc)
+                self._stop.wait(self.backoff)
+
+    def start(self) -> None:
+        for ns in self.config.namespaces:
+            t = threading.Thread(target=self._run, args=(ns,), name=f"discovery-{ns}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for w in list(self._watches):
+            w.stop()
+        for t in self._threads:
+            t.join(timeout=5)

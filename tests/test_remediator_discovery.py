@@ -1,0 +1,211 @@
+"""Targets discovered from pods through the official client's list + watch, against the
+Kubernetes API stand-in: resumable on resourceVersion, no re-listing, and the allowlist's
+guarantees (alerts select among discovered pods, never supply an address or a Secret)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kubernetes import client
+from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.controller import Controller
+from oomguard.remediator.discovery import DiscoveryConfig, PodDiscovery, pod_target
+from oomguard.remediator.metrics import RemediatorMetrics
+from oomguard.remediator.webhook import parse
+
+from tests.kube_standin import KubeStandIn
+from tests.remediator_helpers import Engines, alert, config, payload
+
+NS = "llm"
+ROLE = {
+    "apiVersion": "rbac.authorization.k8s.io/v1",
+    "kind": "Role",
+    "metadata": {"name": "oomguard-remediator-discovery", "namespace": NS},
+    "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
+}
+
+
+def pod(name: str, ip: str = "10.0.0.1", phase: str = "Running", **annotations: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {"oomguard.io/remediate": "true", "app.kubernetes.io/name": "llama"},
+            "annotations": annotations,
+        },
+        "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "vllm", "image": "v"}]},
+        "status": {"phase": phase, "podIP": ip},
+    }
+
+
+def api(standin: KubeStandIn) -> client.ApiClient:
+    cfg = client.Configuration()
+    cfg.host = standin.url
+    cfg.api_key = {"BearerToken": "kube-token"}
+    cfg.api_key_prefix = {"BearerToken": "Bearer"}
+    return client.ApiClient(cfg)
+
+
+def until(check: Callable[[], bool], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def discovery(standin: KubeStandIn, **cfg) -> PodDiscovery:
+    config = DiscoveryConfig(namespaces=[NS], watch_seconds=2, **cfg)
+    return PodDiscovery(config, api(standin), backoff=0.1)
+
+
+def names(d: PodDiscovery) -> list[str]:
+    return [t.name for t in d.targets()]
+
+
+def test_pods_are_listed_once_then_followed_by_watch_with_no_relisting():
+    standin = KubeStandIn([], ROLE)
+    standin.put_pod(pod("vllm-0", "10.0.0.1"))
+    other = pod("not-selected", "10.0.0.9")
+    other["metadata"]["labels"] = {}
+    standin.put_pod(other)
+    d = discovery(standin)
+    d.start()
+    try:
+        assert d.wait_synced(10)
+        assert names(d) == ["llm:vllm-0"]
+        assert d.targets()[0].url == "http://10.0.0.1:8000"
+        assert d.targets()[0].model == "llama"
+        standin.put_pod(pod("vllm-1", "10.0.0.2", **{"oomguard.io/plugin-port": "9000"}))
+        assert until(lambda: names(d) == ["llm:vllm-0", "llm:vllm-1"])
+        assert d.targets()[1].url == "http://10.0.0.2:9000"
+        standin.put_pod(pod("vllm-0", "10.0.0.7"))  # rescheduled: a new IP
+        assert until(lambda: d.targets()[0].url == "http://10.0.0.7:8000")
+        standin.delete_pod(NS, "vllm-1")
+        assert until(lambda: names(d) == ["llm:vllm-0"])
+        time.sleep(2.5)  # the watch request times out and is resumed
+        standin.put_pod(pod("vllm-2", "10.0.0.3"))
+        assert until(lambda: "llm:vllm-2" in names(d))
+        lists = [r for r in standin.requests if "/pods" in r.path and "watch" not in r.path]
+        watches = [r for r in standin.requests if "watch=" in r.path.lower()]
+        assert len(lists) == 1 and d.lists == 1  # the whole list read once
+        assert len(watches) >= 2
+        resumed = watches[-1].path
+        assert "resourceVersion=" in resumed and "resourceVersion=0" not in resumed
+    finally:
+        d.stop()
+        standin.close()
+
+
+def test_a_compacted_version_is_listed_again_and_nothing_is_lost():
+    standin = KubeStandIn([], ROLE)
+    standin.put_pod(pod("vllm-0"))
+    d = discovery(standin)
+    d.start()
+    try:
+        assert d.wait_synced(10)
+        # while the watch is between requests, history is compacted and a pod comes and goes
+        standin.compact()
+        standin.put_pod(pod("vllm-1", "10.0.0.2"))
+        standin.compact()
+        assert until(lambda: names(d) == ["llm:vllm-0", "llm:vllm-1"], timeout=15)
+        assert d.lists >= 1
+    finally:
+        d.stop()
+        standin.close()
+
+
+def test_an_api_outage_keeps_the_targets_and_recovers():
+    standin = KubeStandIn([], ROLE)
+    standin.put_pod(pod("vllm-0"))
+    d = discovery(standin)
+    d.start()
+    try:
+        assert d.wait_synced(10)
+        standin.down = True
+        standin.end_watches()
+        time.sleep(1)
+        assert names(d) == ["llm:vllm-0"]  # kept: an outage is not an empty fleet
+        standin.down = False
+        standin.put_pod(pod("vllm-1", "10.0.0.2"))
+        assert until(lambda: names(d) == ["llm:vllm-0", "llm:vllm-1"], timeout=15)
+    finally:
+        d.stop()
+        standin.close()
+
+
+def test_without_rbac_to_watch_nothing_is_discovered():
+    role = {**ROLE, "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]}
+    standin = KubeStandIn([], role)
+    standin.put_pod(pod("vllm-0"))
+    d = discovery(standin)
+    d.start()
+    try:
+        assert d.wait_synced(10)  # listed...
+        assert until(lambda: any(r.status == 403 for r in standin.requests))  # ...not watched
+    finally:
+        d.stop()
+        standin.close()
+
+
+def test_what_a_pod_may_and_may_not_say_about_itself():
+    cfg = DiscoveryConfig(
+        namespaces=[NS], token_file="/run/default-token", token_secrets={"llama-token": "/run/t"}
+    )
+    assert pod_target(pod("a"), cfg).token_file == "/run/default-token"
+    named = pod_target(pod("a", **{"oomguard.io/plugin-token-secret": "llama-token"}), cfg)
+    assert named.token_file == "/run/t"
+    # a Secret the operator did not list: the pod is no target (it gets no token at all)
+    assert pod_target(pod("a", **{"oomguard.io/plugin-token-secret": "admin-token"}), cfg) is None
+    for port in ("0", "70000", "80; rm -rf /", "8000@evil.example"):
+        assert pod_target(pod("a", **{"oomguard.io/plugin-port": port}), cfg) is None
+    assert pod_target(pod("a", phase="Pending"), cfg) is None
+    assert pod_target(pod("a", ip=""), cfg) is None
+    assert pod_target(pod("a", ip="evil.example/x"), cfg) is None
+    v6 = pod_target(pod("a", ip="fd00::1"), cfg)
+    assert v6.url == "http://[fd00::1]:8000"
+    assert v6.selector() == {"namespace": NS, "pod": "a"}
+
+
+def test_alerts_select_among_discovered_pods_and_never_supply_an_address(tmp_path):
+    standin = KubeStandIn([], ROLE)
+    for i in range(3):
+        standin.put_pod(pod(f"vllm-{i}", f"10.0.0.{i + 1}"))
+    d = discovery(standin)
+    d.start()
+    try:
+        assert d.wait_synced(10)
+        engines = Engines.of(*names(d))
+        cfg = config(tmp_path, "placeholder")
+        c = Controller(cfg, engines, AuditLog(cfg.audit_log), RemediatorMetrics())
+        c.set_targets(d.targets())
+        assert sorted(c.targets) == names(d)
+        # selected by the PodMonitor's labels; `target`/`instance` labels pointing elsewhere
+        # do not matter, and no label can add a target
+        hit = alert(
+            "OomguardMemoryPressure",
+            "http://attacker.example:8000",
+            namespace=NS,
+            pod="vllm-1",
+            instance="attacker.example:8000",
+            fingerprint="h",
+        )
+        stray = alert("OomguardMemoryPressure", "x", namespace=NS, pod="vllm-9", fingerprint="s")
+        receipt = c.receive(parse(payload(hit, stray)))
+        c.reconcile()
+        assert engines.engines["llm:vllm-1"].cap == 80
+        assert list(receipt.ignored) == ["s"]
+        assert {t.url for t in c.targets.values()} == {f"http://10.0.0.{i}:8000" for i in (1, 2, 3)}
+        # the pod goes away: its alerts select nothing, the controller drops it
+        standin.delete_pod(NS, "vllm-1")
+        assert until(lambda: "llm:vllm-1" not in names(d))
+        c.set_targets(d.targets())
+        assert "llm:vllm-1" not in c.targets and "llm:vllm-1" not in c.status
+        c.close()
+    finally:
+        d.stop()
+        standin.close()

@@ -1,0 +1,164 @@
+"""Leader election on a coordination.k8s.io Lease, through the official client, against the
+Kubernetes API stand-in (RBAC, schema and resourceVersion conflicts checked)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kubernetes import client
+from oomguard.remediator.leader import LeaderElectionConfig, LeaseElector
+
+from tests.kube_standin import KubeStandIn
+
+NS = "oomguard"
+ROLE = {
+    "apiVersion": "rbac.authorization.k8s.io/v1",
+    "kind": "Role",
+    "metadata": {"name": "oomguard-remediator", "namespace": NS},
+    "rules": [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["oomguard-remediator"],
+            "verbs": ["get", "update"],
+        },
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    ],
+}
+
+
+def api(standin: KubeStandIn, token: str = "kube-token") -> client.ApiClient:
+    cfg = client.Configuration()
+    cfg.host = standin.url
+    cfg.api_key = {"BearerToken": token}
+    cfg.api_key_prefix = {"BearerToken": "Bearer"}
+    return client.ApiClient(cfg)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def elector(standin, who: str, clock: Clock, changes: list | None = None) -> LeaseElector:
+    cfg = LeaderElectionConfig(
+        namespace=NS, lease_seconds=15, renew_deadline_seconds=10, retry_seconds=2
+    )
+    seen = changes if changes is not None else []
+    return LeaseElector(
+        cfg, who, api(standin), lambda leading: seen.append((who, leading)), clock=clock
+    )
+
+
+def test_one_replica_leads_and_a_standby_takes_over_after_the_lease_period():
+    standin = KubeStandIn([], ROLE)
+    clock, changes = Clock(), []
+    a, b = elector(standin, "a", clock, changes), elector(standin, "b", clock, changes)
+    try:
+        assert a.try_once() and not b.try_once()
+        lease = standin.leases[(NS, "oomguard-remediator")]
+        assert lease["spec"]["holderIdentity"] == "a"
+        for _ in range(5):  # a renews; b watches the record change and never takes over
+            clock.t += 2
+            assert a.try_once() and not b.try_once()
+        clock.t += 14.9  # a stopped renewing (killed): not yet expired for b
+        assert not b.try_once()
+        assert not a.leading  # past its renew deadline: a acts no more, whatever b does
+        clock.t += 0.2
+        assert b.try_once()
+        lease = standin.leases[(NS, "oomguard-remediator")]
+        assert lease["spec"]["holderIdentity"] == "b" and lease["spec"]["leaseTransitions"] == 1
+        assert not a.try_once()  # a comes back: b holds a fresh lease, a stands by
+        assert [c for c in changes if c[0] == "a"] == [("a", True), ("a", False)]
+        assert [c for c in changes if c[0] == "b"] == [("b", True)]
+    finally:
+        standin.close()
+
+
+def test_a_leader_that_cannot_renew_stops_acting_before_anyone_may_take_over():
+    standin = KubeStandIn([], ROLE)
+    clock = Clock()
+    a, b = elector(standin, "a", clock), elector(standin, "b", clock)
+    try:
+        assert a.try_once() and not b.try_once()
+        standin.down = True  # the API server is unreachable for a
+        for _ in range(5):
+            clock.t += 2
+            a.try_once()
+        assert not a.leading  # 10 s without a renewal: stepped down
+        standin.down = False
+        clock.t += 5.1  # only now, 15 s after a's last renewal was seen, may b take it
+        assert b.try_once() and not a.try_once()
+    finally:
+        standin.close()
+
+
+def test_racing_standbys_one_wins_by_resource_version():
+    standin = KubeStandIn([], ROLE)
+    clock = Clock()
+    old = elector(standin, "old", clock)
+    try:
+        assert old.try_once()
+        standbys = [elector(standin, f"s{i}", clock) for i in range(4)]
+        for s in standbys:
+            assert not s.try_once()
+        clock.t += 16
+        barrier = threading.Barrier(len(standbys))
+        results: dict[str, bool] = {}
+
+        def go(s: LeaseElector) -> None:
+            barrier.wait()
+            results[s.identity] = s.try_once()
+
+        threads = [threading.Thread(target=go, args=(s,)) for s in standbys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        winners = [k for k, v in results.items() if v]
+        assert len(winners) == 1, results
+        assert standin.leases[(NS, "oomguard-remediator")]["spec"]["holderIdentity"] == winners[0]
+        assert any(r.status == 409 for r in standin.requests)
+    finally:
+        standin.close()
+
+
+def test_a_replica_without_the_rbac_never_leads():
+    role = {**ROLE, "rules": ROLE["rules"][:1]}  # no create
+    standin = KubeStandIn([], role)
+    try:
+        assert not elector(standin, "a", Clock()).try_once()
+        assert standin.requests[-1].status == 403
+    finally:
+        standin.close()
+
+
+def test_release_on_stop_lets_a_standby_take_over_at_once():
+    standin = KubeStandIn([], ROLE)
+    cfg = LeaderElectionConfig(
+        namespace=NS, lease_seconds=3, renew_deadline_seconds=2, retry_seconds=0.2
+    )
+    a = LeaseElector(cfg, "a", api(standin))
+    b = LeaseElector(cfg, "b", api(standin))
+    try:
+        a.start()
+        deadline = time.monotonic() + 10
+        while not a.leading and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.leading
+        b.start()
+        time.sleep(0.5)
+        assert not b.leading
+        a.stop()
+        t0 = time.monotonic()
+        while not b.leading and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert b.leading and time.monotonic() - t0 < 1.5  # well within the 3 s lease
+    finally:
+        a.stop()
+        b.stop(release=False)
+        standin.close()
