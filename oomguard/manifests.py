@@ -7,8 +7,8 @@ deploy/kubernetes/:
                      needs in the vLLM namespace: get/patch on the named workloads only
   vllm-example.yaml  a vLLM Deployment with the plugin: VLLM_PLUGINS, tokens from a Secret,
                      readiness on the plugin's ready route, a PodDisruptionBudget
-  monitoring.yaml    PrometheusRule from the generated rules, the Alertmanager config Secret
-                     (prometheus-operator conventions)
+  monitoring.yaml    PrometheusRule from the generated rules, an AlertmanagerConfig with their
+                     routes (the cluster's own Alertmanager configuration is left alone)
   dashboards.yaml    one ConfigMap per dashboard for Grafana's sidecar (label grafana_dashboard)
   kustomization.yaml all of the above
   keda-example.yaml  (not in the kustomization: needs KEDA) a ScaledObject that scales a vLLM
@@ -25,6 +25,7 @@ in both namespaces, created by the operator (docs/kubernetes.md).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +211,11 @@ def remediator_config() -> dict[str, Any]:
             }
         ],
         "audit_log": "/var/lib/oomguard/remediator-audit.jsonl",
-        "alertmanager": {"url": "http://alertmanager-operated.monitoring.svc:9093"},
+        "alertmanager": {
+            "url": "http://alertmanager-operated.monitoring.svc:9093",
+            # the operator names an AlertmanagerConfig's receivers <namespace>/<name>/<receiver>
+            "receiver": f"{NS}/oomguard/remediator",
+        },
     }
 
 
@@ -434,16 +439,96 @@ def vllm_example(t: AlertThresholds) -> list[dict[str, Any]]:
     ]
 
 
+_MATCHER = re.compile(r'^(\w+)(=~|!~|!=|=)"(.*)"$')
+
+
+def _matchers(matchers: list[str]) -> list[dict[str, str]]:
+    """Alertmanager's `name="value"` strings as an AlertmanagerConfig's matcher objects."""
+    out = []
+    for m in matchers:
+        found = _MATCHER.match(m)
+        if not found:
+            raise ValueError(f"matcher not understood: {m}")
+        name, op, value = found.groups()
+        # "=" is the default when matchType is left out (and a bare = in YAML reads as a tag
+        # to some parsers)
+        out.append({"name": name, "value": value} | ({} if op == "=" else {"matchType": op}))
+    return out
+
+
+def _route(route: dict[str, Any]) -> dict[str, Any]:
+    keys = {
+        "receiver": "receiver",
+        "group_by": "groupBy",
+        "group_wait": "groupWait",
+        "group_interval": "groupInterval",
+        "repeat_interval": "repeatInterval",
+        "continue": "continue",
+    }
+    out = {camel: route[key] for key, camel in keys.items() if key in route}
+    if "matchers" in route:
+        out["matchers"] = _matchers(route["matchers"])
+    if "routes" in route:
+        out["routes"] = [_route(r) for r in route["routes"]]
+    return out
+
+
+def _receiver(receiver: dict[str, Any]) -> dict[str, Any]:
+    if receiver["name"] != "remediator":
+        # the single box's placeholder webhooks would fail in a cluster (and raise
+        # OomguardAlertmanagerWebhookFailing): add your pager and ticket integrations here
+        return {"name": receiver["name"]}
+    (hook,) = receiver["webhook_configs"]
+    return {
+        "name": "remediator",
+        "webhookConfigs": [
+            {
+                "url": f"http://oomguard-remediator.{NS}.svc:9849/v1/alertmanager",
+                "sendResolved": hook["send_resolved"],
+                "maxAlerts": hook["max_alerts"],
+                "httpConfig": {
+                    "authorization": {
+                        "type": "Bearer",
+                        "credentials": {"name": "oomguard-tokens", "key": "remediator-token"},
+                    }
+                },
+            }
+        ],
+    }
+
+
+def alertmanager_config(alertmanager: dict[str, Any]) -> dict[str, Any]:
+    """The single box's routes, receivers and inhibitions as an AlertmanagerConfig in the
+    oomguard namespace: the operator merges it into the cluster's Alertmanager and leaves the
+    rest of that configuration alone. It scopes the route and the inhibitions to alerts with
+    namespace="oomguard", which is why the PrometheusRule labels every alert so."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1alpha1",
+        "kind": "AlertmanagerConfig",
+        "metadata": _meta("oomguard"),
+        "spec": {
+            "route": _route(alertmanager["route"]),
+            "receivers": [_receiver(r) for r in alertmanager["receivers"]],
+            "inhibitRules": [
+                {
+                    "sourceMatch": _matchers(r["source_matchers"]),
+                    "targetMatch": _matchers(r["target_matchers"]),
+                    "equal": r["equal"],
+                }
+                for r in alertmanager["inhibit_rules"]
+            ],
+        },
+    }
+
+
 def monitoring(rules: dict[str, Any], alertmanager: dict[str, Any]) -> list[dict[str, Any]]:
-    am = json.loads(json.dumps(alertmanager))
-    for receiver in am["receivers"]:
-        for hook in receiver.get("webhook_configs", []):
-            if receiver["name"] == "remediator":
-                hook["url"] = f"http://oomguard-remediator.{NS}.svc:9849/v1/alertmanager"
-                # prometheus-operator mounts Alertmanager.spec.secrets under this path
-                hook["http_config"]["authorization"]["credentials_file"] = (
-                    "/etc/alertmanager/secrets/oomguard-tokens/remediator-token"
-                )
+    rules = json.loads(json.dumps(rules))
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                # routes into the AlertmanagerConfig (the operator matches its namespace); for
+                # alerts on the exporter's or the remediator's series it is already this one
+                rule["labels"]["namespace"] = NS
     return [
         {
             "apiVersion": "monitoring.coreos.com/v1",
@@ -451,13 +536,7 @@ def monitoring(rules: dict[str, Any], alertmanager: dict[str, Any]) -> list[dict
             "metadata": _meta("oomguard", "monitoring"),
             "spec": rules,
         },
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": _meta("alertmanager-main", "monitoring"),
-            "type": "Opaque",
-            "stringData": {"alertmanager.yaml": yamlfmt.dump(am)},
-        },
+        alertmanager_config(alertmanager),
     ]
 
 

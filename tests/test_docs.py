@@ -238,12 +238,6 @@ def test_kubernetes_walkthrough(tmp_path):
     assert any(c.startswith("kubectl get crd") for c in calls)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="oomguard/manifests.py still generates the Secret monitoring/alertmanager-main "
-    "(it replaces the cluster's Alertmanager configuration); docs/kubernetes.md describes the "
-    "AlertmanagerConfig it should generate instead",
-)
 def test_kubernetes_manifests_leave_the_cluster_alertmanager_alone(tmp_path):
     need("kubectl")
     root, _ = sandbox(tmp_path, "docs/kubernetes.md")

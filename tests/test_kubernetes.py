@@ -25,7 +25,7 @@ from oomguard.engine_env import INITIAL_CAP_ENV
 from tests.kube_standin import K8S_VERSION, KubeStandIn
 from tests.remediator_helpers import Engines, alert, payload
 
-CRDS = {"PodMonitor", "PrometheusRule"}
+CRDS = {"PodMonitor", "PrometheusRule", "AlertmanagerConfig"}
 
 
 def docs(repo_root, name: str) -> list[dict]:
@@ -56,7 +56,31 @@ def test_the_validation_would_catch_a_mistake(repo_root):
         kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
 
 
+def _plain(matchers: list[dict]) -> list[str]:
+    return [f'{m["name"]}{m.get("matchType", "=")}"{m["value"]}"' for m in matchers]
+
+
+def _plain_route(route: dict) -> dict:
+    """An AlertmanagerConfig route back in Alertmanager's own shape."""
+    keys = {
+        "receiver": "receiver",
+        "groupBy": "group_by",
+        "groupWait": "group_wait",
+        "groupInterval": "group_interval",
+        "repeatInterval": "repeat_interval",
+        "continue": "continue",
+    }
+    out = {plain: route[camel] for camel, plain in keys.items() if camel in route}
+    if "matchers" in route:
+        out["matchers"] = _plain(route["matchers"])
+    if "routes" in route:
+        out["routes"] = [_plain_route(r) for r in route["routes"]]
+    return out
+
+
 def test_prometheus_rule_and_alertmanager_config_pass_promtool_and_amtool(repo_root, tmp_path):
+    from oomguard.alerts.generate import alertmanager_config
+
     monitoring = docs(repo_root, "monitoring.yaml")
     rule = next(o for o in monitoring if o["kind"] == "PrometheusRule")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
@@ -64,16 +88,48 @@ def test_prometheus_rule_and_alertmanager_config_pass_promtool_and_amtool(repo_r
         ["promtool", "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    secret = next(o for o in monitoring if o["kind"] == "Secret")
-    am = yaml.safe_load(secret["stringData"]["alertmanager.yaml"])
-    hook = next(r for r in am["receivers"] if r["name"] == "remediator")["webhook_configs"][0]
-    assert hook["url"] == "http://oomguard-remediator.oomguard.svc:9849/v1/alertmanager"
-    (tmp_path / "am.yaml").write_text(secret["stringData"]["alertmanager.yaml"])
+    # the operator routes an AlertmanagerConfig only alerts of its namespace
+    (amc,) = [o for o in monitoring if o["kind"] == "AlertmanagerConfig"]
+    namespace = amc["metadata"]["namespace"]
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert all(r["labels"]["namespace"] == namespace for r in alerts)
+    # the same routes and inhibitions as the single box, in Alertmanager's own shape
+    spec = amc["spec"]
+    single_box = alertmanager_config()
+    assert _plain_route(spec["route"]) == single_box["route"]
+    assert [
+        {
+            "source_matchers": _plain(r["sourceMatch"]),
+            "target_matchers": _plain(r["targetMatch"]),
+            "equal": r["equal"],
+        }
+        for r in spec["inhibitRules"]
+    ] == single_box["inhibit_rules"]
+    # ... which amtool accepts, with receivers of the same names
+    plain = {
+        "route": _plain_route(spec["route"]),
+        "inhibit_rules": single_box["inhibit_rules"],
+        "receivers": [{"name": r["name"]} for r in spec["receivers"]],
+    }
+    (tmp_path / "am.yaml").write_text(yaml.safe_dump(plain))
     out = subprocess.run(
         ["amtool", "check-config", str(tmp_path / "am.yaml")], capture_output=True, text=True
     )
-    # the credentials file lives in the Alertmanager pod; everything else must check out
-    assert "credentials_file" in out.stdout + out.stderr or out.returncode == 0, out.stdout
+    assert out.returncode == 0, out.stdout + out.stderr
+    (hook,) = next(r for r in spec["receivers"] if r["name"] == "remediator")["webhookConfigs"]
+    assert hook["url"] == "http://oomguard-remediator.oomguard.svc:9849/v1/alertmanager"
+    assert hook["httpConfig"]["authorization"]["credentials"] == {
+        "name": "oomguard-tokens",
+        "key": "remediator-token",
+    }
+    assert hook["maxAlerts"] == 0 and hook["sendResolved"] is True
+    # the remediator's resync asks for the receiver under the name the operator gives it
+    config_map = next(o for o in docs(repo_root, "remediator.yaml") if o["kind"] == "ConfigMap")
+    config = RemediatorConfig.model_validate(yaml.safe_load(config_map["data"]["remediator.yaml"]))
+    assert config.alertmanager is not None
+    assert config.alertmanager.receiver == f"{namespace}/{amc['metadata']['name']}/remediator"
+    # the cluster's own Alertmanager configuration is left alone
+    assert not [o for o in monitoring if o["kind"] == "Secret"]
 
 
 def test_the_pieces_fit_together(repo_root):
