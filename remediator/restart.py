@@ -178,13 +178,14 @@ class RestartSequence:
         return RestartResult(False, "wait_ready", message)
 
     def _idle(self, target: Target) -> bool:
-        """Nothing running and nothing queued (or the plugin says it is drained): a restart now
-        drops no request. Running alone is not enough: a queued request would be lost."""
+        """Nothing queued, and nothing running (or the plugin says it is drained): a restart now
+        drops no request. The plugin's `drained` counts running requests only, so a queued
+        request is checked for here either way: it would be lost with the process."""
         try:
             state = self.plugin.state(target)
-            if state.get("drained") is True:
-                return True
-            return int(state["running"]) == 0 and int(state["waiting"]) == 0
+            if int(state["waiting"]) != 0:
+                return False
+            return state.get("drained") is True or int(state["running"]) == 0
         except (ActuatorError, KeyError, TypeError, ValueError):
             return False
 

@@ -528,3 +528,28 @@ def test_an_engine_the_exporter_is_blind_to_is_held_not_readmitted(tmp_path):
     send(c, alert("OomguardExporterBlind", "a", status="resolved", oomguard_action="hold"))
     assert engines.engines["a"].cap == 100  # it can see again: 5 clean admissions, full
     c.close()
+
+
+def test_a_restart_waits_for_queued_requests_too(tmp_path):
+    # found: the sequence waited only for running == 0, so queued requests would be dropped
+    import threading
+
+    from oomguard.remediator.actuator import Target
+    from oomguard.remediator.flags import Flags
+    from oomguard.remediator.restart import RestartSequence
+
+    engines = Engines.of("a", startup=64)
+    e = engines.engines["a"]
+    e.running, e.waiting = 0, 2  # nothing running, two requests still queued
+    backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
+    seq = RestartSequence(engines, backend, AuditLog(tmp_path / "audit.jsonl"), poll=0.05)
+    result = []
+    t = threading.Thread(
+        target=lambda: result.append(seq.run(Target("a", "http://x"), Flags(0.86, 51), "t", []))
+    )
+    t.start()
+    time.sleep(0.5)
+    assert backend.restarts == []  # a restart now would drop the queued requests
+    e.waiting = 0
+    t.join(10)
+    assert result[0].ok and [r[0] for r in backend.restarts] == [Flags(0.86, 51)]
