@@ -13,9 +13,10 @@ from typing import Any, Protocol
 
 import httpx
 
+from oomguard.contract import API_PREFIX
 from oomguard.errors import OomguardError
 
-API = "/oomguard/v1"
+API = API_PREFIX
 
 
 class ActuatorError(OomguardError):

@@ -30,8 +30,8 @@ from typing import Literal
 from oomguard.remediator.webhook import Alert
 from pydantic import BaseModel, ConfigDict, Field
 
-Action = Literal["lower_cap", "drain", "restart", "hold"]
-ACTIONS: tuple[Action, ...] = ("hold", "drain", "lower_cap", "restart")  # in order of precedence
+from oomguard.contract import ACTION_LABEL, ACTIONS, Action
+
 # Alerts that never act, whatever a label or the policy says: KV near 100 % is normal for vLLM.
 NEVER_ACT = frozenset({"OomguardKVCacheUsageHigh", "OomguardMemoryCaution", "Watchdog"})
 # Alerts that always hold their engine, whatever their labels say: the exporter cannot judge it.
@@ -118,7 +118,7 @@ def actions_for(alerts: Iterable[Alert], policy: PolicyConfig) -> set[Action]:
         if alert.name in ALWAYS_HOLD:
             wanted.add("hold")
             continue
-        action = policy.actions.get(alert.name) or alert.labels.get("oomguard_action")
+        action = policy.actions.get(alert.name) or alert.labels.get(ACTION_LABEL)
         if action in ACTIONS:
             wanted.add(action)  # type: ignore[arg-type]
     return wanted
