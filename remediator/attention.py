@@ -109,7 +109,8 @@ class Attention:
         asking = {n for n, alerts in firing.items() if alerts and actions_for(alerts, policy)}
         # an engine the decision may act on is decided with every peer of its model known
         urgent = {self._models.get(n) for n in asking}
-        batch = self.config.first_read_batch
+        # an alert on an engine never read goes first: no batch of strangers in its pass
+        batch = 0 if any(n not in self._last for n in asking) else self.config.first_read_batch
         out = []
         for name in ordered:
             until = self._quiet_until.get(name)

@@ -6,8 +6,9 @@ pod's `oomguard.io/plugin-port` annotation, or the configured port); its plugin 
 configured token file, or one of the configured Secrets (mounted as files) that the pod's
 `oomguard.io/plugin-token-secret` annotation names: an annotation can choose among the Secrets
 the operator listed, never name another one, so a pod cannot make the remediator send it some
-other Secret's token. Alerts still only select among these targets by labels (by default the
-`namespace` and `pod` labels a PodMonitor gives every series); they never supply an address.
+other Secret's token. Alerts still only select among these targets by labels (by default
+`instance`, which the exporter's alerts set to the node name, against the pod's node); they never
+supply an address.
 
 Each namespace is listed once, then watched from the list's resourceVersion through the official
 client (no polling of the whole list); a watch that ends is resumed from the last
@@ -59,8 +60,11 @@ class DiscoveryConfig(BaseModel):
         description=f"Pod label giving the model (or the {MODEL_ANNOTATION} annotation).",
     )
     match: dict[str, PodField] = Field(
-        default_factory=lambda: {"namespace": "namespace", "pod": "pod"},
-        description="Alert label -> pod field that selects the pod.",
+        default_factory=lambda: {"instance": "node"},
+        description="Alert label -> pod field that selects the pod. Default: the node, as "
+        "the exporter's alerts name it in `instance` (one engine per GPU node; two on a node "
+        "make its alerts ambiguous, and they act on neither); {namespace: namespace, pod: pod} "
+        "for alerts on series scraped from the vLLM pods themselves.",
     )
     watch_seconds: int = Field(300, ge=1, description="Each watch request's server timeout.")
 

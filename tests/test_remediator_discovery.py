@@ -168,14 +168,14 @@ def test_what_a_pod_may_and_may_not_say_about_itself():
     assert pod_target(pod("a", ip="evil.example/x"), cfg) is None
     v6 = pod_target(pod("a", ip="fd00::1"), cfg)
     assert v6.url == "http://[fd00::1]:8000"
-    assert v6.selector() == {"namespace": NS, "pod": "a"}
+    assert v6.selector() == {"instance": "gpu-node-1"}  # the exporter's alerts name the node
 
 
 def test_alerts_select_among_discovered_pods_and_never_supply_an_address(tmp_path):
     standin = KubeStandIn([], ROLE)
     for i in range(3):
         standin.put_pod(pod(f"vllm-{i}", f"10.0.0.{i + 1}"))
-    d = discovery(standin)
+    d = discovery(standin, match={"namespace": "namespace", "pod": "pod"})
     d.start()
     try:
         assert d.wait_synced(10)
