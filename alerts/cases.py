@@ -203,23 +203,26 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardMemoryCritical", "10m", critical))
 
     # blind: the exporter cannot judge the engine (level -1)
+    blind = level("blind", "0 -1x3 0x10")  # blind from 1m to 4m
     add(
         Case(
             "OomguardPressureBlind",
-            "12m",
-            level("blind", "-1x15"),
+            "1m",
+            blind,
             [
                 {
                     **L.engine,
                     "reason": "blind",
                     "severity": "warning",
-                    "description": f"The exporter on {NODE} lacks the data to judge {ENG}; the "
-                    "remediator holds it (blind is not healthy).",
+                    "oomguard_action": "hold",
+                    "description": f"The exporter on {NODE} lacks the data to judge {ENG} (reason "
+                    "blind); the remediator holds it (blind is not healthy).",
                 }
             ],
         )
     )
-    add(Case("OomguardPressureBlind", "12m", level("ok", "0x15")))
+    add(Case("OomguardPressureBlind", "5m", blind))  # clears at once: no hysteresis
+    add(Case("OomguardPressureBlind", "12m", level("headroom_caution", "1x15")))
 
     def gpu_level(v: str) -> dict[str, str]:
         return {sel("oomguard_gpu_pressure_level", {**L.gpu, "reason": "headroom_low"}): v}

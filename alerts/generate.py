@@ -9,6 +9,7 @@ from oomguard.alerts.cases import cases, expr_cases
 from oomguard.alerts.rules import Alert, all_alerts, rule_groups
 
 from oomguard import yamlfmt
+from oomguard.contract import ACTIONS as CONTRACT_ACTIONS
 from oomguard.thresholds import AlertThresholds
 
 RULES = Path("alerts/generated/oomguard.rules.yaml")
@@ -21,7 +22,7 @@ HEADER = (
 )
 
 REMEDIATOR_URL = "http://127.0.0.1:9849/v1/alertmanager"
-ACTIONS = ("lower_cap", "drain", "restart")
+ACTIONS = CONTRACT_ACTIONS  # hold, drain, lower_cap, restart
 
 
 def dump(data: Any) -> str:
@@ -172,7 +173,7 @@ def alertmanager_config(t: AlertThresholds | None = None) -> dict[str, Any]:
                 "source_matchers": ['alertname="OomguardExporterDown"'],
                 "target_matchers": [
                     'alertname=~"Oomguard(GpuMemory.*|Collector.*|MetricsStale|EngineDown'
-                    '|PressureBlind|KVCacheUsageHigh|MemoryCaution)"',
+                    '|KVCacheUsageHigh|MemoryCaution)"',
                     NOT_AN_ACTION,
                 ],
                 "equal": [c, "instance"],

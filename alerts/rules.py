@@ -214,6 +214,17 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             action="lower_cap",
         ),
         Alert(
+            # blind is not healthy: the remediator changes nothing on the engine while it fires
+            # (at once, and clears at once); a hold that lasts is OomguardRemediationHeld's ticket
+            "OomguardPressureBlind",
+            "oomguard_engine_pressure_level < 0",
+            "warning",
+            "oomguard cannot judge the memory pressure of a vLLM engine.",
+            f"The exporter on {{{{ $labels.instance }}}} lacks the data to judge {_ENGINE} "
+            f"{_REASON}; the remediator holds it (blind is not healthy).",
+            action="hold",
+        ),
+        Alert(
             "OomguardMemoryCritical",
             "oomguard_engine_pressure_level >= 3",
             "warning",
@@ -380,15 +391,6 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f'Prometheus has no target with job="{t.remediator_job}": the remediator is not '
             "deployed or not discovered, so nothing acts on oomguard alerts.",
             for_="15m",
-        ),
-        Alert(
-            "OomguardPressureBlind",
-            'oomguard_engine_pressure_level{reason="blind"}',
-            "warning",
-            "oomguard cannot judge the memory pressure of a vLLM engine.",
-            f"The exporter on {{{{ $labels.instance }}}} lacks the data to judge {_ENGINE}; the "
-            "remediator holds it (blind is not healthy).",
-            for_="10m",
         ),
         Alert(
             "OomguardCollectorDown",

@@ -12,6 +12,7 @@ from oomguard.alerts.rules import all_alerts, all_recording_rules, rule_groups
 
 from oomguard import manifests as k8s
 from oomguard.catalog import exported_names
+from oomguard.contract import ACTIONS
 from oomguard.thresholds import AlertThresholds
 from tests.conftest import VLLM_FIXTURE
 from tests.promql import metric_names
@@ -148,7 +149,7 @@ def test_mixin_conventions():
         assert a.description.endswith("."), a.name
         ann = a.annotations(T)
         assert ann["runbook_url"].endswith(f"/{a.name}.md")
-        assert a.action in {None, "lower_cap", "drain", "restart"}
+        assert a.action in {None, *ACTIONS}
 
 
 def test_recording_rules_are_named_level_metric_operations():
@@ -177,13 +178,15 @@ def test_alerts_keep_the_pressure_reason():
     for a in ALERTS:
         if "pressure_level" in a.expr and "gpu:" not in a.expr:
             assert "oomguard_engine_pressure_level" in a.expr, a.name
-            assert "$labels.reason" in a.description or a.name == "OomguardPressureBlind"
+            assert "$labels.reason" in a.description
 
 
 def test_action_alerts_use_the_short_hysteresis():
     t = AlertThresholds(action_keep_firing_for="15s", keep_firing_for="3m")
     for a in all_alerts(t):
-        if a.action:
+        if a.action == "hold":  # blind holds at once and clears at once
+            assert a.keep_firing_for is None and a.for_ == "0s", a.name
+        elif a.action:
             assert a.keep_firing_for == "15s", a.name
 
 
