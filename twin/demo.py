@@ -207,8 +207,9 @@ class Demo:
             period=PERIOD,
             start_timeout=START_TIMEOUT,
             served_name=incident.model,
-            # --quick does not wait for the crashed engine's model reload
-            recovery_watch_s=100 if self.opts.quick else RECOVERY_WATCH_S,
+            # long enough for the crashed engine's model reload (12 minutes of trace time) and
+            # its restart; --quick does not wait for it
+            recovery_watch_s=100 if self.opts.quick else 2 * RECOVERY_WATCH_S,
         )
         guarded = Fleet(
             incident,

@@ -111,6 +111,7 @@ class Gateway:
             s.engine = (k + attempt) % len(self.urls)
             url = self.urls[s.engine]
             attempt += 1
+            accepted = False  # the engine answered 200: the request is in it
             try:
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
                     if resp.status_code == 503:
@@ -119,7 +120,7 @@ class Gateway:
                     if resp.status_code != 200:
                         self._end(s, "lost", f"HTTP {resp.status_code}")
                         return
-                    failed = False
+                    accepted, failed = True, False
                     async for line in resp.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
@@ -140,10 +141,12 @@ class Gateway:
                         self._end(s, "lost", "error mid-stream" if failed else "no tokens")
                     return
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-                if s.first_token_s is not None or isinstance(exc, httpx.ReadError):
+                if s.first_token_s is not None or (accepted and isinstance(exc, httpx.ReadError)):
                     # the engine died under a request in flight
                     self._end(s, "lost", "engine died mid-request")
                     return
+                # refused, or reset before the engine answered (a restarting engine, a closed
+                # keep-alive connection): nothing was served, the gateway tries again
                 await asyncio.sleep(0.05)
         self._end(s, "lost", "no engine took it before the deadline")
 
@@ -235,6 +238,7 @@ class Fleet:
         self.gateway: Gateway | None = None
         self.t0 = 0.0
         self.t0_wall = 0.0
+        self.ended_s = 0.0  # trace time when the replay (and the recovery watch) ended
         self.views = [EngineView() for _ in range(engines)]
         self.history: list[list[EngineView]] = []  # the views at each driver pass
         self.crash_times: list[float] = []  # trace seconds of every CUDA OOM exit
@@ -380,6 +384,7 @@ class Fleet:
                 feeder.cancel()
 
             asyncio.run(watch())
+        self.ended_s = self.now()
         self._stop.set()
         for thread in self._threads:
             thread.join(15)
