@@ -273,6 +273,8 @@ def _int(cfg: dict[str, Any], *names: str, default: int | None = None) -> int | 
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BudgetError(f"config.json field {names[0]} is not a number: {value!r}")
+    if not math.isfinite(value) or not 0 <= value < 2**48:
+        raise BudgetError(f"config.json field {names[0]} is out of range: {value!r}")
     return int(value)
 
 
@@ -331,7 +333,8 @@ def _quantization(cfg: dict[str, Any]) -> Quantization:
     excluded = [
         str(p)
         for key in ("modules_to_not_convert", "ignored_layers", "ignore", "llm_int8_skip_modules")
-        for p in (qc.get(key) or [])
+        if isinstance(qc.get(key), list)
+        for p in qc[key]
     ]
     attention_excluded = any("attn" in p or "attention" in p for p in excluded) or any(
         fnmatch.fnmatch("model.layers.0.self_attn.q_proj", p) for p in excluded
@@ -343,8 +346,8 @@ def _quantization(cfg: dict[str, Any]) -> Quantization:
         # 4-bit E2M1 values, one E8M0 scale per 32 values: 4.25 bits; experts only.
         return Quantization(method, 4.25 / 8, True, experts_only=True)
     if method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "auto-round", "autoround"):
-        bits = int(qc.get("bits") or qc.get("w_bit") or 4)
-        group = int(qc.get("group_size") or qc.get("q_group_size") or 128)
+        bits = _int(qc, "bits", "w_bit", default=4) or 4
+        group = _int(qc, "group_size", "q_group_size", default=128) or 128
         group = group if group > 0 else 4096  # -1: one scale per output channel
         # per group: one FP16 scale and one packed zero point of `bits` bits
         return Quantization(method, (bits + (16 + bits) / group) / 8, attention_excluded)
@@ -355,11 +358,12 @@ def _quantization(cfg: dict[str, Any]) -> Quantization:
         return Quantization(method, 0.5 + 4 / 64, attention_excluded)
     if method == "compressed-tensors":
         bits, group = 8, 0
-        for grp in (qc.get("config_groups") or {}).values():
+        groups = qc.get("config_groups")
+        for grp in groups.values() if isinstance(groups, dict) else []:
             w = grp.get("weights") if isinstance(grp, dict) else None
             if isinstance(w, dict) and w.get("num_bits"):
-                bits = int(w["num_bits"])
-                group = int(w.get("group_size") or 0)
+                bits = _int(w, "num_bits", default=8) or 8
+                group = _int(w, "group_size", default=0) or 0
                 break
         scale = 16 / group if group else 0.0
         return Quantization(method, (bits + scale) / 8, attention_excluded)
@@ -420,7 +424,7 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     mla_dims = None
     if cfg.get("kv_lora_rank"):
         rope = _int(cfg, "qk_rope_head_dim", default=0) or 0
-        mla = int(cfg["kv_lora_rank"]) + rope
+        mla = (_int(cfg, "kv_lora_rank", default=0) or 0) + rope
         mla_dims = (
             _int(cfg, "q_lora_rank", default=0) or 0,
             _int(cfg, "qk_nope_head_dim", default=0) or 0,
@@ -646,8 +650,10 @@ def kv_capacity(
         for s in stage
         if s.owns_cache
     ]
-    if not specs:
-        raise BudgetError("no layer of this model owns a KV cache")
+    if not specs or any(spec.page_bytes <= 0 for spec in specs):
+        raise BudgetError("a layer of this model caches 0 bytes a token: check its head counts")
+    if max_model_len <= 0 or block_size <= 0 or max_num_batched_tokens <= 0:
+        raise BudgetError("max_model_len, block size and max_num_batched_tokens must be positive")
     groups = _groups(specs)
     bytes_per_block = max(spec.page_bytes * layers for spec, layers in groups)
     concurrent_batches = (
@@ -789,6 +795,12 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
             raise BudgetError(f"{name} must be at least 1")
     if inp.gpu_memory_bytes <= 0:
         raise BudgetError("GPU memory must be positive")
+    for name in ("max_model_len", "max_num_seqs", "block_size", "max_num_batched_tokens"):
+        value = getattr(inp, name)
+        if value is not None and value < 1:
+            raise BudgetError(f"{name} must be at least 1")
+    if inp.context_len is not None and inp.context_len < 1:
+        raise BudgetError("context_len must be at least 1")
     tp = inp.tensor_parallel_size
     warnings: list[str] = []
     notes: list[str] = list(shape.notes)

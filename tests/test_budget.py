@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oomguard.budget import (
     GIB,
@@ -424,3 +426,46 @@ def test_vllm_serve_defaults_by_gpu() -> None:
     assert serve_defaults(cuda_total_bytes("B200"), "B200") == (16384, 1024)
     assert serve_defaults(cuda_total_bytes("L4"), "L4") == (2048, 256)
     assert cuda_total_bytes("H100") == (81559 - 567) * 2**20
+
+
+# -- untrusted input --------------------------------------------------------------------------
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=8,
+)
+FIELDS = sorted(
+    {k for name in CONFIG_NAMES for k in config(name)}
+    | {"text_config", "per_layer_config", "hybrid_layer_pattern", "sliding_window_size"}
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(CONFIG_NAMES),
+    changes=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=4),
+    quant=st.dictionaries(
+        st.sampled_from(["quant_method", "bits", "group_size", "config_groups", "ignore"]),
+        JSON_VALUES,
+        max_size=3,
+    ),
+)
+def test_any_config_is_sized_or_refused_with_a_budget_error(
+    name: str, changes: dict[str, Any], quant: dict[str, Any]
+) -> None:
+    """A config.json is untrusted input: whatever its fields hold, the budget either sizes it
+    or refuses it with a BudgetError (one line, exit 2), never another exception."""
+    cfg = {**config(name), **changes}
+    if quant:
+        cfg["quantization_config"] = quant
+    try:
+        s = shape_from_hf_config(cfg)
+        compute(s, BudgetInputs(gpu_memory_bytes=80 * GIB, max_model_len=4096))
+    except BudgetError as exc:
+        assert str(exc) and "\n" not in str(exc)
