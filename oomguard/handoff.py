@@ -57,6 +57,7 @@ from oomguard.errors import HandoffError
 
 SCHEMA = "oomguard.allocator.v1"
 MAX_FILE_BYTES = 64 * 1024
+REPORT_MODE = 0o644
 MAX_FILES = 1024  # ranks on one node: 8 GPUs x a few processes; far more is a runaway writer
 MAX_COUNT = 2**63 - 1  # torch's counters are int64; anything larger is not a real figure
 MAX_ID = 2**31 - 1  # pid, rank, device index
@@ -211,6 +212,9 @@ def write_report(directory: str | os.PathLike[str], report: AllocatorReport) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".pid-", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes 0600; the exporter often runs as another user (a DaemonSet's non-root
+        # UID beside a root vLLM pod). The stats are not secret: world-readable, like /proc.
+        os.fchmod(fd, REPORT_MODE)
         with os.fdopen(fd, "w") as fh:
             fh.write(report.to_json())
         os.replace(tmp, path)

@@ -337,3 +337,13 @@ def test_any_field_values_are_refused_with_a_reason_or_render_cleanly(fields):
     collector = AllocatorCollector("/nonexistent", "node-1")
     _, out, renderer = _render(collector, AllocatorReading(reports=[r]))
     assert not out.dropped and not renderer.dropped  # accepted means renderable
+
+
+def test_reports_are_readable_by_an_exporter_running_as_another_user(tmp_path):
+    import stat
+
+    from oomguard.handoff import AllocatorReport, write_report
+
+    report = AllocatorReport(1.0, 42, 0, "t", "0", 0, "GPU-a", 1, 2, 3, 4, 0, 0, 0)
+    path = write_report(tmp_path, report)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
