@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from oomguard import __version__, yamlfmt
+from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, HANDOFF_DIR, PLUGIN_TOKEN_FILE_ENV
 from oomguard.thresholds import AlertThresholds
 
 OUT = Path("deploy/kubernetes")
@@ -42,7 +43,7 @@ MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # vLLM labels its series model_na
 NODE = "gpu-node-1"  # the example engine's node: alerts name it in `instance` (see PodMonitor)
 IMAGE = f"ghcr.io/oomguard/oomguard:{__version__}"
 VLLM_IMAGE = "ghcr.io/oomguard/vllm-oomguard:0.33.0"  # vLLM 0.33.0 + `pip install oomguard`
-HANDOFF = "/run/oomguard/allocator"
+HANDOFF = HANDOFF_DIR
 # cgroup v2: the root has no memory.events; kubepods.slice (systemd cgroup driver, the kubeadm
 # default) counts OOM kills of every pod on the node (cgroupfs driver: kubepods)
 KUBEPODS_CGROUP = "kubepods.slice"
@@ -369,10 +370,10 @@ def vllm_example(t: AlertThresholds) -> list[dict[str, Any]]:
                                 "env": [
                                     {"name": "VLLM_PLUGINS", "value": "oomguard"},
                                     {
-                                        "name": "OOMGUARD_PLUGIN_TOKEN_FILE",
+                                        "name": PLUGIN_TOKEN_FILE_ENV,
                                         "value": "/etc/oomguard/tokens/plugin-token",
                                     },
-                                    {"name": "OOMGUARD_ALLOCATOR_DIR", "value": HANDOFF},
+                                    {"name": ALLOCATOR_DIR_ENV, "value": HANDOFF},
                                     {"name": "OOMGUARD_TARGET", "value": VLLM_NAME},
                                     {
                                         # refused with a KV connector (NIXL, Mooncake) unless
@@ -386,7 +387,7 @@ def vllm_example(t: AlertThresholds) -> list[dict[str, Any]]:
                                 ],
                                 "readinessProbe": {
                                     # 503 while oomguard drains the engine: it leaves the Service
-                                    "httpGet": {"path": "/oomguard/v1/ready", "port": "http"},
+                                    "httpGet": {"path": f"{API_PREFIX}/ready", "port": "http"},
                                     "periodSeconds": 2,
                                     "failureThreshold": 1,
                                 },
