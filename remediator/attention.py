@@ -9,8 +9,9 @@ not for a fleet of thousands. An engine needs attention, and is read every pass,
 - a restart sequence owns it, or the remediator acted on it within `recent_action_seconds`.
 
 Engines never read (at start, and on a standby that takes over) are read `first_read_batch` per
-pass, except that every engine of a model with an alert asking for action is read at once: the
-disruption budget and the last-ready rule see the whole model before anything is drained.
+pass, except that every engine of a model with an alert asking for a drain or a restart is read
+at once: the disruption budget and the last-ready rule see the whole model before anything is
+taken out of service. An alert on an engine never read goes first (no batch in its pass).
 
 Every other engine is quiet: its last state is still what the decision sees, and it is read again
 on a slow resync (`quiet_resync_seconds`, each engine at its own jittered time, so reads spread
@@ -29,6 +30,8 @@ from oomguard.remediator.decision import Verdict
 from oomguard.remediator.policy import PolicyConfig, actions_for
 from oomguard.remediator.webhook import Alert
 from pydantic import BaseModel, ConfigDict, Field
+
+OUT_OF_SERVICE = frozenset({"drain", "restart"})  # alert actions that look at a model's peers
 
 
 class AttentionConfig(BaseModel):
@@ -106,9 +109,11 @@ class Attention:
             return ordered
         busy, acted_at = set(busy), acted_at or {}
         recent = self.config.recent_action_seconds
-        asking = {n for n, alerts in firing.items() if alerts and actions_for(alerts, policy)}
-        # an engine the decision may act on is decided with every peer of its model known
-        urgent = {self._models.get(n) for n in asking}
+        wants = {n: actions_for(alerts, policy) for n, alerts in firing.items() if alerts}
+        asking = {n for n, actions in wants.items() if actions}
+        # an engine that may be taken out of service is decided with every peer of its model
+        # known (the disruption budget, the last-ready rule); a cap needs no peers
+        urgent = {self._models.get(n) for n in asking if wants[n] & OUT_OF_SERVICE}
         # an alert on an engine never read goes first: no batch of strangers in its pass
         batch = 0 if any(n not in self._last for n in asking) else self.config.first_read_batch
         out = []

@@ -8,6 +8,7 @@ restart.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
@@ -185,7 +186,7 @@ class RemediatorConfig(BaseModel):
         if not self.targets and self.discovery is None:
             raise ValueError("targets: list at least one (or configure discovery)")
         names = [t.name for t in self.targets]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = sorted(n for n, k in Counter(names).items() if k > 1)  # linear: fleets are big
         if dupes:
             raise ValueError(f"target names must be unique: {', '.join(dupes)}")
         if self.mode == "standalone" and self.standalone is None:

@@ -84,6 +84,12 @@ def test_engines_never_read_come_in_batches_but_an_alerting_model_at_once(tmp_pa
     c = make(tmp_path, engines, attention={**FLEET["attention"], "first_read_batch": 10})
     assert [len(reads_in_a_pass(c, engines)) for _ in range(4)] == [10, 10, 10, 0]
     c.close()
+    engines = Counting(Engines.of(*(f"e{i}" for i in range(30))))
+    c = make(tmp_path, engines, attention={**FLEET["attention"], "first_read_batch": 10})
+    c.receive(parse(payload(alert("OomguardMemoryPressure", "e25"))))
+    assert reads_in_a_pass(c, engines) == {"e25": 1}  # a cap needs no peers: it goes first
+    assert engines.engines["e25"].cap == 80
+    c.close()
 
 
 def test_small_fleets_are_read_every_pass_as_before(tmp_path):
