@@ -12,8 +12,11 @@ does it against a live vLLM with the oomguard plugin, safely:
    prompt grows by at most 25 % a stage; after each stage the allocator peak is read and the
    next stage is only run if the peak, extrapolated along the measured slope, stays a margin
    below the device. Near the limit the step shrinks until it is under 1 % (or 64 tokens).
-3. **Max batch** (phase B): the longest safe prompt at doubling concurrency up to
-   `max_num_seqs` (without logprobs), watching the same peak, retries and errors.
+3. **Max batch** (phase B): the target prompt (default `max_model_len - 1`) at doubling
+   concurrency up to `max_num_seqs` (without logprobs), watching the same peak, retries and
+   errors.
+4. **Fan-out** (phase C): the target prompt with `n=4` at a quarter of the largest safe batch,
+   so as many sequences sample; skipped when the server refuses `n`.
 
 Any error answer, a dead engine, a new allocator retry or OOM, or a peak inside the margin stops
 the run. The report gives the largest safe load, the headroom at the peak, the projected limit,
@@ -39,6 +42,7 @@ from oomguard.handoff import read_reports
 MIB = 1024**2
 GIB = 1024**3
 GROWTH = 1.25  # a stage's prompt is at most this much longer than the last safe one
+MAX_MODEL_LEN_SANE = 16 * 2**20  # above any released model's context (Llama 4 Scout: 10M)
 MIN_STEP_TOKENS = 64
 
 
@@ -64,10 +68,14 @@ class Load:
     concurrency: int
     prompt_len: int
     prompt_logprobs: bool
+    n: int = 1  # sequences sampled per request
+    logprobs: int = 0  # top logprobs returned per sampled token
 
     def __str__(self) -> str:
         lp = ", prompt_logprobs" if self.prompt_logprobs else ""
-        return f"{self.concurrency} x {self.prompt_len:,} tokens{lp}"
+        fan = f", n={self.n}" if self.n > 1 else ""
+        fan += f", logprobs={self.logprobs}" if self.logprobs else ""
+        return f"{self.concurrency} x {self.prompt_len:,} tokens{lp}{fan}"
 
 
 @dataclass
@@ -97,6 +105,7 @@ class Report:
     projected_limit_prompt_logprobs: int | None = None
     peak_bytes_per_prompt_token: float = 0.0  # measured slope with prompt_logprobs
     largest_safe_batch: Load | None = None
+    fan_out: Load | None = None  # phase C's load, when it ran clean
     peak_bytes: int = 0
     headroom_at_peak_bytes: int = 0
     limit: str = ""  # what bounded the load (phase A's projection), not a failure
@@ -165,6 +174,11 @@ class Server:
         }
         if load.prompt_logprobs:
             body["prompt_logprobs"] = 1
+        if load.n > 1:
+            body["n"] = load.n
+            body["temperature"] = 1.0  # vLLM refuses n > 1 with greedy sampling
+        if load.logprobs:
+            body["logprobs"] = load.logprobs
         try:
             r = await self.client.post(
                 self.s.url + "/v1/completions", json=body, timeout=self.s.request_timeout
@@ -238,12 +252,20 @@ class Preflight:
         try:
             card = models["data"][0]
             model, max_len = str(card["id"]), int(card["max_model_len"])
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
             raise PreflightError("/v1/models has no model with max_model_len") from exc
+        if not 2 <= max_len <= MAX_MODEL_LEN_SANE:
+            # the prompts preflight builds are this long: refuse a figure no model has
+            raise PreflightError(f"/v1/models reports max_model_len {max_len}: not plausible")
         state = await server.get_json("/oomguard/v1/state")
         if not isinstance(state, dict) or "startup_max_num_seqs" not in state:
             raise PreflightError("/oomguard/v1/state is not the oomguard plugin's state")
-        max_seqs = int(state["startup_max_num_seqs"])
+        try:
+            max_seqs = int(state["startup_max_num_seqs"])
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise PreflightError("/oomguard/v1/state has no startup_max_num_seqs") from exc
+        if max_seqs < 1:
+            raise PreflightError(f"/oomguard/v1/state reports max_num_seqs {max_seqs}")
         gmu = state.get("gpu_memory_utilization")
         gmu = float(gmu) if isinstance(gmu, (int, float)) else None
         # One short request first: ranks publish allocator stats as they step.
@@ -277,6 +299,9 @@ class Preflight:
         if not report.stopped or report.stopped.startswith("the server refuses"):
             self.progress(f"phase B: max batch of {target:,}-token prompts")
             await self._max_batch(server, model, target, max_seqs, base, report)
+        if not report.stopped and report.largest_safe_batch is not None:
+            self.progress("phase C: fan-out (n=4)")
+            await self._fan_out(server, model, target, base, report)
         self._finish(report)
         return report
 
@@ -339,6 +364,24 @@ class Preflight:
                 break
         report.peak_bytes = max(s.peak_bytes for s in report.stages)
 
+    async def _fan_out(
+        self, server: Server, model: str, length: int, base: tuple[int, int], report: Report
+    ) -> None:
+        assert report.largest_safe_batch is not None
+        # n=4 at a quarter of the batch: as many sequences as the batch, sampling. Sampled
+        # `logprobs` are left out: their FP32 logits are what vLLM's sampler profile already
+        # reserved for max_num_seqs sequences.
+        load = Load(max(1, report.largest_safe_batch.concurrency // 4), length, False, 4, 0)
+        stage = await self._stage(server, model, load, base)
+        report.stages.append(stage)
+        if stage.ok:
+            report.fan_out = load
+        elif "HTTP [400]" in stage.reason and stage.errors == load.concurrency:
+            report.checklist["n"] = "refused by the server (400): not exercised"
+            stage.ok = True  # a refusal is the server's policy, not a memory failure
+        else:
+            report.stopped = f"{stage.load}: {stage.reason}"
+
     def _finish(self, report: Report) -> None:
         if report.stages:
             report.peak_bytes = max(report.peak_bytes, *(s.peak_bytes for s in report.stages))
@@ -350,6 +393,7 @@ class Preflight:
             and report.largest_safe_batch is not None
             and report.largest_safe_batch.concurrency >= top
             and all(s.ok for s in report.stages)
+            and not report.stopped
         )
         rec = report.recommendations
         longest = report.longest_safe_prompt_logprobs
@@ -391,6 +435,8 @@ class Preflight:
                     f"{drop:.2f} lower, more than the 0.03-0.05 operators move it; cap the input"
                 )
         check = report.checklist
+        if report.fan_out is not None:
+            check["n"] = f"exercised: {report.fan_out}"
         if gmu is None:
             check["gpu_memory_utilization"] = "not reported by the plugin"
         elif 0.88 <= gmu <= 0.92:
@@ -433,6 +479,7 @@ def render(report: Report) -> str:
             else ""
         ),
         f"  largest safe batch: {report.largest_safe_batch or 'none'}",
+        f"  fan-out: {report.fan_out or 'not run clean'}",
         f"  peak {report.peak_bytes / GIB:.2f} GiB, headroom at the peak "
         f"{report.headroom_at_peak_bytes / GIB:.2f} GiB",
     ]

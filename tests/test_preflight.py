@@ -174,6 +174,16 @@ def test_cli_json_report_and_exit_status_against_a_twin(
         "concurrency": 8,
         "prompt_len": 4096,
         "prompt_logprobs": False,
+        "n": 1,
+        "logprobs": 0,
+    }
+    # phase C: a quarter of the batch, each request sampling 4 sequences
+    assert report["fan_out"] == {
+        "concurrency": 2,
+        "prompt_len": 4096,
+        "prompt_logprobs": False,
+        "n": 4,
+        "logprobs": 0,
     }
     # the known GPU's reserved memory, not the 1 GiB default
     assert report["device_bytes"] - report["usable_bytes"] == 567 * 2**20
@@ -213,6 +223,7 @@ def test_preflight_finds_the_twin_limit_without_an_oom(
     assert report.largest_safe_batch == Load(64, length - 1, False)
     assert report.exit_code == 1 and "gateway input cap" in " ".join(report.recommendations)
     assert any(line.startswith("phase B") for line in lines)
+    assert report.fan_out == Load(16, length - 1, False, 4, 0)
 
     # Past the limit the twin really runs out of memory: the danger preflight stopped before.
     over = min(int(limit * 1.1), length - 1)
@@ -229,3 +240,53 @@ def test_preflight_finds_the_twin_limit_without_an_oom(
             break
         time.sleep(0.5)
     assert any(r.ooms for r in reports)
+
+
+# -- a server's answers are untrusted -----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("models", "state", "message"),
+    [
+        ({"data": [{"id": "m", "max_model_len": 10**12}]}, {}, "not plausible"),
+        ({"data": []}, {}, "no model with max_model_len"),
+        ({"data": [{"id": "m", "max_model_len": "x"}]}, {}, "no model with max_model_len"),
+        ({"data": [{"id": "m", "max_model_len": 4096}]}, {"x": 1}, "not the oomguard plugin"),
+        (
+            {"data": [{"id": "m", "max_model_len": 4096}]},
+            {"startup_max_num_seqs": "lots"},
+            "no startup_max_num_seqs",
+        ),
+        (
+            {"data": [{"id": "m", "max_model_len": 4096}]},
+            {"startup_max_num_seqs": 0},
+            "max_num_seqs 0",
+        ),
+    ],
+)
+def test_implausible_server_answers_stop_before_any_load(
+    tmp_path: Path, models: object, state: object, message: str
+) -> None:
+    """What /v1/models and the plugin's state say decides how long the prompts get: a value no
+    real server reports stops the run before a single completion is sent."""
+    import asyncio
+
+    from oomguard.preflight import Preflight, Server
+
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=models)
+        if request.url.path == "/oomguard/v1/state":
+            return httpx.Response(200, json=state)
+        return httpx.Response(500)
+
+    settings = Settings("http://127.0.0.1:9", 80 * GIB, GIB, str(tmp_path))
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await Preflight(settings)._run(Server(settings, client))
+
+    with pytest.raises(PreflightError, match=message):
+        asyncio.run(go())
+    assert "/v1/completions" not in sent
