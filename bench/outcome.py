@@ -91,12 +91,15 @@ def start_remediator(fleet: Fleet) -> None:
         {**t, "restart": {"supervisor": {"url": e.api, "token_file": str(w / "stoken")}}}
         for t, e in zip(fleet.remediator_targets(), fleet.engines, strict=True)
     ]
+    timings = remediator_timings(c)
+    # the remediator's clock runs in wall time: its restart-after-drain wait too
+    timings["policy"] = {**timings.get("policy", {}), "restart_after_drain_seconds": 120 / c}
     rem = RemediatorProcess(
         w / "remediator",
         {
             "auth": {"bearer_token_file": str(w / "rtoken")},
             "targets": targets,
-            **remediator_timings(c),
+            **timings,
             "audit_log": str(fleet.audit),
             "mode": "standalone",
             "standalone": {
@@ -192,6 +195,11 @@ def main() -> int:
     parser.add_argument("--trace", action="append", help="run only these traces")
     parser.add_argument("--inflight", type=int, default=0, help="requests per engine at incident")
     parser.add_argument(
+        "--compression",
+        type=float,
+        help="override the traces' time compression (lower: slower, truer on a loaded machine)",
+    )
+    parser.add_argument(
         "--config", action="append", choices=CONFIGS, help="run only these configurations"
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "outcome.json"))
@@ -210,6 +218,8 @@ def main() -> int:
         trace = Trace.load(name)
         if args.quick:
             trace = trace.model_copy(update={"time_compression": trace.time_compression * 2})
+        if args.compression:
+            trace = trace.model_copy(update={"time_compression": args.compression})
         trace = with_horizon(trace, args.inflight)
         print(f"{name}: {trace.description} (horizon {trace.duration_s:.0f} s)", flush=True)
         outcomes: dict[str, Outcome] = {}

@@ -9,9 +9,10 @@ their limits included. Per target, in this order:
    in either direction, re-admission included;
 2. restart with lower memory flags (targets with a restart backend): when an alert asks for one,
    or when memory stays critical after a drain (the engine is drained and idle and the drain
-   alert still fires: only a restart with a lower gpu_memory_utilization gives KV-pool memory
-   back); once per alert episode. Or walk the flags back after a quiet period. A restart held
-   back by a safety limit falls through to capping;
+   alert still fires `restart_after_drain_seconds` after the drain: only a restart with a lower
+   gpu_memory_utilization gives KV-pool memory back); once per alert episode. Or walk the
+   flags back after a quiet period. A restart held back by a safety limit falls through to
+   capping;
 3. the policy's desired state, planned into steps; a drain refused by the disruption budget or
    the last-ready rule caps instead; every step goes through the safety limits.
 
@@ -163,7 +164,18 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
             episode=asked[-1],
             covers=covers,
         )
-    if critical and o.draining and o.idle:
+    drained_at = max(
+        (t for t, kind in ctx.state.history.get(engine.name, ()) if kind == "drain"), default=None
+    )
+    if (
+        critical
+        and o.draining
+        and o.idle
+        # the alert has kept firing well past its own hysteresis since this remediator drained
+        # the engine (an engine drained by someone else is theirs to restart)
+        and drained_at is not None
+        and ctx.now - drained_at >= policy.restart_after_drain_seconds
+    ):
         reason = "memory stays critical after the drain: restart with lower memory flags"
         return Step(
             "restart",

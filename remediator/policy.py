@@ -48,6 +48,12 @@ class PolicyConfig(BaseModel):
     readmit_successes: int = Field(
         5, ge=1, description="Clean admissions needed before the next re-admission stage."
     )
+    restart_after_drain_seconds: float = Field(
+        120.0,
+        ge=0,
+        description="A drained, idle engine whose drain alert still fires this long after the "
+        "drain is restarted with lower memory flags (targets with a restart backend).",
+    )
     readmit_stages: Literal["field", "doubling"] = Field(
         "field",
         description="field: after the first clean stage, full admission; doubling: multiply "

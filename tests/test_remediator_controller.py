@@ -423,7 +423,9 @@ def test_flags_walk_back_after_a_quiet_period_and_not_under_pressure(tmp_path):
     c.close()
 
 
-def restartable(tmp_path, engines: Engines, backend, *names: str, **overrides) -> Controller:
+def restartable(
+    tmp_path, engines: Engines, backend, *names: str, clock=None, **overrides
+) -> Controller:
     from oomguard.remediator.config import RestartConfig, SupervisorRef
 
     cfg = config(tmp_path, *engines.engines, **overrides)
@@ -435,7 +437,10 @@ def restartable(tmp_path, engines: Engines, backend, *names: str, **overrides) -
     cfg.targets = [
         t.model_copy(update={"restart": restart}) if t.name in names else t for t in cfg.targets
     ]
-    return Controller(cfg, engines, AuditLog(cfg.audit_log), backends=dict.fromkeys(names, backend))
+    kwargs = {"clock": clock} if clock else {}
+    return Controller(
+        cfg, engines, AuditLog(cfg.audit_log), backends=dict.fromkeys(names, backend), **kwargs
+    )
 
 
 def settle(c: Controller) -> None:
@@ -448,14 +453,20 @@ def test_memory_still_critical_after_the_drain_restarts_with_lower_flags(tmp_pat
 
     engines = Engines.of("a", "b", startup=64)
     backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
-    c = restartable(tmp_path, engines, backend, "a")
+    now = [time.time()]
+    c = restartable(tmp_path, engines, backend, "a", clock=lambda: now[0])
     engines.engines["a"].running, engines.engines["a"].waiting = 3, 2
     send(c, alert("OomguardMemoryCritical", "a"))
     assert engines.engines["a"].draining and backend.restarts == []
+    now[0] += 200
     c.reconcile()  # requests still in flight or queued: a restart now would lose them
     assert backend.restarts == []
     engines.engines["a"].running = engines.engines["a"].waiting = 0
-    c.reconcile()  # drained and idle, still critical: only a restart gives memory back
+    now[0] -= 140
+    c.reconcile()  # idle 60 s after the drain: the alert may only be in its hysteresis
+    assert backend.restarts == []
+    now[0] += 61
+    c.reconcile()  # idle and still critical 121 s after the drain: only a restart helps
     settle(c)
     assert [r[0] for r in backend.restarts] == [Flags(0.86, 51)]
     (started,) = [e for e in events(c, "acted") if e["action"] == "restart"]
@@ -473,7 +484,7 @@ def test_a_restart_after_a_drain_stays_within_the_disruption_budget(tmp_path):
 
     engines = Engines.of("a", "b", "c", startup=64)
     backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
-    c = restartable(tmp_path, engines, backend, "a")
+    c = restartable(tmp_path, engines, backend, "a", policy={"restart_after_drain_seconds": 0})
     send(c, alert("OomguardMemoryCritical", "a"))
     assert engines.engines["a"].draining
     engines.engines["b"].draining = True  # a peer went out meanwhile (its own drain)
@@ -501,7 +512,14 @@ def test_a_single_replica_is_drained_and_restarted_only_with_the_opt_in(tmp_path
 
     engines = Engines.of("solo", startup=64)
     backend = FakeBackend(engines, "solo", Flags(0.9, 64), Flags(0.9, 64), time.time())
-    c = restartable(tmp_path / "on", engines, backend, "solo", safety={"allow_last_replica": True})
+    c = restartable(
+        tmp_path / "on",
+        engines,
+        backend,
+        "solo",
+        safety={"allow_last_replica": True},
+        policy={"restart_after_drain_seconds": 0},
+    )
     send(c, alert("OomguardMemoryCritical", "solo"))
     assert engines.engines["solo"].draining  # 503 + Retry-After beats a CUDA OOM
     c.reconcile()
