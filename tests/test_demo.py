@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from oomguard.twin.processes import have_prometheus_stack
 from oomguard.twin.report_check import Browser, find_browser
-from oomguard.twin.report_dashboards import fill, legend, load_dashboards
+from oomguard.twin.report_dashboards import fill, legend, load_dashboards, value_mappings
 
 from tests.vllm_server import require_vllm
 
@@ -172,6 +172,18 @@ def test_dashboard_queries_are_filled_as_grafana_fills_them():
         for panel in board["panels"]:
             for target in panel.get("targets", []):
                 assert "$" not in fill(target["expr"], 1, 1), target["expr"]
+            if panel.get("type") == "state-timeline":  # coloured by the dashboard's own mappings
+                assert value_mappings(panel), panel["title"]
+    level = {
+        "fieldConfig": {
+            "defaults": {
+                "mappings": [
+                    {"type": "value", "options": {"3": {"color": "red", "text": "critical"}}}
+                ]
+            }
+        }
+    }
+    assert value_mappings(level) == {3: ("#f2495c", "critical")}
 
 
 def test_demo_help_offers_a_quick_mode():

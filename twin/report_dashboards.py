@@ -23,6 +23,16 @@ REPO = Path(__file__).resolve().parent.parent
 GENERATED = REPO / "dashboards" / "generated"
 NAMES = ("fleet", "node", "remediation")
 STATE_COLOURS = ["#73bf69", "#fade2a", "#ff9830", "#f2495c"]  # Grafana's green ... red
+# Grafana's named colours, for the value mappings dashboards carry
+NAMED_COLOURS = {
+    "green": "#73bf69",
+    "yellow": "#fade2a",
+    "orange": "#ff9830",
+    "red": "#f2495c",
+    "blue": "#5794f2",
+    "purple": "#b877d9",
+    "transparent": "#ffffff",
+}
 QueryRange = Callable[[str, float, float, float], list[dict[str, Any]]]
 
 
@@ -72,6 +82,25 @@ class Series:
 
 def _unit(panel: dict[str, Any]) -> str:
     return str(panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "") or "")
+
+
+def value_mappings(panel: dict[str, Any]) -> dict[int, tuple[str, str]]:
+    """The panel's value mappings as {value: (colour, text)} (state timelines colour by them)."""
+    out: dict[int, tuple[str, str]] = {}
+    for mapping in panel.get("fieldConfig", {}).get("defaults", {}).get("mappings", []) or []:
+        if not isinstance(mapping, dict) or mapping.get("type") != "value":
+            continue
+        for key, option in (mapping.get("options") or {}).items():
+            try:
+                value = int(float(key))
+            except ValueError:
+                continue
+            colour = str(option.get("color", ""))
+            out[value] = (
+                NAMED_COLOURS.get(colour, colour or "#cccccc"),
+                str(option.get("text", key)),
+            )
+    return out
 
 
 def _scale(unit: str) -> tuple[float, str]:
@@ -135,14 +164,38 @@ def _draw_panel(ax: Any, panel: dict[str, Any], series: list[Series], span: floa
     ax.grid(alpha=0.3)
     if kind == "state-timeline":
         rows = [s for s in series if s.v]
+        mapped = value_mappings(panel)
+        seen: set[int] = set()
         for y, s in enumerate(rows):
-            for i, (t, v) in enumerate(zip(s.t, s.v, strict=True)):
-                width = (s.t[i + 1] - t) if i + 1 < len(s.t) else 1.0
-                colour = STATE_COLOURS[max(0, min(3, int(v)))]
-                ax.barh(y, width, left=t, height=0.8, color=colour, linewidth=0)
+            # one span per run of equal values, one broken_barh call per colour (fast)
+            spans: dict[str, list[tuple[float, float]]] = {}
+            start = 0
+            for i in range(1, len(s.v) + 1):
+                if i < len(s.v) and int(s.v[i]) == int(s.v[start]):
+                    continue
+                value = int(s.v[start])
+                end = s.t[i] if i < len(s.t) else s.t[-1] + 1.0
+                colour = mapped.get(value, (STATE_COLOURS[max(0, min(3, value))], ""))[0]
+                spans.setdefault(colour, []).append((s.t[start], end - s.t[start]))
+                seen.add(value)
+                start = i
+            for colour, bars in spans.items():
+                ax.broken_barh(bars, (y - 0.4, 0.8), color=colour, linewidth=0)
+        ax.set_ylim(-0.6, len(rows) - 0.4)
         ax.set_yticks(range(len(rows)), [s.name[:40] for s in rows], fontsize=6)
         if not rows:
             ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes, fontsize=8)
+        elif mapped:
+            import matplotlib.patches as mpatches
+
+            keys = sorted(v for v in mapped if v in seen)
+            ax.legend(
+                [mpatches.Patch(color=mapped[v][0]) for v in keys],
+                [mapped[v][1] for v in keys],
+                fontsize=6,
+                loc="upper right",
+                ncol=len(keys) or 1,
+            )
         return
     drawn = 0
     for s in series:

@@ -48,6 +48,7 @@ STATIC_MAX_NUM_SEQS = 48
 TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
 RECOVERY_WATCH_S = 600.0  # trace seconds to keep watching for recovery after the trace
+PATIENCE_S = 300.0  # trace seconds a client keeps retrying a request before giving up
 
 
 @dataclass
@@ -107,7 +108,10 @@ class Gateway:
         if r.prompt_logprobs:
             body["prompt_logprobs"] = 1
         attempt = 0
-        while self.now() < deadline:
+        # a client waits PATIENCE_S from its arrival, and always makes its first attempt (a busy
+        # event loop may start this task late)
+        deadline = max(deadline, r.at_s + PATIENCE_S)
+        while attempt == 0 or self.now() < deadline:
             s.engine = (k + attempt) % len(self.urls)
             url = self.urls[s.engine]
             attempt += 1
