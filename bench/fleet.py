@@ -243,7 +243,9 @@ def idle(rem: RemediatorProcess, fleet: Fleet, window: float) -> dict[str, Any]:
 
 
 def post(rem: RemediatorProcess, *alerts: dict[str, Any]) -> None:
-    r = httpx.post(f"{rem.url}/v1/alertmanager", content=payload(*alerts), headers=HEADERS)
+    r = httpx.post(
+        f"{rem.url}/v1/alertmanager", content=payload(*alerts), headers=HEADERS, timeout=60
+    )
     assert r.status_code == 200, r.text
 
 
@@ -279,8 +281,10 @@ def firing(rem: RemediatorProcess, fleet: Fleet, rounds: int) -> dict[str, Any]:
         t = time.time()
         post(rem, pressure(i, start=1000 + k))
         latencies.append(wait_write(fleet, i, t) - t)
-        passes.append(metric(rem, "oomguard_remediator_pass_duration_seconds") or 0)
         time.sleep(0.3)
+    for _ in range(5):  # after the rounds: a scrape renders every target's series (costly)
+        passes.append(metric(rem, "oomguard_remediator_pass_duration_seconds") or 0)
+        time.sleep(1)
     return {
         "firing_engines": len(hot),
         "state_reads_per_s": round((r1 - r0) / (t1 - t0), 1),
@@ -419,6 +423,10 @@ def main() -> int:
         finally:
             rem.stop()
         results["takeover"] = takeover(work / "ha", fleet, min(big, 1000), 3 if args.quick else 5)
+    except Exception as exc:  # record what was measured, and why the rest was not
+        results["error"] = f"{type(exc).__name__}: {exc}"
+        record.write(args.out, "fleet", args.quick, results=results, targets_met={})
+        raise
     finally:
         fleet.stop()
     i, f, t = results["idle_fleet"], results["one_percent_firing"], results["takeover"]

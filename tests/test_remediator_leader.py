@@ -162,3 +162,68 @@ def test_release_on_stop_lets_a_standby_take_over_at_once():
         a.stop()
         b.stop(release=False)
         standin.close()
+
+
+def test_only_the_leader_acts_and_a_takeover_keeps_the_old_leaders_cooldowns(tmp_path, monkeypatch):
+    from oomguard.remediator.main import Remediator
+    from oomguard.remediator.webhook import parse
+
+    from tests.remediator_helpers import Engines, alert, config, payload
+
+    standin = KubeStandIn([], ROLE)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: s, cluster: {{server: '{standin.url}'}}}}]\n"
+        "users: [{name: u, user: {token: kube-token}}]\n"
+        "contexts: [{name: c, context: {cluster: s, user: u}}]\n"
+    )
+    # as KUBECONFIG names it (the client reads that variable once, when it is imported)
+    monkeypatch.setattr(
+        "kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig)
+    )
+    engines = Engines.of("a", "b")
+    replicas = []
+    for who in ("one", "two"):
+        cfg = config(
+            tmp_path,  # one audit log for both: a shared volume
+            "a",
+            "b",
+            safety={"cooldown_seconds": 3600},
+            leader_election={
+                "namespace": NS,
+                "identity": who,
+                "lease_seconds": 2,
+                "renew_deadline_seconds": 1.5,
+                "retry_seconds": 0.5,
+            },
+        )
+        replicas.append(Remediator(cfg, engines))
+    one, two = replicas
+    try:
+        assert one.elector.try_once() and not two.elector.try_once()
+        sample = two.controller.metrics.registry.get_sample_value
+        assert sample("oomguard_remediator_leader") == 0
+        first = payload(alert("OomguardMemoryPressure", "a", start=0))
+        for r in replicas:  # Alertmanager posts to every replica
+            r.controller.receive(parse(first))
+            r._reconcile()
+        assert [c[:2] for c in engines.calls] == [("a", "set_cap")]  # one action, not two
+        # the leader dies (stops renewing); the standby takes over after the lease period
+        time.sleep(2.1)
+        assert two.elector.try_once() and sample("oomguard_remediator_leader") == 1
+        engines.engines["a"].cap = 100  # reset behind the remediator's back
+        again = payload(
+            alert("OomguardMemoryPressure", "a", start=500),
+            alert("OomguardMemoryPressure", "b", start=500),
+        )
+        two.controller.receive(parse(again))
+        two._reconcile()
+        # b is capped; a is not: the old leader's cooldown on a holds on the new leader
+        assert engines.engines["b"].cap == 80 and engines.engines["a"].cap == 100
+        assert [c[:2] for c in engines.calls] == [("a", "set_cap"), ("b", "set_cap")]
+    finally:
+        for r in replicas:
+            r.elector.stop(release=False)
+            r.controller.close()
+        standin.close()
