@@ -340,6 +340,7 @@ def _run_budget(args: argparse.Namespace) -> int:
 # -- preflight ----------------------------------------------------------------------------------
 def _add_preflight(sub: Any) -> None:
     from oomguard.budget import GPU_MEMORY_MIB
+    from oomguard.contract import HANDOFF_DIR
 
     p = sub.add_parser(
         "preflight",
@@ -362,8 +363,8 @@ def _add_preflight(sub: Any) -> None:
     )
     p.add_argument(
         "--allocator-dir",
-        default="/run/oomguard/allocator",
-        help="hand-off directory the ranks publish allocator stats into",
+        default=HANDOFF_DIR,
+        help=f"hand-off directory the ranks publish allocator stats into (default {HANDOFF_DIR})",
     )
     p.add_argument(
         "--margin", metavar="SIZE", default="256MiB", help="stop this far below the device"

@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX
 from oomguard.errors import ConfigError
 from oomguard.handoff import read_reports
 
@@ -194,7 +195,7 @@ def allocator_state(directory: str) -> tuple[int, int, int]:
     if not reports:
         raise PreflightError(
             f"no allocator stats in {directory}: start vLLM with the oomguard plugin and "
-            "OOMGUARD_ALLOCATOR_DIR pointing there (preflight will not push memory it cannot see)"
+            f"{ALLOCATOR_DIR_ENV} pointing there (preflight will not push memory it cannot see)"
         )
     peak = max(r.reserved_peak_bytes for r in reports)
     return peak, sum(r.alloc_retries for r in reports), sum(r.ooms for r in reports)
@@ -257,15 +258,15 @@ class Preflight:
         if not 2 <= max_len <= MAX_MODEL_LEN_SANE:
             # the prompts preflight builds are this long: refuse a figure no model has
             raise PreflightError(f"/v1/models reports max_model_len {max_len}: not plausible")
-        state = await server.get_json("/oomguard/v1/state")
+        state = await server.get_json(f"{API_PREFIX}/state")
         if not isinstance(state, dict) or "startup_max_num_seqs" not in state:
-            raise PreflightError("/oomguard/v1/state is not the oomguard plugin's state")
+            raise PreflightError(f"{API_PREFIX}/state is not the oomguard plugin's state")
         try:
             max_seqs = int(state["startup_max_num_seqs"])
         except (TypeError, ValueError, OverflowError) as exc:
-            raise PreflightError("/oomguard/v1/state has no startup_max_num_seqs") from exc
+            raise PreflightError(f"{API_PREFIX}/state has no startup_max_num_seqs") from exc
         if max_seqs < 1:
-            raise PreflightError(f"/oomguard/v1/state reports max_num_seqs {max_seqs}")
+            raise PreflightError(f"{API_PREFIX}/state reports max_num_seqs {max_seqs}")
         gmu = state.get("gpu_memory_utilization")
         gmu = float(gmu) if isinstance(gmu, (int, float)) else None
         # One short request first: ranks publish allocator stats as they step.
