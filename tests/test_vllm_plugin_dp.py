@@ -20,6 +20,7 @@ def start(tmp_path, name: str) -> VllmServer:
         "2",
         env={"OOMGUARD_TWIN_KV_BLOCKS": "512"},
         log=tmp_path / f"{name}.log",
+        timeout=600,  # two engines take minutes to start on a loaded 2-core box
     )
 
 

@@ -36,8 +36,10 @@ def require_vllm() -> None:
 
 
 class VllmServer(VllmProcess):
-    def __init__(self, *extra: str, env: dict[str, str] | None = None, log: Path) -> None:
-        super().__init__(*extra, log=log, token=TOKEN, env=env)
+    def __init__(
+        self, *extra: str, env: dict[str, str] | None = None, log: Path, timeout: float = 180
+    ) -> None:
+        super().__init__(*extra, log=log, token=TOKEN, env=env, timeout=timeout)
 
     def alive(self) -> bool:
         try:
