@@ -156,8 +156,11 @@ def describe(entry: dict[str, Any]) -> str:
         "resume": f"resumed {target}",
         "restart": f"restarted {target}",
     }.get(entry.get("action", ""), f"{entry.get('event')} {entry.get('action', '')} {target}")
-    if entry.get("event") != "acted":
-        what = f"{entry.get('event')} {entry.get('action', '')} on {target}: {entry.get('result')}"
+    event = entry.get("event")
+    if event == "decided":
+        return f"decided for {target}: {entry.get('reason', '')}"
+    if event != "acted":
+        what = f"{event} {entry.get('action', '')} on {target}: {entry.get('result')}"
     return f"{what} ({entry.get('reason', '')})"
 
 
