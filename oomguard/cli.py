@@ -473,7 +473,7 @@ def _add_demo(sub: Any) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="twice the time compression and a shorter healthy segment (about a minute less)",
+        help="a smoke run: a shorter healthy segment, no waiting for the crashed engine's reload",
     )
     p.add_argument(
         "--report",
