@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 MetricType = Literal["gauge", "counter"]
-Component = Literal["exporter", "remediator"]
+Component = Literal["exporter", "remediator", "plugin"]
 
 # Identity labels of a GPU, spelled as dcgm-exporter spells them so that oomguard's series join
 # with dcgm-exporter's. MIG instances fill GPU_I_ID/GPU_I_PROFILE; whole GPUs leave them empty
@@ -477,6 +477,22 @@ _SPECS: tuple[MetricSpec, ...] = (
         "",
         (),
         component="remediator",
+    ),
+    # --- served on vLLM's own /metrics by the plugin's request guard -------------------------
+    _counter(
+        "oomguard_guard_decisions_total",
+        "Request guard decisions by mode, action (admit, defer, reject) and reason.",
+        "",
+        ("mode", "action", "reason"),
+        component="plugin",
+    ),
+    _gauge(
+        "oomguard_guard_headroom_bytes",
+        "Room for one request's extra transient GPU memory, as the engine last reported it "
+        "(`kind` now or idle).",
+        "bytes",
+        ("engine", "kind"),
+        component="plugin",
     ),
 )
 

@@ -199,3 +199,21 @@ def test_the_hook_is_installed_once_and_reads_the_current_guard():
     InputProcessor.assign_request_id(request)
     assert second.last is not None and second.last.action == "reject" and first.last is None
     assert request.external_req_id == "cmpl-1"  # vLLM's own function still ran
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("OOMGUARD_GUARD_REFRESH_SECONDS", "fast"),
+        ("OOMGUARD_GUARD_REFRESH_SECONDS", "nan"),
+        ("OOMGUARD_GUARD_REFRESH_SECONDS", "-1"),
+        ("OOMGUARD_GUARD_KV_MARGIN", "inf"),
+        ("OOMGUARD_GUARD_MODE", "panic"),
+    ],
+)
+def test_a_bad_guard_setting_names_the_variable(monkeypatch, name, value):
+    from oomguard.vllm_plugin.admission import Guard
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        Guard.from_env()

@@ -40,19 +40,17 @@ from oomguard.vllm_plugin.guard import (
 )
 from prometheus_client import Counter, Gauge
 
+from oomguard.catalog import spec
+
 log = logging.getLogger("oomguard.vllm_plugin.admission")
 
+_DECISIONS = spec("oomguard_guard_decisions_total")
+_HEADROOM = spec("oomguard_guard_headroom_bytes")
+# prometheus_client adds `_total` to a counter's name itself.
 DECISIONS = Counter(
-    "oomguard_guard_decisions",
-    "Request guard decisions by mode, action (admit, defer, reject) and reason.",
-    ["mode", "action", "reason"],
+    _DECISIONS.name.removesuffix("_total"), _DECISIONS.help, list(_DECISIONS.labels)
 )
-HEADROOM = Gauge(
-    "oomguard_guard_headroom_bytes",
-    "Room for one request's extra transient GPU memory, as the engine last reported it.",
-    ["engine", "kind"],
-    multiprocess_mode="min",
-)
+HEADROOM = Gauge(_HEADROOM.name, _HEADROOM.help, list(_HEADROOM.labels), multiprocess_mode="min")
 
 
 class Guard:
@@ -78,11 +76,14 @@ class Guard:
 
     @classmethod
     def from_env(cls) -> Guard:
+        """The guard as the environment configures it; a ValueError names the bad variable."""
         margin = os.environ.get("OOMGUARD_GUARD_KV_MARGIN", "").strip()
         return cls(
             mode=os.environ.get("OOMGUARD_GUARD_MODE", "observe").strip() or "observe",
-            refresh=float(os.environ.get("OOMGUARD_GUARD_REFRESH_SECONDS", "0.5")),
-            kv_margin=float(margin) if margin else None,
+            refresh=_env_number("OOMGUARD_GUARD_REFRESH_SECONDS", "0.5", 0.01, 3600.0),
+            kv_margin=_env_number("OOMGUARD_GUARD_KV_MARGIN", margin, 0.0, 10.0)
+            if margin
+            else None,
         )
 
     # -- engine figures ------------------------------------------------------------------------
@@ -219,3 +220,14 @@ def _not_a_guard_failure() -> Any:
         raise
     except Exception:
         log.warning("oomguard guard: decision failed; request admitted", exc_info=True)
+
+
+def _env_number(name: str, default: str, low: float, high: float) -> float:
+    raw = os.environ.get(name, default).strip() or default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {raw!r}") from None
+    if not low <= value <= high:  # also refuses nan
+        raise ValueError(f"{name} must be between {low} and {high}, not {raw!r}")
+    return value
