@@ -26,17 +26,17 @@ class PressureThresholds(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     headroom_caution_ratio: float = Field(
-        0.025,
+        0.03,
         ge=0,
         le=0.5,
         description="Level 1 when the headroom at the engines' planned peak is below this share "
         "of the GPU's usable memory.",
     )
     headroom_pressure_ratio: float = Field(
-        0.015, ge=0, le=0.5, description="Level 2 below this share of usable memory."
+        0.02, ge=0, le=0.5, description="Level 2 below this share of usable memory."
     )
     headroom_critical_ratio: float = Field(
-        0.005,
+        0.01,
         ge=-0.5,
         le=0.5,
         description="Level 3 below this share of usable memory: the next planned peak is about "
