@@ -208,25 +208,20 @@ def metric(rem: RemediatorProcess, name: str) -> float | None:
     return None
 
 
-def settle(fleet: Fleet, quiet_for: float = 3.0, timeout: float = 180.0) -> None:
-    """Wait until the first reads are done: the read count grows slower than the fleet size."""
+def settle(fleet: Fleet, base: int, timeout: float = 300.0) -> None:
+    """Wait until this remediator has read every engine once (`base`: the stand-in's read count
+    when it started; earlier runs' reads are in the count too), and a little longer."""
     deadline = time.monotonic() + timeout
-    last = fleet.stats()["reads"]
-    while time.monotonic() < deadline:
-        time.sleep(quiet_for)
-        now = fleet.stats()["reads"]
-        if now >= fleet.engines and now - last < fleet.engines / 10:
-            return
-        last = now
-    raise RuntimeError("the remediator did not finish its first reads")
+    while fleet.stats()["reads"] - base < fleet.engines:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the remediator did not finish its first reads")
+        time.sleep(1)
+    time.sleep(5)
 
 
-def idle(rem: RemediatorProcess, fleet: Fleet, window: float) -> dict[str, Any]:
+def idle(rem: RemediatorProcess, fleet: Fleet, window: float, base: int) -> dict[str, Any]:
     pid = rem.proc.pid
-    if fleet.engines >= 64:
-        settle(fleet)
-    else:  # a small fleet is read every pass: nothing to wait for
-        time.sleep(3)
+    settle(fleet, base)
     r0, c0, t0 = fleet.stats()["reads"], cpu_seconds(pid), time.monotonic()
     time.sleep(window)
     r1, c1, t1 = fleet.stats()["reads"], cpu_seconds(pid), time.monotonic()
@@ -405,20 +400,24 @@ def main() -> int:
     fleet = Fleet(big, seconds=900)
     results: dict[str, Any] = {}
     try:
+        base = fleet.stats()["reads"]
         small = remediator(work / "small", fleet, 50)
         try:
-            results["idle_50"] = idle(small, _view(fleet, 50), window)  # type: ignore[arg-type]
+            view = _view(fleet, 50)
+            results["idle_50"] = idle(small, view, window, base)  # type: ignore[arg-type]
         finally:
             small.stop()
+        base = fleet.stats()["reads"]
         rem = remediator(work / "big", fleet, big)  # the defaults: quiet resync every 60 s
         try:
-            results["idle_fleet"] = idle(rem, fleet, window)
+            results["idle_fleet"] = idle(rem, fleet, window, base)
         finally:
             rem.stop()
         slow = {"attention": {"quiet_resync_seconds": 300}}
+        base = fleet.stats()["reads"]
         rem = remediator(work / "big300", fleet, big, **slow)
         try:
-            results["idle_fleet_resync_300s"] = idle(rem, fleet, window)
+            results["idle_fleet_resync_300s"] = idle(rem, fleet, window, base)
             results["one_percent_firing"] = firing(rem, fleet, rounds)
         finally:
             rem.stop()
