@@ -312,11 +312,12 @@ class Controller:
     def restore(self) -> None:
         """Rebuild the safety state from the audit log (on taking over as the leader: the
         previous leader's cooldowns, budgets and answered restart episodes hold here too)."""
-        entries = self.audit.entries()
-        safety = Safety(self.config.safety, self.safety.clock)
-        safety.restore(entries)
-        self.safety = safety
-        self._restarted = restarted_from(entries)
+        with self._pass_lock:  # a pass from an earlier term may still be finishing
+            entries = self.audit.entries()
+            safety = Safety(self.config.safety, self.safety.clock)
+            safety.restore(entries)
+            self.safety = safety
+            self._restarted = restarted_from(entries)
         self.metrics.paused.set(1 if self.paused else 0)
 
     def set_targets(self, targets: Iterable[TargetConfig]) -> None:
