@@ -498,6 +498,24 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     )
     add(Case("OomguardRemediatorDown", "6m", {rem_up: "1x10"}))
 
+    leader = sel("oomguard_remediator_leader", L.rem)
+    add(
+        Case(
+            "OomguardRemediatorNoLeader",
+            "6m",
+            {leader: "0x10"},
+            [
+                {
+                    **{k: v for k, v in L.rem.items() if k == t.cluster_label},
+                    "severity": "critical",
+                    "description": "Every remediator replica scraped is a standby: none holds the "
+                    "leader Lease, so nothing acts on oomguard alerts.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardRemediatorNoLeader", "6m", {leader: "1x10"}))
+
     col = sel("oomguard_exporter_collector_up", {**L.exp, "collector": "cgroup"})
     add(
         Case(
@@ -617,6 +635,26 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     )
     add(Case("OomguardRemediationPaused", "65m", {paused: "1x30 0x40"}))
 
+    last_pass = sel("oomguard_remediator_last_pass_timestamp_seconds", L.rem)
+    # passes stop completing at t=0 (the gauge stays at 0 s): behind from 60 s, alert after 2m more
+    add(
+        Case(
+            "OomguardRemediatorPassesBehind",
+            "4m",
+            {last_pass: "0x10", leader: "1x10"},
+            [
+                {
+                    **L.rem,
+                    "severity": "warning",
+                    "description": f"The remediator on {L.rem['instance']} leads but completed no "
+                    f"reconcile pass for {t.pass_behind_seconds}s: actions wait (a slow or "
+                    "failing pass, too many engines read per pass).",
+                }
+            ],
+        )
+    )
+    # a standby's last pass never moves: no alert
+    add(Case("OomguardRemediatorPassesBehind", "4m", {last_pass: "0x10", leader: "0x10"}))
     held = sel("oomguard_remediator_target_mode", {**L.rem_target, "mode": "held"})
     add(
         Case(

@@ -294,6 +294,15 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "protected from out-of-memory crashes.",
             for_=t.remediator_down_for,
         ),
+        Alert(
+            "OomguardRemediatorNoLeader",
+            f"max by ({c}) (oomguard_remediator_leader{{{rem}}}) == 0",
+            "critical",
+            "No oomguard remediator replica leads.",
+            "Every remediator replica scraped is a standby: none holds the leader Lease, so "
+            "nothing acts on oomguard alerts.",
+            for_=t.remediator_down_for,
+        ),
         # -- tickets -----------------------------------------------------------------------------
         Alert(
             "OomguardGpuMemoryPressure",
@@ -430,6 +439,17 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"The remediator on {{{{ $labels.instance }}}} has been paused for {t.paused_for}: "
             "it decides and records but acts on no engine.",
             for_=t.paused_for,
+        ),
+        Alert(
+            "OomguardRemediatorPassesBehind",
+            f"(time() - oomguard_remediator_last_pass_timestamp_seconds{{{rem}}} > "
+            f"{t.pass_behind_seconds})\nand oomguard_remediator_leader{{{rem}}} == 1",
+            "warning",
+            "The leading oomguard remediator's reconcile passes fall behind.",
+            "The remediator on {{ $labels.instance }} leads but completed no reconcile pass for "
+            f"{t.pass_behind_seconds}s: actions wait (a slow or failing pass, too many engines "
+            "read per pass).",
+            for_="2m",
         ),
         Alert(
             "OomguardRemediationHeld",

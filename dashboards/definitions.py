@@ -147,6 +147,7 @@ def _none_or(expr: str, of: str) -> str:
 
 RED_FROM_1 = [{"color": "green", "value": None}, {"color": "red", "value": 1}]
 ORANGE_FROM_1 = [{"color": "green", "value": None}, {"color": "orange", "value": 1}]
+RED_BELOW_1 = [{"color": "red", "value": None}, {"color": "green", "value": 1}]
 
 
 def fleet(t: AlertThresholds | None = None) -> dict[str, Any]:
@@ -723,6 +724,26 @@ def remediation(t: AlertThresholds | None = None) -> dict[str, Any]:
             )
         ],
         w=24,
+    )
+    L.stat(
+        "Leading replicas",
+        "Remediator replicas that hold the leader Lease and act (oomguard_remediator_leader): "
+        "1 is right, 0 means nothing acts.",
+        "none",
+        [target(f"sum(oomguard_remediator_leader{{{s.rem}}})")],
+        steps=RED_BELOW_1,
+        w=6,
+    )
+    L.timeseries(
+        "Reconcile passes",
+        "How long the last pass took (oomguard_remediator_pass_duration_seconds) and how many "
+        "engines it read (oomguard_remediator_engines_read, right axis in the legend).",
+        "s",
+        [
+            target(f"oomguard_remediator_pass_duration_seconds{{{s.rem}}}", "pass seconds", "A"),
+            target(f"oomguard_remediator_engines_read{{{s.rem}}}", "engines read", "B"),
+        ],
+        w=18,
     )
     return _dashboard(
         t,

@@ -146,6 +146,9 @@ class AlertThresholds(BaseModel):
     remediator_down_for: str = Field("5m", pattern=_DURATION)
     paused_for: str = Field("1h", pattern=_DURATION, description="A pause this long is a ticket.")
     held_for: str = Field("15m", pattern=_DURATION, description="A target held this long.")
+    pass_behind_seconds: int = Field(
+        60, gt=0, description="The leading remediator completed no reconcile pass this long."
+    )
     # SLOs on vLLM's own metrics (multi-window, multi-burn-rate alerts, SRE Workbook ch. 5)
     slo_success_objective: float = Field(
         0.999, gt=0, lt=1, description="Share of finished requests without finished_reason=error."

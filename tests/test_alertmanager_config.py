@@ -23,6 +23,7 @@ PAGES = {
     "OomguardRemediationLimited",
     "OomguardModelUnavailable",
     "OomguardRemediatorDown",
+    "OomguardRemediatorNoLeader",
     "OomguardRequestErrorBudgetBurn",
     "OomguardTTFTBudgetBurn",
 }
