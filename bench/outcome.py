@@ -93,7 +93,7 @@ def start_remediator(fleet: Fleet) -> None:
     ]
     timings = remediator_timings(c)
     # the remediator's clock runs in wall time: its restart-after-drain wait too
-    timings["policy"] = {**timings.get("policy", {}), "restart_after_drain_seconds": 120 / c}
+    timings["policy"] = {**timings.get("policy", {}), "restart_after_drain_seconds": 600 / c}
     rem = RemediatorProcess(
         w / "remediator",
         {

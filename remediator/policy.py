@@ -49,10 +49,11 @@ class PolicyConfig(BaseModel):
         5, ge=1, description="Clean admissions needed before the next re-admission stage."
     )
     restart_after_drain_seconds: float = Field(
-        120.0,
+        600.0,
         ge=0,
         description="A drained, idle engine whose drain alert still fires this long after the "
-        "drain is restarted with lower memory flags (targets with a restart backend).",
+        "drain is restarted with lower memory flags (targets with a restart backend). About a "
+        "model reload: memory critical that long is no longer cheaper to wait out.",
     )
     readmit_stages: Literal["field", "doubling"] = Field(
         "field",

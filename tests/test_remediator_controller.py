@@ -458,15 +458,15 @@ def test_memory_still_critical_after_the_drain_restarts_with_lower_flags(tmp_pat
     engines.engines["a"].running, engines.engines["a"].waiting = 3, 2
     send(c, alert("OomguardMemoryCritical", "a"))
     assert engines.engines["a"].draining and backend.restarts == []
-    now[0] += 200
+    now[0] += 700
     c.reconcile()  # requests still in flight or queued: a restart now would lose them
     assert backend.restarts == []
     engines.engines["a"].running = engines.engines["a"].waiting = 0
-    now[0] -= 140
-    c.reconcile()  # idle 60 s after the drain: the alert may only be in its hysteresis
-    assert backend.restarts == []
-    now[0] += 61
-    c.reconcile()  # idle and still critical 121 s after the drain: only a restart helps
+    now[0] -= 640
+    c.reconcile()  # idle 60 s after the drain: the alert may be in its hysteresis, or the
+    assert backend.restarts == []  # cause may go away by itself (a neighbour process leaves)
+    now[0] += 541
+    c.reconcile()  # idle and still critical 601 s after the drain: only a restart helps
     settle(c)
     assert [r[0] for r in backend.restarts] == [Flags(0.86, 51)]
     (started,) = [e for e in events(c, "acted") if e["action"] == "restart"]
