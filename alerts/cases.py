@@ -506,7 +506,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             {leader: "0x10"},
             [
                 {
-                    **{k: v for k, v in L.rem.items() if k == t.cluster_label},
+                    **L.cluster,
                     "severity": "critical",
                     "description": "Every remediator replica scraped is a standby: none holds the "
                     "leader Lease, so nothing acts on oomguard alerts.",

@@ -337,7 +337,7 @@ class PressureEvaluator:
                 if gmu is None or not 0 < gmu <= 1:
                     plan.unknown = True
                     continue
-                own = self._planned_engine_usage(src, key, reports, processes)
+                own = self._engine_usage(src, key, reports, processes)
                 plan.planned += gmu * usable
                 if own is None:
                     plan.per_engine = False
@@ -352,7 +352,7 @@ class PressureEvaluator:
         return plans
 
     @staticmethod
-    def _planned_engine_usage(
+    def _engine_usage(
         src: EngineSource,
         key: GpuKey,
         reports: Sequence[AllocatorReport],

@@ -108,9 +108,7 @@ def simulate(
     slack = (1.0 - gmu) * p.usable
     scale = 0.0
     if trace is not None:
-        horizon = [trace.gpu_at(t) for t in range(int(trace.duration_s) + 1)]
-        worst = max(n + f for n, f in horizon) or 1
-        scale = overshoot * slack / worst
+        scale = _scale(trace, slack, overshoot)
         duration_s = trace.duration_s
     full = Step(tokens=p.max_num_batched_tokens)
     decode = Step(tokens=MAX_NUM_SEQS)
@@ -190,14 +188,18 @@ def _report(t: float, device_uuid: str, p: Physics, frag: int) -> AllocatorRepor
     )
 
 
+def _scale(trace: Trace, slack: float, overshoot: float) -> float:
+    """The factor that makes the trace's memory events peak at `overshoot` x the plan's slack."""
+    worst = max(n + f for n, f in (trace.gpu_at(t) for t in range(int(trace.duration_s) + 1)))
+    return overshoot * slack / worst if worst else 0.0
+
+
 def scaled_trace(trace: Trace, gpu_name: str, gmu: float, overshoot: float = 1.1) -> Trace:
     """The trace on another GPU and gmu, its memory events scaled as `simulate` scales them: the
     same cell, for the real vLLM twin (twin/runner.py)."""
     model = model_for(gpu_name)
     p = Physics.for_model(model, gpu=gpu_name, gpu_memory_utilization=gmu)
-    horizon = [trace.gpu_at(t) for t in range(int(trace.duration_s) + 1)]
-    worst = max((n + f for n, f in horizon), default=0)
-    scale = overshoot * (1.0 - gmu) * p.usable / worst if worst else 0.0
+    scale = _scale(trace, (1.0 - gmu) * p.usable, overshoot)
     events = [
         e.model_copy(
             update={
