@@ -30,10 +30,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from oomguard.alerts.generate import RULES  # noqa: E402
 from oomguard.alerts.generate import outputs as alert_outputs  # noqa: E402
 from oomguard.exporter.config import ExporterConfig, VllmTarget  # noqa: E402
 from oomguard.exporter.main import Exporter  # noqa: E402
+from oomguard.thresholds import AlertThresholds  # noqa: E402
 from oomguard.twin.gpu import GIB, TwinGpu, TwinNvml  # noqa: E402
 from oomguard.twin.processes import (  # noqa: E402
     Alertmanager,
@@ -42,9 +44,6 @@ from oomguard.twin.processes import (  # noqa: E402
     VllmProcess,
     free_port,
 )
-
-from bench import record  # noqa: E402
-from oomguard.thresholds import AlertThresholds  # noqa: E402
 
 TOKEN = "detection-token"
 NEIGHBOUR = 424242

@@ -42,7 +42,6 @@ from oomguard.exporter.collectors.vllm import VllmCollector  # noqa: E402
 from oomguard.exporter.poller import Poller  # noqa: E402
 from oomguard.exporter.render import _FamiliesCollector  # noqa: E402
 from oomguard.exporter.server import MetricsServer  # noqa: E402
-
 from oomguard.handoff import AllocatorReport, write_report  # noqa: E402
 from tests.fake_nvml import GIB, FakeGpu, FakeNvml  # noqa: E402
 

@@ -22,9 +22,8 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from oomguard.vllm_plugin.admission import Guard  # noqa: E402
-
 from bench import record  # noqa: E402
+from oomguard.vllm_plugin.admission import Guard  # noqa: E402
 
 
 def requests(count: int, seed: int = 7) -> list[SimpleNamespace]:

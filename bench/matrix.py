@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from oomguard.twin.gpu import GPU_MODELS  # noqa: E402
 from oomguard.twin.matrix import (  # noqa: E402
     GMUS,
@@ -37,8 +38,6 @@ from oomguard.twin.matrix import (  # noqa: E402
     simulate,
 )
 from oomguard.twin.traces import Trace  # noqa: E402
-
-from bench import record  # noqa: E402
 
 
 def judge(cell: Cell) -> bool:

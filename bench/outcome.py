@@ -37,11 +37,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from oomguard.twin.processes import RemediatorProcess  # noqa: E402
 from oomguard.twin.runner import CONFIGS, Fleet, Outcome, remediator_timings  # noqa: E402
 from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
-
-from bench import record  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
 HORIZON_MARGIN_S = 120.0

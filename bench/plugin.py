@@ -31,9 +31,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from oomguard.vllm_plugin.engine import _wrap_schedule  # noqa: E402
-
 from bench import record  # noqa: E402
+from oomguard.vllm_plugin.engine import _wrap_schedule  # noqa: E402
 from tests.vllm_server import AUTH, VllmServer, complete  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # mypy over the package as installed. In the checkout, pyproject's package-dir mapping puts
-# exporter/ at oomguard.exporter, which mypy cannot follow; a non-editable install has the real
+# src/oomguard/exporter/ at oomguard.exporter, which mypy cannot follow; a non-editable install has the real
 # layout. Builds the wheel from a copy of the sources, installs it with mypy into a temporary venv
 # and checks that copy. Needs PyPI (mypy). Not part of `make check` until it is clean.
 set -euo pipefail

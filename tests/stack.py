@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 import httpx
-from oomguard.twin.processes import Prometheus
 
+from oomguard.twin.processes import Prometheus
 from tests.conftest import LocalServer, free_port
 
 __all__ = ["Prometheus", "growing_metrics", "start_exporter", "stop"]

@@ -6,11 +6,11 @@ from collections import Counter
 
 import pytest
 import yaml
+
+from oomguard import manifests as k8s
 from oomguard.alerts.cases import cases, expr_cases
 from oomguard.alerts.generate import RULE_TESTS, RULES, prometheus_config
 from oomguard.alerts.rules import all_alerts, all_recording_rules, rule_groups
-
-from oomguard import manifests as k8s
 from oomguard.catalog import exported_names
 from oomguard.contract import ACTIONS
 from oomguard.thresholds import AlertThresholds

@@ -7,10 +7,10 @@ import subprocess
 
 import pytest
 import yaml
+
 from oomguard.alerts.cases import Labels
 from oomguard.alerts.generate import ALERTMANAGER, NOT_AN_ACTION, PAGER, alertmanager_config
 from oomguard.alerts.rules import Alert, all_alerts
-
 from oomguard.thresholds import AlertThresholds
 
 T = AlertThresholds()
@@ -130,8 +130,8 @@ def test_a_real_alertmanager_inhibits_tickets_but_never_hides_work_orders(tmp_pa
     ticket is inhibited, while every work order stays in the list the remediator's resync reads
     (receiver remediator, inhibited=false, silenced=false)."""
     import httpx
-    from oomguard.twin.processes import Alertmanager
 
+    from oomguard.twin.processes import Alertmanager
     from tests.conftest import free_port
 
     (tmp_path / "token").write_text("t\n")

@@ -9,12 +9,12 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oomguard.exporter.collectors.allocator import AllocatorCollector, AllocatorReading
-from oomguard.exporter.render import FamilyBuilder, TextRenderer
 from prometheus_client.parser import text_string_to_metric_families
 
 from oomguard import handoff
 from oomguard.errors import CollectorError, HandoffError
+from oomguard.exporter.collectors.allocator import AllocatorCollector, AllocatorReading
+from oomguard.exporter.render import FamilyBuilder, TextRenderer
 from oomguard.handoff import AllocatorReport, read_reports, report_path, write_report
 
 GIB = 1024**3

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import pytest
-from oomguard.exporter.collectors.cgroup import CgroupCollector
 
 from oomguard.errors import CollectorError
+from oomguard.exporter.collectors.cgroup import CgroupCollector
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+
 from oomguard.alerts.rules import all_recording_rules
+from oomguard.catalog import exported_names
 from oomguard.dashboards.definitions import DASHBOARDS, NODE_UID
 from oomguard.dashboards.generate import dashboard_path
-
-from oomguard.catalog import exported_names
 from tests.conftest import FIXTURES, VLLM_FIXTURE
 from tests.promql import metric_names, promtool_parses, substitute_grafana
 

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 import pytest
-from oomguard.exporter.collectors.dcgm import MIB, DcgmCollector
-from oomguard.exporter.render import FamilyBuilder
 
 from oomguard.errors import CollectorError
+from oomguard.exporter.collectors.dcgm import MIB, DcgmCollector
+from oomguard.exporter.render import FamilyBuilder
 from tests.conftest import DCGM_K8S, DCGM_MIG, FIXTURES
 
 DCGM_OLD_NAMESPACE = FIXTURES / "dcgm" / "h100x2-old-namespace.constructed.prom"

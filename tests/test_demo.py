@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from oomguard.twin.processes import have_prometheus_stack
 from oomguard.twin.report_check import Browser, find_browser
 from oomguard.twin.report_dashboards import fill, legend, load_dashboards, value_mappings
-
 from tests.vllm_server import require_vllm
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -207,7 +207,7 @@ def test_single_box_walkthrough(tmp_path):
     )
     folder = Path(str(root) + provider["providers"][0]["options"]["path"])
     assert sorted(p.name for p in folder.glob("*.json")) == sorted(
-        p.name for p in (ROOT / "dashboards" / "generated").glob("*.json")
+        p.name for p in (ROOT / "src" / "oomguard" / "dashboards" / "generated").glob("*.json")
     )
     assert (root / "etc/grafana/provisioning/datasources/oomguard.yaml").is_file()
 

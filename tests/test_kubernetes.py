@@ -13,6 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes import client
+
+from oomguard.engine_env import INITIAL_CAP_ENV
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import KubernetesRef, RemediatorConfig
 from oomguard.remediator.controller import Controller
@@ -20,8 +22,6 @@ from oomguard.remediator.flags import Flags
 from oomguard.remediator.kubernetes import ORIGINAL, KubernetesBackend
 from oomguard.remediator.restart import RestartError
 from oomguard.remediator.webhook import parse
-
-from oomguard.engine_env import INITIAL_CAP_ENV
 from tests.kube_standin import K8S_VERSION, KubeStandIn
 from tests.remediator_helpers import Engines, alert, payload
 
@@ -153,7 +153,9 @@ def test_the_pieces_fit_together(repo_root):
     exporter = next(o for o in docs(repo_root, "exporter.yaml") if o["kind"] == "DaemonSet")
     assert exporter["spec"]["template"]["spec"]["hostPID"] is True
     dashboards = docs(repo_root, "dashboards.yaml")
-    assert len(dashboards) == len(list((repo_root / "dashboards" / "generated").glob("*.json")))
+    assert len(dashboards) == len(
+        list((repo_root / "src" / "oomguard" / "dashboards" / "generated").glob("*.json"))
+    )
     for cm in dashboards:
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
         (text,) = cm["data"].values()
@@ -379,7 +381,6 @@ def test_exporter_and_remediator_name_the_engine_alike(repo_root):
 
 def test_the_keda_example_scales_the_engine_on_recorded_capacity_withheld(repo_root):
     from oomguard.alerts.rules import recording_rules
-
     from oomguard.thresholds import AlertThresholds
     from tests.promql import metric_names, promtool_parses
 

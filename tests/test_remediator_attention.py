@@ -8,12 +8,12 @@ import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from oomguard.remediator.attention import Attention, AttentionConfig
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.controller import Controller
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.webhook import parse
-
 from tests.remediator_helpers import Engines, alert, config, payload
 
 FLEET = {"attention": {"read_all_below": 0, "quiet_resync_seconds": 3600}}

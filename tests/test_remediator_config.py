@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from oomguard.remediator.config import RemediatorConfig, SecretFile, load
 
 from oomguard.errors import ConfigError
+from oomguard.remediator.config import RemediatorConfig, SecretFile, load
 
 
 def test_the_shipped_example_is_valid(repo_root, tmp_path, monkeypatch):

@@ -9,11 +9,11 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.controller import Controller
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.webhook import parse
-
 from tests.remediator_helpers import Engines, alert, config, payload
 
 

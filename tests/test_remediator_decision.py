@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RestartConfig, SupervisorRef
 from oomguard.remediator.controller import Controller
@@ -19,7 +20,6 @@ from oomguard.remediator.flags import Flags
 from oomguard.remediator.main import explain
 from oomguard.remediator.restart import FlagView
 from oomguard.remediator.webhook import parse
-
 from tests.remediator_helpers import Engine, Engines, alert, config, payload
 
 ALERTS = {  # name -> extra labels (the helper adds oomguard_action for the first three)

@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 
 from kubernetes import client
+
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.controller import Controller
 from oomguard.remediator.discovery import DiscoveryConfig, PodDiscovery, pod_target
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.webhook import parse
-
 from tests.kube_standin import KubeStandIn
 from tests.remediator_helpers import Engines, alert, config, payload
 

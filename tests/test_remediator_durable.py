@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-from oomguard.twin.processes import RemediatorProcess, free_port
 
+from oomguard.twin.processes import RemediatorProcess, free_port
 from tests.remediator_helpers import alert, payload
 from tests.vllm_server import TOKEN, VllmServer, require_vllm
 

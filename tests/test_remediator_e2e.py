@@ -10,9 +10,9 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from oomguard.twin.processes import Alertmanager, RemediatorProcess, free_port
 
 from oomguard.catalog import exported_names
+from oomguard.twin.processes import Alertmanager, RemediatorProcess, free_port
 from tests.vllm_server import TOKEN, SteadyLoad, VllmServer, require_vllm
 
 pytestmark = pytest.mark.slow

@@ -11,6 +11,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
 from oomguard.remediator.alertbook import AlertBook
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.controller import Controller
@@ -18,8 +20,6 @@ from oomguard.remediator.main import Remediator
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.server import create_app
 from oomguard.remediator.webhook import Alert, BodyTooLarge, PayloadError, parse
-from starlette.testclient import TestClient
-
 from tests.remediator_helpers import T0, Engines, alert, config, payload
 
 
@@ -183,7 +183,6 @@ def test_one_episode_one_identity_whichever_way_it_arrived(tmp_path, local_serve
     # differed and a restarted remediator restarted the same engine again for the same alert
     from oomguard.remediator.config import RestartConfig, SupervisorRef
     from oomguard.remediator.flags import Flags
-
     from tests.test_remediator_controller import FakeBackend
 
     oom = alert("OomguardCudaOomObserved", "a", oomguard_action="restart")

@@ -7,8 +7,8 @@ import threading
 import time
 
 from kubernetes import client
-from oomguard.remediator.leader import LeaderElectionConfig, LeaseElector
 
+from oomguard.remediator.leader import LeaderElectionConfig, LeaseElector
 from tests.kube_standin import KubeStandIn
 
 NS = "oomguard"
@@ -167,7 +167,6 @@ def test_release_on_stop_lets_a_standby_take_over_at_once():
 def test_only_the_leader_acts_and_a_takeover_keeps_the_old_leaders_cooldowns(tmp_path, monkeypatch):
     from oomguard.remediator.main import Remediator
     from oomguard.remediator.webhook import parse
-
     from tests.remediator_helpers import Engines, alert, config, payload
 
     standin = KubeStandIn([], ROLE)

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from oomguard.remediator.policy import (
     Observed,
     PolicyConfig,

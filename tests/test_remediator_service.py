@@ -9,8 +9,8 @@ import sys
 
 import httpx
 import pytest
-from oomguard.twin.processes import RemediatorProcess, free_port
 
+from oomguard.twin.processes import RemediatorProcess, free_port
 from tests.remediator_helpers import alert, payload
 
 TOKEN = "remediator-token-42"

@@ -6,7 +6,6 @@ from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import StandaloneConfig
 from oomguard.remediator.controller import Controller
 from oomguard.remediator.standalone import PressureWatcher
-
 from tests.remediator_helpers import Engines, config
 
 

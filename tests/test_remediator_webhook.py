@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from oomguard.remediator.alertbook import AlertBook
 from oomguard.remediator.webhook import MAX_BODY_BYTES, Alert, PayloadError, parse
 

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oomguard.exporter.render import Family, TextRenderer, render_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
+
+from oomguard.exporter.render import Family, TextRenderer, render_openmetrics
 
 
 def fam(name: str, *samples) -> Family:

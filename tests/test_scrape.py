@@ -4,9 +4,9 @@ import gzip
 import socket
 
 import pytest
-from oomguard.exporter.scrape import Scraper
 
 from oomguard.errors import CollectorError
+from oomguard.exporter.scrape import Scraper
 
 
 def test_keeps_the_connection_alive_and_reconnects_when_the_server_drops_it(local_server):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from oomguard.remediator.config import RemediatorConfig
 
 from oomguard.cli import build_parser
+from oomguard.remediator.config import RemediatorConfig
 
 UNITS = ["oomguard-exporter.service", "oomguard-vllm.service", "oomguard-remediator.service"]
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import sys
 
 import pytest
+from starlette.testclient import TestClient
+
 from oomguard.remediator.config import AuthConfig
 from oomguard.remediator.supervisor import Supervisor, create_app
-from starlette.testclient import TestClient
 
 TOKEN = "supervisor-token-1"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

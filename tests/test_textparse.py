@@ -5,10 +5,10 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oomguard.exporter.textparse import parse
 from prometheus_client.parser import text_string_to_metric_families
 
 from oomguard.errors import CollectorError
+from oomguard.exporter.textparse import parse
 from tests.conftest import VLLM_FIXTURE
 
 

@@ -6,10 +6,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
+
 from oomguard.twin.gpu import MIB
 from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
 from oomguard.twin.traces import Trace, names, requests
-
 from tests.vllm_server import require_vllm
 
 H100 = 81559 * MIB
@@ -64,6 +64,7 @@ def test_peak_and_the_exact_byte_where_a_step_stops_fitting():
 def test_the_executor_raises_a_cuda_oom_at_exactly_that_step(tmp_path):
     require_vllm()
     import torch
+
     from oomguard.twin.executor import GpuTwin
 
     state = tmp_path / "gpu.json"

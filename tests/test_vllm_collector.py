@@ -3,11 +3,11 @@ from __future__ import annotations
 import time
 
 import pytest
+
+from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.vllm import WANTED, VllmCollector
 from oomguard.exporter.render import FamilyBuilder
 from oomguard.exporter.textparse import parse
-
-from oomguard.errors import CollectorError
 from tests.conftest import VLLM_FIXTURE
 
 M = 'model_name="m"'

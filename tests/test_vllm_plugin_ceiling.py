@@ -8,10 +8,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from oomguard.vllm_plugin import engine as plugin
-from oomguard.vllm_plugin.engine import oomguard_set_admission_cap, oomguard_state
 
 from oomguard.engine_env import INITIAL_CAP_ENV
+from oomguard.vllm_plugin import engine as plugin
+from oomguard.vllm_plugin.engine import oomguard_set_admission_cap, oomguard_state
 
 
 @pytest.fixture(autouse=True)

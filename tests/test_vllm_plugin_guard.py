@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from oomguard.vllm_plugin.guard import (
     EngineShape,
     Headroom,
@@ -157,8 +158,9 @@ def reports(now: float, idle: float) -> list[dict]:
 
 def test_the_hook_per_mode():
     pytest.importorskip("vllm")
-    from oomguard.vllm_plugin.admission import Guard
     from vllm.exceptions import GracefulHTTPError, VLLMValidationError
+
+    from oomguard.vllm_plugin.admission import Guard
 
     clock = [100.0]
     enforce = Guard("enforce", clock=lambda: clock[0])
@@ -184,8 +186,9 @@ def test_the_hook_per_mode():
 
 def test_the_hook_is_installed_once_and_reads_the_current_guard():
     pytest.importorskip("vllm")
-    from oomguard.vllm_plugin import admission
     from vllm.v1.engine.input_processor import InputProcessor
+
+    from oomguard.vllm_plugin import admission
 
     first = admission.Guard("observe")
     assert admission.install(first)

@@ -12,9 +12,10 @@ from tests.vllm_server import require_vllm
 
 def test_register_is_idempotent():
     require_vllm()
-    from oomguard.vllm_plugin.engine import UTILITIES, register
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
+
+    from oomguard.vllm_plugin.engine import UTILITIES, register
 
     register()
     schedule, preempt = Scheduler.schedule, Scheduler._preempt_request
@@ -51,6 +52,7 @@ class _Req:
 def test_authorize(monkeypatch, env, header, status):
     require_vllm()
     from fastapi import HTTPException
+
     from oomguard.vllm_plugin.api import authorize
 
     for key in (
@@ -72,6 +74,7 @@ def test_authorize(monkeypatch, env, header, status):
 def test_token_file_is_reread(monkeypatch, tmp_path):
     require_vllm()
     from fastapi import HTTPException
+
     from oomguard.vllm_plugin.api import authorize
 
     monkeypatch.delenv("OOMGUARD_PLUGIN_TOKEN", raising=False)
@@ -123,9 +126,8 @@ class FakeCuda:
 
 
 def test_publisher_writes_handoff_files_only_once_cuda_is_up(tmp_path):
-    from oomguard.vllm_plugin.allocator import AllocatorPublisher
-
     from oomguard.handoff import AllocatorReport
+    from oomguard.vllm_plugin.allocator import AllocatorPublisher
 
     cuda = FakeCuda()
     pub = AllocatorPublisher(

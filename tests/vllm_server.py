@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from oomguard.twin.processes import TINY_MODEL, VllmProcess
 
 MODEL = TINY_MODEL

@@ -1,0 +1,860 @@
+"""promtool unit tests for every alert: at least one firing and one quiet case each, and the
+hysteresis (`for`, `keep_firing_for`) where an alert has it. Expected descriptions are written
+out by hand: they are the spec of what on-call reads.
+
+The input series carry the labels a Prometheus gets from the shipped Kubernetes manifests
+(`manifests.scrape_labels()` applies their PodMonitors' relabelings) plus the cluster label a
+central ruler adds, so a rule that selects a label the manifests do not set fails here.
+"""
+
+from __future__ import annotations
+
+from oomguard import manifests as k8s
+from oomguard.alerts.rules import Case, ExprCase
+from oomguard.thresholds import AlertThresholds
+
+GIB = 1024**3
+NODE = k8s.NODE
+MODEL = k8s.MODEL
+
+
+def _arg(container_args: list[str], flag: str) -> str:
+    """The NAME of a `--flag=NAME=value` argument of the exporter."""
+    (value,) = [a.removeprefix(f"--{flag}=") for a in container_args if a.startswith(f"--{flag}=")]
+    return value.split("=", 1)[0]
+
+
+def sel(metric: str, labels: dict[str, str]) -> str:
+    return metric + "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+
+
+class Labels:
+    """Label sets of the series each component exports, as scraped on Kubernetes."""
+
+    def __init__(self, t: AlertThresholds) -> None:
+        cluster = {t.cluster_label: "prod-eu-1"}
+        exporter = k8s.exporter(t)
+        args = next(o for o in exporter if o["kind"] == "DaemonSet")["spec"]["template"]["spec"][
+            "containers"
+        ][0]["args"]
+        self.target = _arg(args, "vllm")
+        self.cgroup = _arg(args, "cgroup")
+        self.exp = {**cluster, **k8s.scrape_labels(exporter, "oomguard-exporter-7xk2p")}
+        self.rem = {
+            **cluster,
+            **k8s.scrape_labels(k8s.remediator(t), "oomguard-remediator-5d9c8f-q2w7r"),
+        }
+        self.vllm = {
+            **cluster,
+            **k8s.scrape_labels(k8s.vllm_example(t), "vllm-llama-3-8b-6f7d9-x8k2m"),
+        }
+        self.cluster = cluster
+        self.engine = {**self.exp, "target": self.target, "model_name": MODEL, "engine": "0"}
+        self.gpu = {
+            **self.exp,
+            "gpu": "0",
+            "UUID": "GPU-a",
+            "pci_bus_id": "00000000:3B:00.0",
+            "device": "nvidia0",
+            "modelName": "NVIDIA H100 80GB HBM3",
+            "Hostname": NODE,
+        }
+        self.rank = {
+            **self.exp,
+            "Hostname": NODE,
+            "gpu": "0",
+            "UUID": "GPU-a",
+            "target": self.target,
+            "engine": "0",
+            "rank": "0",
+            "pid": "42",
+        }
+        self.rem_target = {**self.rem, "target": self.target}
+        self.vllm_engine = {**self.vllm, "model_name": MODEL, "engine": "0"}
+        # on Kubernetes `instance` of the exporter's series is the node's name
+        self.eng = f"engine 0 of {self.target} on {self.exp['instance']}"
+
+
+def cases(t: AlertThresholds | None = None) -> list[Case]:
+    t = t or AlertThresholds()
+    L = Labels(t)
+    c: list[Case] = []
+    add = c.append
+    ENG = L.eng
+
+    def level(reason: str, values: str) -> dict[str, str]:
+        return {sel("oomguard_engine_pressure_level", {**L.engine, "reason": reason}): values}
+
+    # KV usage high: a capacity signal after 15 minutes, never before; info (no ticket)
+    kv = {sel("oomguard_vllm_kv_cache_usage_ratio", L.engine): "0.95x30"}
+    add(Case("OomguardKVCacheUsageHigh", "10m", kv))
+    add(
+        Case(
+            "OomguardKVCacheUsageHigh",
+            "20m",
+            kv,
+            [
+                {
+                    **L.engine,
+                    "severity": "info",
+                    "description": f"The KV cache of {ENG} is 95% full. This is normal under load "
+                    "and is not a danger sign by itself; sustained, it means the engine runs at "
+                    "capacity.",
+                }
+            ],
+        )
+    )
+    add(
+        Case(
+            "OomguardKVCacheUsageHigh",
+            "20m",
+            {sel("oomguard_vllm_kv_cache_usage_ratio", L.engine): "0.85x30"},
+        )
+    )
+
+    # caution: level >= 1 for 10 minutes, with the reason
+    add(Case("OomguardMemoryCaution", "5m", level("headroom_caution", "1x20")))
+    add(
+        Case(
+            "OomguardMemoryCaution",
+            "15m",
+            level("headroom_caution", "1x20"),
+            [
+                {
+                    **L.engine,
+                    "reason": "headroom_caution",
+                    "severity": "info",
+                    "description": f"The pressure level of {ENG} is 1 (reason headroom_caution) "
+                    "(1 caution, 2 pressure, 3 critical).",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardMemoryCaution", "15m", level("blind", "-1x20")))  # blind is not caution
+
+    # preemption ratio over 5 minutes: 10 preemptions per 100 finished requests
+    finished = sel("oomguard_vllm_requests_finished_total", {**L.engine, "finished_reason": "stop"})
+    preempted = sel("oomguard_vllm_preemptions_total", L.engine)
+    storm = {preempted: "0+10x20", finished: "0+100x20"}
+    calm = {**storm, preempted: "0+0.5x20"}
+    # an idle engine: one preemption every 4 minutes, two requests: a 50 % "ratio" of nothing
+    idle = {preempted: "0+0.25x40", finished: "0+0.5x40"}
+    add(Case("OomguardPreemptionRateHigh", "15m", calm))
+    add(Case("OomguardPreemptionRateHigh", "30m", idle))
+    add(
+        Case(
+            "OomguardPreemptionRateHigh",
+            "15m",
+            storm,
+            [
+                {
+                    **L.engine,
+                    "severity": "warning",
+                    "oomguard_action": "lower_cap",
+                    "description": f"{ENG} preempted 10% of its finished requests over 5 minutes. "
+                    "Preemption is how vLLM meets a full KV cache; sustained, it costs latency and "
+                    "throughput, so oomguard lowers the admission cap.",
+                }
+            ],
+        )
+    )
+
+    # pressure: 30 s to fire, a short hysteresis (action_keep_firing_for) after the level drops
+    pressure = level("headroom_low", "0 2x5 0x10")  # level 2 from 1m to 6m, 0 from 7m
+    add(Case("OomguardMemoryPressure", "1m", pressure))  # not yet 30 s
+    fired = [
+        {
+            **L.engine,
+            "reason": "headroom_low",
+            "severity": "warning",
+            "oomguard_action": "lower_cap",
+            "description": f"The pressure level of {ENG} is 2 (reason headroom_low): the memory "
+            "left on its GPU once every engine reaches its planned peak is low, or the allocator "
+            "had to retry. oomguard lowers its admission cap.",
+        }
+    ]
+    add(Case("OomguardMemoryPressure", "3m", pressure, fired))
+    add(Case("OomguardMemoryPressure", "7m", pressure, fired))  # dropped at 7m: still firing
+    add(Case("OomguardMemoryPressure", "8m", pressure))  # resolved after action_keep_firing_for
+    add(Case("OomguardMemoryPressure", "3m", level("blind", "-1x10")))
+
+    # critical: fires at once; the remediator drains, nobody is paged
+    critical = level("headroom_exhausted", "0 3x3 0x10")
+    add(Case("OomguardMemoryCritical", "0m", critical))
+    add(
+        Case(
+            "OomguardMemoryCritical",
+            "1m",
+            critical,
+            [
+                {
+                    **L.engine,
+                    "reason": "headroom_exhausted",
+                    "severity": "warning",
+                    "oomguard_action": "drain",
+                    "description": f"The pressure level of {ENG} is 3 (reason headroom_exhausted): "
+                    "the memory left on its GPU at the engines' planned peak is nearly gone, or the "
+                    "allocator reported an out-of-memory error. oomguard drains the engine.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardMemoryCritical", "10m", critical))
+
+    # blind: the exporter cannot judge the engine (level -1)
+    blind = level("blind", "0 -1x3 0x10")  # blind from 1m to 4m
+    add(
+        Case(
+            "OomguardPressureBlind",
+            "1m",
+            blind,
+            [
+                {
+                    **L.engine,
+                    "reason": "blind",
+                    "severity": "warning",
+                    "oomguard_action": "hold",
+                    "description": f"The exporter on {NODE} lacks the data to judge {ENG} (reason "
+                    "blind); the remediator holds it (blind is not healthy).",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardPressureBlind", "5m", blind))  # clears at once: no hysteresis
+    add(Case("OomguardPressureBlind", "12m", level("headroom_caution", "1x15")))
+
+    def gpu_level(v: str) -> dict[str, str]:
+        return {sel("oomguard_gpu_pressure_level", {**L.gpu, "reason": "headroom_low"}): v}
+
+    gpu_text = f"GPU 0 (GPU-a) on {NODE}"
+    add(
+        Case(
+            "OomguardGpuMemoryPressure",
+            "6m",
+            gpu_level("2x10"),
+            [
+                {
+                    **L.gpu,
+                    "severity": "warning",
+                    "description": f"{gpu_text} is at pressure level 2: its headroom at the "
+                    "engines' planned peak is low.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardGpuMemoryPressure", "6m", gpu_level("3x10")))  # critical instead
+    add(
+        Case(
+            "OomguardGpuMemoryCritical",
+            "2m",
+            gpu_level("3x10"),
+            [
+                {
+                    **L.gpu,
+                    "severity": "warning",
+                    "description": f"{gpu_text} is at pressure level 3: its headroom at the "
+                    "engines' planned peak is nearly gone or a process on it hit a CUDA "
+                    "out-of-memory error. Engines on it are handled by their own alerts; look for "
+                    "a process that is not one of them.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardGpuMemoryCritical", "2m", gpu_level("1x10")))
+
+    # fragmentation: reserved - allocated grows by 3 GiB over 2 hours (every 10 minutes)
+    reserved = sel("oomguard_allocator_reserved_bytes", L.rank)
+    allocated = sel("oomguard_allocator_allocated_bytes", L.rank)
+    frag = {reserved: f"{20 * GIB}+{GIB // 4}x40", allocated: f"{18 * GIB}x40"}
+    add(
+        Case(
+            "OomguardAllocatorFragmentationGrowing",
+            "170m",
+            frag,
+            [
+                {
+                    **L.rank,
+                    "severity": "warning",
+                    "description": f"Reserved minus allocated memory of rank 0 (pid 42) on {NODE} "
+                    "grew by 3GiB over 2h.",
+                }
+            ],
+            interval="10m",
+        )
+    )
+    add(
+        Case(
+            "OomguardAllocatorFragmentationGrowing",
+            "170m",
+            {**frag, reserved: f"{20 * GIB}x40"},
+            interval="10m",
+        )
+    )
+
+    # leak: the floor of allocated memory rises by 1.5 GiB in 2 hours
+    add(
+        Case(
+            "OomguardAllocatorLeak",
+            "170m",
+            {allocated: f"{10 * GIB}+{GIB // 8}x40"},
+            [
+                {
+                    **L.rank,
+                    "severity": "warning",
+                    "description": f"The lowest allocated memory of rank 0 (pid 42) on {NODE} rose "
+                    "by 1.5GiB in 2h: a leak.",
+                }
+            ],
+            interval="10m",
+        )
+    )
+    add(Case("OomguardAllocatorLeak", "170m", {allocated: f"{10 * GIB}x40"}, interval="10m"))
+
+    # CUDA OOM: the page of the incident, and the remediator's restart order. The counter of a
+    # process that dies of its first OOM is born at 1: increase() alone never sees it.
+    ooms = sel("oomguard_allocator_ooms_total", L.rank)
+
+    def oom_fired(n: str) -> list[dict[str, str]]:
+        return [
+            {
+                **L.rank,
+                "severity": "critical",
+                "oomguard_action": "restart",
+                "description": f"Rank 0 (pid 42) of {L.target} on {NODE} hit a CUDA out-of-memory "
+                f"error ({n}) in the last 5 minutes.",
+            }
+        ]
+
+    add(Case("OomguardCudaOomObserved", "2m", {ooms: "0 0 0 1x15"}))
+    add(Case("OomguardCudaOomObserved", "5m", {ooms: "0 0 0 1x15"}, oom_fired("1")))
+    add(Case("OomguardCudaOomObserved", "5m", {ooms: "_x3 1x15"}, oom_fired("1")))  # born at 1
+    add(Case("OomguardCudaOomObserved", "12m", {ooms: "_x3 1x15"}))  # the same OOM, long ago
+    add(Case("OomguardCudaOomObserved", "8m", {ooms: "2x12"}))  # old OOMs of a live process
+
+    tokens = sel("oomguard_vllm_generation_tokens_total", L.engine)
+    add(
+        Case(
+            "OomguardEngineRestarted",
+            "10m",
+            {tokens: "0+100x5 0+100x10"},
+            [
+                {
+                    **L.engine,
+                    "severity": "warning",
+                    "description": f"The counters of {ENG} reset 1 times in 15 minutes: the engine "
+                    "restarted (a rollout, oomguard's own restart, or a crash).",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardEngineRestarted", "10m", {tokens: "0+100x15"}))
+
+    # host OOM kills, read from the kubepods cgroup the DaemonSet mounts (the v2 root has none)
+    host = sel("oomguard_host_oom_kills_total", {**L.exp, "Hostname": NODE, "cgroup": L.cgroup})
+
+    def host_fired(n: str) -> list[dict[str, str]]:
+        return [
+            {
+                **L.exp,
+                "Hostname": NODE,
+                "cgroup": L.cgroup,
+                "severity": "warning",
+                "description": f"The kernel killed a process of cgroup {L.cgroup} on {NODE} for "
+                f"exceeding host memory ({n}): exit code 137, no traceback.",
+            }
+        ]
+
+    add(Case("OomguardHostOomKill", "5m", {host: "0 0 1x10"}, host_fired("1")))
+    add(Case("OomguardHostOomKill", "5m", {host: "_ _ 1x10"}, host_fired("1")))  # born at 1
+    add(Case("OomguardHostOomKill", "25m", {host: "2x30"}))
+
+    up = sel("oomguard_vllm_up", {**L.exp, "target": L.target})
+    add(
+        Case(
+            "OomguardEngineDown",
+            "16m",
+            {up: "0x20"},
+            [
+                {
+                    **L.exp,
+                    "target": L.target,
+                    "severity": "warning",
+                    "description": f"The exporter on {NODE} has not been able to scrape vLLM target "
+                    f"{L.target} for 15m.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardEngineDown", "10m", {up: "0x20"}))  # a rollout: model load takes minutes
+
+    # a model with no ready engine for 5 minutes pages; a restart that comes back in time does not
+    running = sel("oomguard_vllm_requests_running", L.engine)
+    add(
+        Case(
+            "OomguardModelUnavailable",
+            "20m",
+            {running: "5x10", up: "1x10 0x20"},
+            [
+                {
+                    **L.cluster,
+                    "model_name": MODEL,
+                    "severity": "critical",
+                    "description": f"No engine serving model {MODEL} has been up and admitting "
+                    "requests for 5m: every request for it fails.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardModelUnavailable", "15m", {running: "5x30", up: "1x10 0x3 1x20"}))
+    draining = sel("oomguard_remediator_target_mode", {**L.rem_target, "mode": "draining"})
+    add(
+        Case(
+            "OomguardModelUnavailable",
+            "15m",
+            {running: "5x30", up: "1x30", draining: "0x3 1x20"},  # drained by oomguard
+            [
+                {
+                    **L.cluster,
+                    "model_name": MODEL,
+                    "severity": "critical",
+                    "description": f"No engine serving model {MODEL} has been up and admitting "
+                    "requests for 5m: every request for it fails.",
+                }
+            ],
+        )
+    )
+
+    exp_up = sel("up", L.exp)
+    add(
+        Case(
+            "OomguardExporterDown",
+            "5m",
+            {exp_up: "0x6"},
+            [
+                {
+                    **L.exp,
+                    "severity": "warning",
+                    "description": f"Prometheus cannot scrape the oomguard exporter on {NODE}: GPU "
+                    "memory on that node is not watched and the remediator holds its engines.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardExporterDown", "5m", {exp_up: "1x6"}))
+
+    # absent: no target with the job the rules select, e.g. a PodMonitor without its relabeling
+    # (prometheus-operator's default job is <namespace>/<name>)
+    default_job = {**L.exp, "job": f"{k8s.NS}/oomguard-exporter"}
+    add(
+        Case(
+            "OomguardExporterAbsent",
+            "16m",
+            {sel("up", default_job): "1x20"},
+            [
+                {
+                    "job": t.exporter_job,
+                    "severity": "warning",
+                    "description": f'Prometheus has no target with job="{t.exporter_job}": the '
+                    "scrape config or the PodMonitor does not find the exporters, so no GPU memory "
+                    "is watched.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardExporterAbsent", "16m", {exp_up: "1x20"}))
+    rem_up = sel("up", L.rem)
+    add(
+        Case(
+            "OomguardRemediatorAbsent",
+            "16m",
+            {exp_up: "1x20"},
+            [
+                {
+                    "job": t.remediator_job,
+                    "severity": "warning",
+                    "description": f'Prometheus has no target with job="{t.remediator_job}": the '
+                    "remediator is not deployed or not discovered, so nothing acts on oomguard "
+                    "alerts.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardRemediatorAbsent", "16m", {rem_up: "1x20"}))
+    add(
+        Case(
+            "OomguardRemediatorDown",
+            "6m",
+            {rem_up: "0x10"},
+            [
+                {
+                    **L.rem,
+                    "severity": "critical",
+                    "description": f"Prometheus cannot scrape the remediator at {L.rem['instance']}"
+                    ": no engine is protected from out-of-memory crashes.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardRemediatorDown", "6m", {rem_up: "1x10"}))
+
+    leader = sel("oomguard_remediator_leader", L.rem)
+    add(
+        Case(
+            "OomguardRemediatorNoLeader",
+            "6m",
+            {leader: "0x10"},
+            [
+                {
+                    **L.cluster,
+                    "severity": "critical",
+                    "description": "Every remediator replica scraped is a standby: none holds the "
+                    "leader Lease, so nothing acts on oomguard alerts.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardRemediatorNoLeader", "6m", {leader: "1x10"}))
+
+    col = sel("oomguard_exporter_collector_up", {**L.exp, "collector": "cgroup"})
+    add(
+        Case(
+            "OomguardCollectorDown",
+            "10m",
+            {col: "0x12"},
+            [
+                {
+                    **L.exp,
+                    "collector": "cgroup",
+                    "severity": "warning",
+                    "description": f"Collector cgroup  of the exporter on {NODE} has failed for a "
+                    "while.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardCollectorDown", "10m", {col: "1x12"}))
+
+    snap = sel("oomguard_exporter_snapshot_timestamp_seconds", L.exp)
+    add(
+        Case(
+            "OomguardMetricsStale",
+            "5m",
+            {snap: "0x6"},
+            [
+                {
+                    **L.exp,
+                    "severity": "warning",
+                    "description": f"The exporter on {NODE} last collected 5m 0s ago: its polling "
+                    "is stuck.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardMetricsStale", "5m", {snap: "0+60x6"}))
+
+    # queueing behind a lowered cap: exporter and remediator series join on `target`, which the
+    # manifests name alike (the exporter's --vllm name and the remediator's target)
+    queue = {
+        sel("oomguard_vllm_requests_waiting", L.engine): "40x20",
+        sel("oomguard_remediator_admission_cap", L.rem_target): "8x20",
+        sel("oomguard_remediator_startup_max_num_seqs", L.rem_target): "64x20",
+    }
+    add(
+        Case(
+            "OomguardRequestsQueueing",
+            "15m",
+            queue,
+            [
+                {
+                    **L.engine,
+                    "severity": "warning",
+                    "description": f"40 requests wait on {ENG} while its admission cap is below "
+                    "the startup max_num_seqs.",
+                }
+            ],
+        )
+    )
+    add(
+        Case(
+            "OomguardRequestsQueueing",
+            "15m",
+            {**queue, sel("oomguard_remediator_admission_cap", L.rem_target): "64x20"},
+        )
+    )
+
+    # remediation failing: the first failure pages, even when its counter is born at 1
+    failed = sel(
+        "oomguard_remediator_actions_total",
+        {**L.rem_target, "action": "lower_cap", "result": "failed"},
+    )
+    failing = [
+        {
+            **L.rem_target,
+            "action": "lower_cap",
+            "result": "failed",
+            "severity": "critical",
+            "description": f"The remediator on {L.rem['instance']} failed on target {L.target} (1 "
+            "in 10 minutes): the engine is not protected.",
+        }
+    ]
+    add(Case("OomguardRemediationFailing", "5m", {failed: "0 0 1x10"}, failing))
+    add(Case("OomguardRemediationFailing", "5m", {failed: "_ _ 1x10"}, failing))
+    add(Case("OomguardRemediationFailing", "5m", {failed: "0x12"}))
+
+    limited = sel("oomguard_remediator_safety_limited_total", {**L.rem_target, "limit": "cooldown"})
+    held_back = [
+        {
+            **L.rem_target,
+            "limit": "cooldown",
+            "severity": "critical",
+            "description": f"The remediator on {L.rem['instance']} held back an action on "
+            f"{L.target} because of its cooldown limit: the engine is in danger and nothing "
+            "protects it.",
+        }
+    ]
+    add(Case("OomguardRemediationLimited", "5m", {limited: "0 0 1x10"}, held_back))
+    add(Case("OomguardRemediationLimited", "5m", {limited: "_ _ 1x10"}, held_back))
+    add(Case("OomguardRemediationLimited", "25m", {limited: "3x30"}))
+
+    paused = sel("oomguard_remediator_paused", L.rem)
+    add(
+        Case(
+            "OomguardRemediationPaused",
+            "65m",
+            {paused: "1x70"},
+            [
+                {
+                    **L.rem,
+                    "severity": "warning",
+                    "description": f"The remediator on {L.rem['instance']} has been paused for 1h: "
+                    "it decides and records but acts on no engine.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardRemediationPaused", "65m", {paused: "1x30 0x40"}))
+
+    last_pass = sel("oomguard_remediator_last_pass_timestamp_seconds", L.rem)
+    # passes stop completing at t=0 (the gauge stays at 0 s): behind from 60 s, alert after 2m more
+    add(
+        Case(
+            "OomguardRemediatorPassesBehind",
+            "4m",
+            {last_pass: "0x10", leader: "1x10"},
+            [
+                {
+                    **L.rem,
+                    "severity": "warning",
+                    "description": f"The remediator on {L.rem['instance']} leads but completed no "
+                    f"reconcile pass for {t.pass_behind_seconds}s: actions wait (a slow or "
+                    "failing pass, too many engines read per pass).",
+                }
+            ],
+        )
+    )
+    # a standby's last pass never moves: no alert
+    add(Case("OomguardRemediatorPassesBehind", "4m", {last_pass: "0x10", leader: "0x10"}))
+    held = sel("oomguard_remediator_target_mode", {**L.rem_target, "mode": "held"})
+    add(
+        Case(
+            "OomguardRemediationHeld",
+            "16m",
+            {held: "1x20"},
+            [
+                {
+                    **L.rem_target,
+                    "mode": "held",
+                    "severity": "warning",
+                    "description": f"The remediator on {L.rem['instance']} has held target "
+                    f"{L.target} for 15m: it cannot read or change the engine, so it does nothing.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardRemediationHeld", "16m", {held: "0x20"}))
+
+    unauth = sel("oomguard_remediator_webhook_requests_total", {**L.rem, "outcome": "unauthorized"})
+    add(
+        Case(
+            "OomguardRemediatorUnauthorized",
+            "5m",
+            {unauth: "0 0 3x10"},
+            [
+                {
+                    **L.rem,
+                    "outcome": "unauthorized",
+                    "severity": "warning",
+                    "description": f"The remediator on {L.rem['instance']} refused 3 calls without "
+                    "a valid token in 10 minutes: a misconfigured Alertmanager or a probe.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardRemediatorUnauthorized", "5m", {unauth: "0x10"}))
+
+    am = {**L.cluster, "instance": "10.0.3.4:9093", "job": "alertmanager-main"}
+    am_failed = sel("alertmanager_notifications_failed_total", {**am, "integration": "webhook"})
+    add(
+        Case(
+            "OomguardAlertmanagerWebhookFailing",
+            "8m",
+            {am_failed: "0 0 2x10"},
+            [
+                {
+                    **am,
+                    "integration": "webhook",
+                    "severity": "warning",
+                    "description": "Alertmanager 10.0.3.4:9093 failed 2 webhook deliveries in 10 "
+                    "minutes: the remediator (or a webhook pager) misses alerts and relies on its "
+                    "resync.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardAlertmanagerWebhookFailing", "8m", {am_failed: "0x10"}))
+
+    # -- SLOs on vLLM's own series (job vllm) ---------------------------------------------------
+    def success(reason: str) -> str:
+        return sel("vllm:request_success_total", {**L.vllm_engine, "finished_reason": reason})
+
+    model = {**L.cluster, "model_name": MODEL}
+
+    def burn(severity: str, value: str, what: str, objective: str, lasts: str) -> dict[str, str]:
+        return {
+            **model,
+            "severity": severity,
+            "description": f"Model {MODEL} has {value} {what} (objective {objective} % good): at "
+            f"this rate the 30-day budget lasts {lasts}.",
+        }
+
+    errors = "requests finishing with an error"
+    add(
+        Case(
+            "OomguardRequestErrorBudgetBurn",
+            "65m",
+            {success("error"): "0+10x70", success("stop"): "0+90x70"},
+            [
+                burn("critical", "10%", errors, "99.9", "hours"),
+                burn("warning", "10%", errors, "99.9", "days"),
+            ],
+        )
+    )
+    add(
+        Case(
+            "OomguardRequestErrorBudgetBurn",
+            "65m",
+            {success("error"): "0+1x70", success("stop"): "0+199x70"},
+            [burn("warning", "0.5%", errors, "99.9", "days")],  # slow burn: a ticket
+        )
+    )
+    add(
+        Case(
+            "OomguardRequestErrorBudgetBurn",
+            "65m",
+            {success("error"): "0x70", success("abort"): "0+5x70", success("stop"): "0+95x70"},
+        )
+    )
+
+    def ttft(good: str) -> dict[str, str]:
+        bucket = {**L.vllm_engine, "le": repr(t.slo_ttft_seconds)}
+        return {
+            sel("vllm:time_to_first_token_seconds_bucket", bucket): f"0+{good}x70",
+            sel("vllm:time_to_first_token_seconds_count", L.vllm_engine): "0+100x70",
+        }
+
+    slow = f"requests waiting over {t.slo_ttft_seconds:g} s for their first token"
+    add(
+        Case(
+            "OomguardTTFTBudgetBurn",
+            "65m",
+            ttft("10"),
+            [
+                burn("critical", "90%", slow, "95", "hours"),
+                burn("warning", "90%", slow, "95", "days"),
+            ],
+        )
+    )
+    add(
+        Case(
+            "OomguardTTFTBudgetBurn",
+            "65m",
+            ttft("80"),
+            [burn("warning", "20%", slow, "95", "days")],
+        )
+    )
+    add(Case("OomguardTTFTBudgetBurn", "65m", ttft("99")))
+
+    add(
+        Case(
+            "Watchdog",
+            "1m",
+            {},
+            [
+                {
+                    "severity": "none",
+                    "description": "This alert always fires. If it stops arriving, Prometheus or "
+                    "Alertmanager is down.",
+                }
+            ],
+        )
+    )
+    return c
+
+
+def expr_cases(t: AlertThresholds | None = None) -> list[ExprCase]:
+    """Recording rules other systems act on (capacity withheld), checked value by value."""
+    t = t or AlertThresholds()
+    L = Labels(t)
+    startup = sel("oomguard_remediator_startup_max_num_seqs", L.rem_target)
+    cap = sel("oomguard_remediator_admission_cap", L.rem_target)
+    mode = sel("oomguard_remediator_target_mode", {**L.rem_target, "mode": "draining"})
+    running = sel("oomguard_vllm_requests_running", L.engine)
+    target = {**L.cluster, "target": L.target}
+    model = {**L.cluster, "model_name": MODEL}
+    capped = {startup: "64x10", cap: "16x10", mode: "0x10", running: "5x10"}
+    drained = {**capped, mode: "0 0 0 1x7"}
+    return [
+        ExprCase("target:oomguard_capacity_withheld_seqs:max", "5m", capped, [(target, "48")]),
+        ExprCase("model_name:oomguard_capacity_withheld_seqs:sum", "5m", capped, [(model, "48")]),
+        # draining admits nothing: the whole startup capacity is withheld
+        ExprCase("target:oomguard_capacity_withheld_seqs:max", "5m", drained, [(target, "64")]),
+        ExprCase("model_name:oomguard_capacity_withheld_seqs:sum", "5m", drained, [(model, "64")]),
+        # the target was redeployed with another model 10 minutes ago: all of it counts for the
+        # model it serves now, and the old model's series in the last hour breaks nothing
+        ExprCase(
+            "model_name:oomguard_capacity_withheld_seqs:sum",
+            "20m",
+            {
+                startup: "64x20",
+                cap: "16x20",
+                mode: "0x20",
+                sel("oomguard_vllm_requests_running", {**L.engine, "model_name": "old/model"}): (
+                    "5x10"
+                ),
+                running: "_x10 5x10",
+            },
+            [(model, "48")],
+        ),
+        # restarting: no engine series now; the model it served within the hour still counts
+        ExprCase(
+            "model_name:oomguard_capacity_withheld_seqs:sum",
+            "20m",
+            {
+                startup: "64x20",
+                cap: "16x20",
+                mode: "0x20",
+                sel("oomguard_remediator_target_mode", {**L.rem_target, "mode": "restarting"}): (
+                    "0x10 1x10"
+                ),
+                running: "5x10",
+            },
+            [(model, "64")],
+        ),
+        # uncapped and serving: nothing withheld (0, not absent: an autoscaler reads a number)
+        ExprCase(
+            "model_name:oomguard_capacity_withheld_seqs:sum",
+            "5m",
+            {**capped, cap: "64x10"},
+            [(model, "0")],
+        ),
+    ]

@@ -1,0 +1,705 @@
+"""The `oomguard` command: one entry point, a subcommand per component.
+
+Imports of each component happen inside its subcommand, so `oomguard budget` does not load the
+exporter and nothing does work at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from oomguard import __version__
+from oomguard.errors import BudgetError, ConfigError
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _check_listen(what: str, listen: str) -> None:
+    """Bind and release the address now, so a taken port fails before anything starts."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{what} {listen!r}: expected HOST:PORT with a port up to 65535")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+            probe.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"{what} {listen}: cannot listen there: {exc.strerror or exc}") from exc
+
+
+def _check_secret_file(what: str, path: str) -> None:
+    """A token file that is missing, unreadable or empty would turn every request into a 401."""
+    try:
+        empty = not Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from exc
+    if empty:
+        raise ConfigError(f"{what} {path}: the file is empty")
+
+
+def _secret_files(model: Any, where: str = "") -> list[tuple[str, str]]:
+    """Every `*_file` setting in a loaded config, with its place in the file."""
+    from pydantic import BaseModel
+
+    found = []
+    for name, value in model:
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            place = f"{where}{name}" + (f"[{i}]" if isinstance(value, list) else "")
+            if isinstance(item, BaseModel):
+                found += _secret_files(item, f"{place}.")
+            elif name.endswith("_file") and isinstance(item, str):
+                found.append((place, item))
+    return found
+
+
+# -- exporter -----------------------------------------------------------------------------------
+def _add_exporter(sub: Any) -> None:
+    p = sub.add_parser(
+        "exporter",
+        help="run the per-node metrics exporter",
+        description="Poll GPU memory (NVML or dcgm-exporter), vLLM engines, allocator statistics "
+        "and cgroup memory in the background, compute pressure levels, and serve them on "
+        "/metrics. Flags override the YAML config file.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config (docs/configuration.md)")
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="address to serve /metrics and /healthz on (default 0.0.0.0:9848)",
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        metavar="SECONDS",
+        help="poll interval, 0.1 to 60 seconds (default 1)",
+    )
+    p.add_argument("--hostname", help="Hostname label value (default $NODE_NAME or host name)")
+    p.add_argument(
+        "--vllm",
+        action="append",
+        type=_key_value,
+        metavar="NAME=URL",
+        default=[],
+        help="a vLLM /metrics endpoint to scrape, e.g. llama=http://127.0.0.1:8000"
+        "/metrics; repeat for several engines",
+    )
+    p.add_argument("--dcgm-url", metavar="URL", help="read GPU memory from dcgm-exporter")
+    p.add_argument("--dcgm-file", metavar="FILE", help="read dcgm-exporter output from a file")
+    p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
+    p.add_argument(
+        "--allocator-dir",
+        metavar="DIR",
+        help="hand-off directory where the vLLM plugin publishes allocator stats "
+        "(default /run/oomguard/allocator)",
+    )
+    p.add_argument(
+        "--cgroup",
+        action="append",
+        type=_key_value,
+        metavar="NAME=PATH",
+        default=[],
+        help="a cgroup to report host memory for (default self=/sys/fs/cgroup); repeat for several",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(func=_run_exporter)
+
+
+def exporter_config_from_args(args: argparse.Namespace) -> Any:
+    from oomguard.config import load_yaml, validate
+    from oomguard.exporter.config import ExporterConfig
+
+    data: dict[str, Any] = load_yaml(args.config) if args.config else {}
+    if args.listen:
+        data["listen"] = args.listen
+    if args.interval is not None:
+        data["interval_seconds"] = args.interval
+    if args.hostname:
+        data["hostname"] = args.hostname
+    if args.vllm:
+        data["vllm"] = [*data.get("vllm", []), *({"name": n, "url": u} for n, u in args.vllm)]
+    if args.dcgm_url or args.dcgm_file:
+        data["dcgm"] = {**data.get("dcgm", {}), "url": args.dcgm_url, "file": args.dcgm_file}
+    if args.no_nvml:
+        data["nvml"] = {**data.get("nvml", {}), "enabled": False}
+    if args.allocator_dir:
+        data["allocator"] = {**data.get("allocator", {}), "directory": args.allocator_dir}
+    if args.cgroup:
+        data["cgroups"] = [{"name": n, "path": p} for n, p in args.cgroup]
+    config = validate(ExporterConfig, data, args.config or "command-line flags")
+    for target in config.vllm:
+        try:
+            urlsplit(target.url).port  # noqa: B018 (it raises on a port out of range)
+        except ValueError as exc:
+            raise ConfigError(f"vllm target {target.name}: {target.url}: {exc}") from exc
+    return config
+
+
+def _run_exporter(args: argparse.Namespace) -> int:
+    from oomguard.exporter.main import run
+
+    config = exporter_config_from_args(args)
+    _check_listen("listen", config.listen)
+    try:
+        return run(config)
+    except OSError as exc:  # the port is taken, or the address is not ours
+        raise ConfigError(f"cannot listen on {config.listen}: {exc.strerror or exc}") from exc
+
+
+# -- budget -------------------------------------------------------------------------------------
+def _add_budget(sub: Any) -> None:
+    from oomguard.budget import GPU_MEMORY_MIB
+
+    p = sub.add_parser(
+        "budget",
+        help="size weights, KV cache and max_num_seqs for a model on a GPU",
+        description="From a Hugging Face config.json, the GPU's memory and vLLM's flags: "
+        "weights, KV bytes per token, KV pool, concurrency at a context length, and a "
+        "recommended max_num_seqs at 70-80 %% of what memory allows, with warnings.",
+    )
+    p.add_argument(
+        "model_config", metavar="CONFIG_JSON", help="path to the model's config.json, or its folder"
+    )
+    gpu = p.add_mutually_exclusive_group(required=True)
+    gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_MIB), help="a known GPU's memory")
+    gpu.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="the CUDA total of one GPU (NVML total less reserved), e.g. 79.1GiB",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.92,
+        help="vLLM's --gpu-memory-utilization (default 0.92, vLLM 0.33's)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="vLLM's --max-model-len (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="vLLM's --max-num-seqs (default: what vllm serve picks for this GPU size)",
+    )
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's --tensor-parallel-size (default 1)",
+    )
+    p.add_argument(
+        "-pp", "--pipeline-parallel-size", type=int, default=1, help="vLLM's -pp (default 1)"
+    )
+    p.add_argument(
+        "-dp", "--data-parallel-size", type=int, default=1, help="vLLM's -dp (default 1)"
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="spread MoE experts over TP x DP ranks, as vLLM's flag does",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="vLLM's --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2 (default auto)",
+    )
+    p.add_argument(
+        "--block-size", type=int, help="KV block size in tokens (default 16, 64 for MLA)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="largest prefill chunk, drives the activation estimate (default: vllm serve's "
+        "for this GPU size)",
+    )
+    p.add_argument(
+        "--context-len",
+        type=int,
+        help="context length for the concurrency figure (default max-model-len)",
+    )
+    p.add_argument(
+        "--weights-bytes",
+        metavar="SIZE",
+        help="weights per GPU, from vLLM's 'Model loading took X GiB' log line",
+    )
+    p.add_argument(
+        "--overhead-bytes",
+        metavar="SIZE",
+        help="activation + non-torch memory per GPU, overriding the estimate",
+    )
+    p.add_argument(
+        "--kv-pool-bytes",
+        metavar="SIZE",
+        help="KV pool per GPU from vLLM's 'Available KV cache memory' log line",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_run_budget)
+
+
+def _gib(value: float) -> str:
+    return f"{value / 1024**3:,.2f} GiB"
+
+
+def _run_budget(args: argparse.Namespace) -> int:
+    from oomguard.budget import (
+        BudgetInputs,
+        compute,
+        cuda_total_bytes,
+        parse_size,
+        shape_from_hf_config,
+    )
+
+    path = Path(args.model_config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise BudgetError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise BudgetError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise BudgetError(f"{path} is not a JSON object")
+    try:
+        memory = cuda_total_bytes(args.gpu) if args.gpu else parse_size(args.gpu_memory)
+        size = lambda v: parse_size(v) if v else None  # noqa: E731
+        inputs = BudgetInputs(
+            gpu_memory_bytes=memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_name=args.gpu or "",
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            enforce_eager=args.enforce_eager,
+            kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            context_len=args.context_len,
+            weights_bytes=size(args.weights_bytes),
+            overhead_bytes=size(args.overhead_bytes),
+            kv_pool_bytes=size(args.kv_pool_bytes),
+        )
+    except ValueError as exc:
+        raise BudgetError(str(exc)) from exc
+    budget = compute(shape_from_hf_config(config), inputs)
+    if args.json:
+        print(json.dumps(budget.to_dict(), indent=2))
+        return 0
+    rows = [
+        ("device memory (CUDA total)", _gib(memory)),
+        ("gpu_memory_utilization", f"{inputs.gpu_memory_utilization:.2f}"),
+        ("weights per GPU", _gib(budget.weights_bytes_per_gpu)),
+        ("non-KV (profile) per GPU", _gib(budget.overhead_bytes_per_gpu)),
+        *((f"  {k}", _gib(v)) for k, v in budget.overhead_parts.items()),
+        (f"KV pool per GPU ({budget.pool_source})", _gib(budget.kv_pool_bytes_per_gpu)),
+        ("KV bytes per token (model)", f"{budget.kv_bytes_per_token:,} B"),
+        ("KV bytes per token (per GPU)", f"{budget.kv_bytes_per_token_per_gpu:,} B"),
+        ("KV tokens (vLLM's 'GPU KV cache size')", f"{budget.kv_pool_tokens:,}"),
+        ("KV blocks / cache groups", f"{budget.num_blocks:,} / {budget.kv_cache_groups}"),
+        ("max_model_len", f"{budget.max_model_len:,}"),
+        (f"concurrency at {budget.context_len:,} tokens", f"{budget.concurrency_at_context:,.1f}"),
+        ("max_num_seqs", f"{budget.max_num_seqs}"),
+        (
+            "recommended max_num_seqs",
+            f"{budget.recommended_max_num_seqs} "
+            f"(70-80 %: {budget.recommended_range[0]}-{budget.recommended_range[1]})",
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    for n in budget.notes:
+        print(f"note: {n}")
+    for w in budget.warnings:
+        print(f"warning: {w}")
+    return 0
+
+
+# -- preflight ----------------------------------------------------------------------------------
+def _add_preflight(sub: Any) -> None:
+    from oomguard.budget import GPU_MEMORY_MIB
+    from oomguard.contract import HANDOFF_DIR
+
+    p = sub.add_parser(
+        "preflight",
+        help="the longest prompt at max batch against a live vLLM, stopping before danger",
+        description="Ramp prompt length (with prompt_logprobs) and concurrency against a vLLM "
+        "server with the oomguard plugin, watching the allocator's peak, retries and OOMs in "
+        "the hand-off directory; stop a margin before the device is full. Report the largest "
+        "safe load, the headroom at the peak and recommended flags. Exit 0: safe at the target "
+        "load; 1: a limit below it, or a failure; 2: the preflight could not run.",
+    )
+    p.add_argument("url", metavar="URL", help="the vLLM API server, e.g. http://127.0.0.1:8000")
+    gpu = p.add_mutually_exclusive_group(required=True)
+    gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_MIB), help="a known GPU's memory")
+    gpu.add_argument("--gpu-memory", metavar="SIZE", help="one GPU's memory, e.g. 80GiB")
+    p.add_argument(
+        "--driver-reserved",
+        metavar="SIZE",
+        help="NVML's reserved memory, never usable (nvidia-smi -q; default: the known GPU's, "
+        "else 1GiB)",
+    )
+    p.add_argument(
+        "--allocator-dir",
+        default=HANDOFF_DIR,
+        help=f"hand-off directory the ranks publish allocator stats into (default {HANDOFF_DIR})",
+    )
+    p.add_argument(
+        "--margin", metavar="SIZE", default="256MiB", help="stop this far below the device"
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=256, help="phase B's ceiling (default 256)"
+    )
+    p.add_argument("--target-prompt-len", type=int, help="default: max_model_len - 1")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_run_preflight)
+
+
+def _run_preflight(args: argparse.Namespace) -> int:
+    from oomguard.budget import GPU_MEMORY_MIB, GPU_RESERVED_MIB, parse_size
+    from oomguard.preflight import PreflightError, Settings, render, run
+
+    try:
+        device = GPU_MEMORY_MIB[args.gpu] * 2**20 if args.gpu else parse_size(args.gpu_memory)
+        if args.driver_reserved:
+            reserved = parse_size(args.driver_reserved)
+        else:
+            reserved = GPU_RESERVED_MIB[args.gpu] * 2**20 if args.gpu else 2**30
+        settings = Settings(
+            url=args.url.rstrip("/"),
+            device_bytes=device,
+            driver_reserved_bytes=reserved,
+            allocator_dir=args.allocator_dir,
+            margin_bytes=parse_size(args.margin),
+            max_concurrency=args.max_concurrency,
+            target_prompt_len=args.target_prompt_len,
+        )
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+    if not args.url.startswith(("http://", "https://")):
+        raise PreflightError(f"URL must start with http:// or https://, got {args.url!r}")
+    if args.max_concurrency < 1 or (args.target_prompt_len or 1) < 1:
+        raise PreflightError("--max-concurrency and --target-prompt-len must be at least 1")
+    report = run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    return report.exit_code
+
+
+# -- generate -----------------------------------------------------------------------------------
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="write the alert rules, dashboards and Alertmanager/Prometheus configs",
+        description="Regenerate every generated file from the metric catalog and thresholds. "
+        "With --check, write nothing and exit 1 if a committed file differs.",
+    )
+    p.add_argument("--root", default=".", help="repository root to write into (default .)")
+    p.add_argument("--check", action="store_true", help="only report drift, exit 1 if any")
+    p.add_argument(
+        "--thresholds",
+        metavar="FILE",
+        help="YAML overriding alert thresholds (see src/oomguard/thresholds.py "
+        "AlertThresholds); the committed files use the defaults",
+    )
+    p.set_defaults(func=_run_generate)
+
+
+def generated_files(thresholds: Any = None) -> dict[Path, str]:
+    """Every generated file and its content, from the alert and dashboard generators."""
+    from oomguard.alerts.generate import ALERTMANAGER, RULES
+    from oomguard.alerts.generate import outputs as alert_outputs
+    from oomguard.dashboards.generate import GENERATED
+    from oomguard.dashboards.generate import outputs as dashboard_outputs
+    from oomguard.manifests import outputs as manifest_outputs
+
+    alerts, dashboards = alert_outputs(thresholds), dashboard_outputs(thresholds)
+    manifests = manifest_outputs(
+        alerts[RULES],
+        alerts[ALERTMANAGER],
+        {str(p): text for p, text in dashboards.items() if p.parent == GENERATED},
+        thresholds,
+    )
+    return {**alerts, **dashboards, **manifests}
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from oomguard.config import load_yaml, validate
+    from oomguard.generated import sync
+    from oomguard.thresholds import AlertThresholds
+
+    thresholds = None
+    if args.thresholds:
+        thresholds = validate(AlertThresholds, load_yaml(args.thresholds), args.thresholds)
+    drift = sync(Path(args.root), generated_files(thresholds), check=args.check)
+    for path in drift:
+        print(f"{'differs' if args.check else 'wrote'}: {path}")
+    return 1 if args.check and drift else 0
+
+
+# -- demo ---------------------------------------------------------------------------------------
+def _add_demo(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="replay a GPU memory incident with and without oomguard, no GPU needed",
+        description="Replay the same seeded GPU memory incident on real vLLM servers (model-free "
+        "executor, twin GPUs) twice at once: vLLM alone (it hits a CUDA OOM and reloads) and "
+        "vLLM with oomguard (exporter, Prometheus and Alertmanager with the generated rules, "
+        "remediator); beside them a healthy 24 GB GPU at gpu_memory_utilization 0.92 under heavy "
+        "load that oomguard must leave alone. Shows both runs live and writes a one-page HTML "
+        "report. Needs vLLM (make demo installs it).",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: a shorter healthy segment, no waiting for the crashed engine's reload",
+    )
+    p.add_argument(
+        "--report",
+        default="demo-report",
+        metavar="DIR",
+        help="folder for report.html, summary.md, summary.json, the PNGs and the audit log",
+    )
+    p.add_argument(
+        "--no-prometheus",
+        action="store_true",
+        help="skip Prometheus and Alertmanager even when installed (no dashboards in the report)",
+    )
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import shutil
+
+    from oomguard.twin.demo import Options, run
+
+    if shutil.which("vllm", path=str(Path(sys.executable).parent)) is None:
+        raise ConfigError(
+            "vLLM is not installed in this environment: run `make demo`, which "
+            "installs vllm==0.33.0 for the CPU"
+        )
+    return run(
+        Options(report_dir=Path(args.report), prometheus=not args.no_prometheus, quick=args.quick)
+    )
+
+
+# -- remediator ---------------------------------------------------------------------------------
+def _add_remediator(sub: Any) -> None:
+    p = sub.add_parser(
+        "remediator",
+        help="receive Alertmanager webhooks and act on vLLM engines (or explain a payload)",
+        description="Run the remediator: it receives Alertmanager webhooks (or, in standalone "
+        "mode, watches exporters' pressure levels) and converges each allowlisted engine toward "
+        "the state its firing alerts call for: lower the cap, drain, staged re-admission. "
+        "`oomguard remediator explain` prints what it would do for one payload and acts on "
+        "nothing.",
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="remediator YAML config")
+    p.add_argument("--dry-run", action="store_true", help="decide and record, act on nothing")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(func=_run_remediator)
+    rsub = p.add_subparsers(dest="remediator_command", metavar="SUBCOMMAND")
+    e = rsub.add_parser(
+        "explain",
+        help="print what the remediator would do for a webhook payload; changes nothing",
+    )
+    e.add_argument("payload", help="Alertmanager webhook JSON file, or - for stdin")
+    e.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        metavar="TARGET=FILE",
+        help="use this saved /oomguard/v1/state JSON instead of asking the engine (repeatable)",
+    )
+    e.set_defaults(func=_run_remediator_explain)
+
+
+def _load_remediator(args: argparse.Namespace) -> Any:
+    from oomguard.remediator.config import load
+
+    config = load(args.config)
+    if args.dry_run:
+        config = config.model_copy(update={"dry_run": True})
+    return config
+
+
+def _run_remediator(args: argparse.Namespace) -> int:
+    from oomguard.remediator.main import Remediator
+
+    config = _load_remediator(args)
+    for where, path in _secret_files(config):
+        _check_secret_file(where, path)
+    _check_listen("listen", config.listen)
+    return Remediator(config).serve()
+
+
+def _run_remediator_explain(args: argparse.Namespace) -> int:
+    import json
+
+    from oomguard.remediator.main import explain
+    from oomguard.remediator.webhook import PayloadError, parse
+
+    config = _load_remediator(args)
+    try:
+        body = sys.stdin.buffer.read() if args.payload == "-" else Path(args.payload).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.payload}: {exc.strerror or exc}") from exc
+    try:
+        webhook = parse(body)
+    except PayloadError as exc:
+        raise ConfigError(f"{args.payload}: {exc}") from exc
+    states = {}
+    for item in args.state:
+        try:
+            name, path = _key_value(item)
+            states[name] = json.loads(Path(path).read_text())
+        except (argparse.ArgumentTypeError, OSError, ValueError) as exc:
+            raise ConfigError(f"--state {item}: {exc}") from exc
+    for entry in explain(config, webhook, states or None):
+        print(json.dumps(entry, sort_keys=True))
+    return 0
+
+
+# -- serve (the local supervisor) ---------------------------------------------------------------
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run vLLM as a supervised child that the remediator can restart with new flags",
+        description="Run `vllm serve ...` (everything after --) as a child: restart it on "
+        "request with adjusted --gpu-memory-utilization/--max-num-seqs (persisted in the state "
+        "directory), record why it exits, bring it back capped after a CUDA OOM, and stop "
+        "restarting after a crashloop. Example: oomguard serve --token-file /etc/oomguard/"
+        "supervisor-token -- vllm serve /models/llama --max-num-seqs 64",
+    )
+    p.add_argument("--listen", default="127.0.0.1:9851", metavar="HOST:PORT")
+    p.add_argument("--token-file", metavar="FILE", help="bearer token for the supervisor's API")
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve the API without a token (loopback-only single boxes)",
+    )
+    p.add_argument("--state-dir", default="/var/lib/oomguard/serve", metavar="DIR")
+    p.add_argument("--max-crashes", type=int, default=5, help="within --crash-window, then stop")
+    p.add_argument("--crash-window", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument(
+        "--restart-delay", type=float, default=5.0, metavar="SECONDS", help="after a crash"
+    )
+    p.add_argument("--stop-timeout", type=float, default=60.0, metavar="SECONDS")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=6,
+        help="requested restarts allowed within --restart-window; beyond it the API answers 429",
+    )
+    p.add_argument("--restart-window", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument(
+        "--keep-flags-on-crash",
+        action="store_true",
+        help="restart a crashed vLLM with the same flags and full admission (a plain restart "
+        "policy; the default lowers the flags after a CUDA OOM and starts capped)",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("vllm", nargs=argparse.REMAINDER, help="-- vllm serve MODEL [flags...]")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from oomguard.remediator.config import AuthConfig
+    from oomguard.remediator.supervisor import Supervisor, serve
+
+    argv = args.vllm[1:] if args.vllm[:1] == ["--"] else args.vllm
+    if args.token_file is None and not args.allow_unauthenticated:
+        raise ConfigError("give --token-file (or --allow-unauthenticated on a loopback-only box)")
+    if args.token_file:
+        _check_secret_file("--token-file", args.token_file)
+    _check_listen("--listen", args.listen)  # before vLLM starts, not after its minutes of loading
+    sup = Supervisor(
+        argv,
+        Path(args.state_dir),
+        max_crashes=args.max_crashes,
+        crash_window_seconds=args.crash_window,
+        restart_delay=args.restart_delay,
+        stop_timeout=args.stop_timeout,
+        adjust_on_crash=not args.keep_flags_on_crash,
+        max_restarts=args.max_restarts,
+        restart_window_seconds=args.restart_window,
+    )
+    auth = AuthConfig(
+        bearer_token_file=args.token_file, allow_unauthenticated=args.allow_unauthenticated
+    )
+    return serve(sup, args.listen, auth)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oomguard",
+        description="Keep vLLM GPU serving out of out-of-memory crashes.",
+    )
+    parser.add_argument("--version", action="version", version=f"oomguard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_exporter(sub)
+    _add_budget(sub)
+    _add_preflight(sub)
+    _add_generate(sub)
+    _add_demo(sub)
+    _add_remediator(sub)
+    _add_serve(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
+    try:
+        return int(args.func(args))
+    except (ConfigError, BudgetError) as exc:
+        print(f"oomguard {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"oomguard {args.command}: needs the Python package {exc.name!r}: "
+            f"pip install 'oomguard[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+
+
+# Optional packages and the extra (pyproject.toml) that installs each.
+_EXTRAS = {
+    "apscheduler": "remediator",
+    "kubernetes": "kubernetes",
+    "grafanalib": "generate",
+    "matplotlib": "demo",
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The contract between oomguard's parts, in one place: what alerts ask for, where the plugin's
+API lives, which environment variables carry settings into vLLM, and where allocator statistics
+are handed off. The remediator, the plugin, the alert rules, the twin and the manifests meet
+here; change a value here and every side changes with it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+# What an alert asks the remediator to do (its `oomguard_action` label), in order of precedence:
+# hold (the exporter is blind to the engine: change nothing), drain, lower the cap, restart.
+Action = Literal["hold", "drain", "lower_cap", "restart"]
+ACTIONS: tuple[Action, ...] = ("hold", "drain", "lower_cap", "restart")
+ACTION_LABEL = "oomguard_action"
+
+# The oomguard plugin's HTTP API inside vLLM's API server: state, ready, admission, drain, resume.
+API_PREFIX = "/oomguard/v1"
+
+# Environment variables read inside vLLM (plugin, executor) and set by its launchers.
+PLUGIN_TOKEN_ENV = "OOMGUARD_PLUGIN_TOKEN"
+PLUGIN_TOKEN_FILE_ENV = "OOMGUARD_PLUGIN_TOKEN_FILE"
+ALLOCATOR_DIR_ENV = "OOMGUARD_ALLOCATOR_DIR"
+INCIDENT_DIR_ENV = "OOMGUARD_INCIDENT_DIR"
+INITIAL_CAP_ENV = "OOMGUARD_INITIAL_ADMISSION_CAP"
+
+# Where ranks publish allocator statistics for the exporter (src/oomguard/handoff.py: the format).
+HANDOFF_DIR = "/run/oomguard/allocator"

@@ -1,0 +1,196 @@
+"""GPU memory from dcgm-exporter, for clusters that already run it instead of giving NVML to us.
+
+dcgm-exporter reports framebuffer fields in MiB; oomguard converts them to bytes. Rules that keep
+the numbers honest:
+- the node name is the exporter's own (`--hostname`, `$NODE_NAME`, config), never dcgm's
+  `Hostname`/`hostname` label: on the GPU Operator that label holds the dcgm-exporter pod's name;
+- `--use-old-namespace` labels are read like the current ones: `uuid` as `UUID`, `pod_name`,
+  `pod_namespace`, `container_name` as `pod`, `namespace`, `container`;
+- a GPU is keyed by its UUID (by its index when no UUID label exists), so two GPUs never merge;
+- MIG series (GPU_I_ID set) are instances of their own; they are never added up into the parent;
+- with per-pod GPU sharing a device has a device-level series plus one per pod: the device value
+  comes from the series without pod labels (or, where every series carries pod labels, from the
+  largest one, since they repeat the device value), and pod series are exported separately,
+  never summed;
+- blank sentinels (DCGM's "no value" markers, 2**31-16 and up for 32-bit fields, 2**47 and up
+  for doubles, 2**63-16 and up for 64-bit fields) are treated as missing.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+
+from oomguard.errors import CollectorError
+from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
+from oomguard.exporter.render import FamilyBuilder
+from oomguard.exporter.scrape import DEFAULT_MAX_BYTES, Scraper
+from oomguard.exporter.textparse import Sample, is_openmetrics, parse
+
+MIB = 1024 * 1024
+_BLANK_INT32 = 2**31 - 16
+
+FB_FIELDS = {
+    "DCGM_FI_DEV_FB_TOTAL": "total",
+    "DCGM_FI_DEV_FB_USED": "used",
+    "DCGM_FI_DEV_FB_FREE": "free",
+    "DCGM_FI_DEV_FB_RESERVED": "reserved",
+}
+XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
+WANTED = (*FB_FIELDS, XID_FIELD)
+
+
+def _read_file(path: str, max_bytes: int) -> str:
+    """A dcgm-exporter output file, bounded like a scrape. Symlinks are followed (a mounted
+    ConfigMap is one), but a FIFO or device never blocks or floods the collector."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CollectorError("not_found", f"cannot read {path}: {exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CollectorError("not_regular_file", f"{path} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise CollectorError("not_found", f"cannot read {path}: {exc}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise CollectorError("too_large", f"{path} is over {max_bytes} bytes")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise CollectorError("parse_error", f"{path} is not UTF-8 text: {exc}") from exc
+
+
+def is_blank(value: float) -> bool:
+    # Every DCGM blank sentinel is at least 2**31-16; no MiB figure or XID code gets there.
+    return value >= _BLANK_INT32
+
+
+def _identity(labels: dict[str, str], hostname: str) -> GpuIdentity:
+    return GpuIdentity(
+        gpu=labels.get("gpu", ""),
+        uuid=labels.get("UUID") or labels.get("uuid", ""),
+        pci_bus_id=labels.get("pci_bus_id", ""),
+        device=labels.get("device", ""),
+        model_name=labels.get("modelName", ""),
+        hostname=hostname,
+        gpu_instance_id=labels.get("GPU_I_ID", ""),
+        gpu_instance_profile=labels.get("GPU_I_PROFILE", ""),
+    )
+
+
+def _pod(labels: dict[str, str]) -> tuple[str, str, str] | None:
+    """(namespace, pod, container) of a pod-mapped series, in either label namespace."""
+    pod = labels.get("pod") or labels.get("pod_name")
+    if not pod:
+        return None
+    namespace = labels.get("namespace") or labels.get("pod_namespace", "")
+    container = labels.get("container") or labels.get("container_name", "")
+    return namespace, pod, container
+
+
+@dataclass
+class _Fields:
+    identity: GpuIdentity
+    device: dict[str, float] = field(default_factory=dict)  # series without pod labels
+    pod_max: dict[str, float] = field(default_factory=dict)  # largest pod-labelled value
+
+
+class DcgmCollector:
+    name = "dcgm"
+
+    def __init__(
+        self,
+        hostname: str,
+        url: str | None = None,
+        file: str | None = None,
+        timeout: float = 2.0,
+    ) -> None:
+        if bool(url) == bool(file):
+            raise ValueError("dcgm collector needs exactly one of url or file")
+        self.url, self.file = url, file
+        self.target = url or file or ""
+        self.hostname = hostname
+        self.timeout = timeout
+        self._scraper = Scraper(url, timeout) if url else None
+
+    def close(self) -> None:
+        if self._scraper is not None:
+            self._scraper.close()
+
+    def _read_text(self) -> tuple[str, bool]:
+        if self.file:
+            return _read_file(self.file, DEFAULT_MAX_BYTES), False
+        assert self._scraper is not None
+        text, content_type = self._scraper.get()
+        return text, is_openmetrics(content_type)
+
+    def collect(self) -> GpuReading:
+        text, openmetrics = self._read_text()
+        parsed = parse(text, WANTED, openmetrics=openmetrics)
+        reading = GpuReading()
+        reading.invalid.update(parsed.dropped)
+        per_gpu: dict[tuple[str, str], _Fields] = {}
+        for metric, key in FB_FIELDS.items():
+            for s in parsed.get(metric):
+                if not self._valid(s, reading):
+                    continue
+                identity = _identity(s.labels, self.hostname)
+                fields = per_gpu.setdefault(identity.key, _Fields(identity))
+                pod = _pod(s.labels)
+                if pod is None:
+                    if key in fields.device:
+                        # Two device series for one GPU that differ only in labels we do not
+                        # key on (driver version, hostname): keep the first, never overwrite.
+                        reading.invalid["duplicate_gpu_series"] += 1
+                        continue
+                    fields.device[key] = s.value * MIB
+                    fields.identity = identity  # prefer the device series' labels
+                else:
+                    fields.pod_max[key] = max(fields.pod_max.get(key, 0.0), s.value * MIB)
+                    if key == "used":
+                        reading.pods.append((identity, *pod, s.value * MIB))
+        for fields in per_gpu.values():
+            values = {**fields.pod_max, **fields.device}
+            used, free, reserved = values.get("used"), values.get("free"), values.get("reserved")
+            total = values.get("total")
+            if total is None and used is not None and free is not None:
+                total = used + free + (reserved or 0.0)
+            reading.gpus.append(GpuMemory(fields.identity, total, used, free, reserved))
+        seen_xid: set[tuple[str, str]] = set()
+        for s in parsed.get(XID_FIELD):
+            if not self._valid(s, reading):
+                continue
+            identity = _identity(s.labels, self.hostname)
+            if identity.key not in seen_xid:  # pod-mapped duplicates repeat the device's value
+                seen_xid.add(identity.key)
+                reading.last_xid.append((identity, s.value))
+        if not reading.gpus:
+            raise CollectorError(
+                "no_data", "no DCGM_FI_DEV_FB_* series in the dcgm-exporter output"
+            )
+        return reading
+
+    @staticmethod
+    def _valid(s: Sample, reading: GpuReading) -> bool:
+        if is_blank(s.value):
+            reading.invalid["blank_sentinel"] += 1
+            return False
+        if s.value < 0:
+            reading.invalid["negative"] += 1
+            return False
+        return True
+
+    def families(self, reading: GpuReading, out: FamilyBuilder) -> None:
+        for identity, namespace, pod, container, used in reading.pods:
+            out.add(
+                "oomguard_gpu_pod_memory_used_bytes",
+                (*identity.labels(), namespace, pod, container),
+                used,
+            )
+        for identity, code in reading.last_xid:
+            out.add("oomguard_gpu_last_xid", identity.labels(), code)

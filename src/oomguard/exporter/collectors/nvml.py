@@ -1,0 +1,205 @@
+"""GPU memory from NVML (nvidia-ml-py, module `pynvml`).
+
+The backend is the pynvml module by default; the GPU twin passes an object with the same
+functions and error classes, so the exporter reads a simulated GPU through this same code.
+Identity is cached per device index (it does not change while the driver is loaded) and the
+cache is dropped whenever NVML reports an error that may mean the GPU set changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from oomguard.errors import CollectorError
+from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
+from oomguard.exporter.render import FamilyBuilder
+
+_MIG_PROFILE = re.compile(r"MIG\s+(\S+)")
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _reason(exc: Exception) -> str:
+    """`NVMLError_GpuIsLost` -> `gpu_is_lost`: a stable label value for the error class."""
+    name = type(exc).__name__.removeprefix("NVMLError_") or "unknown"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@dataclass
+class _Device:
+    identity: GpuIdentity
+    handle: Any
+
+
+class NvmlCollector:
+    name = "nvml"
+    target = ""
+
+    def __init__(
+        self,
+        hostname: str,
+        backend: Any = None,
+        process_metrics: bool = True,
+        timeout: float = 2.0,
+    ) -> None:
+        self.nvml = backend if backend is not None else pynvml
+        self.hostname = hostname
+        self.process_metrics = process_metrics
+        self.timeout = timeout
+        self._initialized = False
+        self._identities: dict[int, GpuIdentity] = {}
+        self._memory_v2 = True
+
+    # -- NVML lifecycle ------------------------------------------------------------------------
+    def _ensure_init(self) -> None:
+        if self._initialized:
+            return
+        nvml = self.nvml
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError_LibraryNotFound as exc:
+            raise CollectorError(
+                "library_not_found",
+                "NVML library not found: no NVIDIA driver on this host, or libnvidia-ml is not "
+                "mounted into the container",
+            ) from exc
+        except nvml.NVMLError_DriverNotLoaded as exc:
+            raise CollectorError("driver_not_loaded", "NVIDIA driver is not loaded") from exc
+        except nvml.NVMLError_NoPermission as exc:
+            raise CollectorError("no_permission", "no permission to open NVML devices") from exc
+        except nvml.NVMLError as exc:
+            raise CollectorError(_reason(exc), f"nvmlInit failed: {exc}") from exc
+        self._initialized = True
+
+    def close(self) -> None:
+        if self._initialized:
+            with contextlib.suppress(self.nvml.NVMLError):
+                self.nvml.nvmlShutdown()
+            self._initialized = False
+
+    def _reset(self) -> None:
+        self._identities.clear()
+        self.close()
+
+    # -- reading ---------------------------------------------------------------------------------
+    def collect(self) -> GpuReading:
+        self._ensure_init()
+        nvml = self.nvml
+        reading = GpuReading()
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as exc:
+            self._reset()
+            raise CollectorError(_reason(exc), f"nvmlDeviceGetCount failed: {exc}") from exc
+        for index in range(count):
+            try:
+                device = self._device(index)
+                self._read_device(device, reading)
+            except nvml.NVMLError as exc:
+                # One GPU failing (lost, reset needed) must not hide the others.
+                reading.errors[_reason(exc)] += 1
+                self._identities.pop(index, None)
+        if reading.errors and not reading.gpus:
+            self._reset()
+        return reading
+
+    def _device(self, index: int) -> _Device:
+        nvml = self.nvml
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        identity = self._identities.get(index)
+        if identity is None:
+            try:
+                minor = nvml.nvmlDeviceGetMinorNumber(handle)
+                device_name = f"nvidia{minor}"
+            except nvml.NVMLError_NotSupported:
+                device_name = f"nvidia{index}"
+            identity = GpuIdentity(
+                gpu=str(index),
+                uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(handle).busId),
+                device=device_name,
+                model_name=_text(nvml.nvmlDeviceGetName(handle)),
+                hostname=self.hostname,
+            )
+            self._identities[index] = identity
+        return _Device(identity, handle)
+
+    def _memory(self, handle: Any) -> tuple[float, float, float, float | None]:
+        """(total, used, free, reserved). v2 separates driver-reserved memory; v1 cannot."""
+        nvml = self.nvml
+        if self._memory_v2:
+            try:
+                m = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+                return float(m.total), float(m.used), float(m.free), float(m.reserved)
+            except nvml.NVMLError_FunctionNotFound:
+                self._memory_v2 = False  # old driver: fall back for good
+        m = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return float(m.total), float(m.used), float(m.free), None
+
+    def _read_device(self, device: _Device, reading: GpuReading) -> None:
+        total, used, free, reserved = self._memory(device.handle)
+        reading.gpus.append(GpuMemory(device.identity, total, used, free, reserved))
+        if self.process_metrics:
+            self._read_processes(device.identity, device.handle, reading)
+        self._read_mig(device, reading)
+
+    def _read_processes(self, identity: GpuIdentity, handle: Any, reading: GpuReading) -> None:
+        nvml = self.nvml
+        try:
+            processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission):
+            return
+        seen: set[int] = set()
+        for proc in processes:
+            used = getattr(proc, "usedGpuMemory", None)
+            if used is None:
+                reading.invalid["not_available"] += 1
+                continue
+            pid = int(proc.pid)
+            if pid in seen:
+                # One series per (GPU, pid): a repeat would be a duplicate series on our page.
+                reading.invalid["duplicate_process"] += 1
+                continue
+            seen.add(pid)
+            reading.processes.append((identity, pid, float(used)))
+
+    def _read_mig(self, device: _Device, reading: GpuReading) -> None:
+        nvml = self.nvml
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(device.handle)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound):
+            return
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            return
+        for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(device.handle)):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(device.handle, slot)
+            except nvml.NVMLError_NotFound:
+                continue  # empty slot
+            instance_id = str(nvml.nvmlDeviceGetGpuInstanceId(mig))
+            match = _MIG_PROFILE.search(_text(nvml.nvmlDeviceGetName(mig)))
+            identity = GpuIdentity(
+                gpu=device.identity.gpu,
+                uuid=device.identity.uuid,  # dcgm-exporter labels MIG series with the parent's
+                pci_bus_id=device.identity.pci_bus_id,
+                device=device.identity.device,
+                model_name=device.identity.model_name,
+                hostname=device.identity.hostname,
+                gpu_instance_id=instance_id,
+                gpu_instance_profile=match.group(1) if match else "",
+            )
+            total, used, free, reserved = self._memory(mig)
+            reading.gpus.append(GpuMemory(identity, total, used, free, reserved))
+            if self.process_metrics:
+                self._read_processes(identity, mig, reading)
+
+    def families(self, reading: GpuReading, out: FamilyBuilder) -> None:
+        for identity, pid, used in reading.processes:
+            out.add("oomguard_gpu_process_memory_used_bytes", (*identity.labels(), str(pid)), used)

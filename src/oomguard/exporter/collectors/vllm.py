@@ -1,0 +1,226 @@
+"""vLLM engines, from each vLLM server's own /metrics.
+
+One collector per configured endpoint (`target`). A server with data parallelism reports several
+engines (`engine` label); each becomes its own EngineReading. In Prometheus multiprocess mode
+(several API servers) series may carry a `pid` label: counters are summed over it, gauges take the
+largest value, since every process reports the same engine.
+
+`vllm:cache_config_info` carries the KV pool's size as label strings, which PromQL cannot do
+arithmetic on: oomguard turns them into numeric gauges.
+
+The page is untrusted: a repeated series is dropped by the parser (never added twice), and a
+negative counter or count, a KV usage outside 0-1, or a cache figure out of range (blocks or
+block size not positive, `gpu_memory_utilization` outside (0, 1]) is dropped and counted in the
+reading's `invalid` by reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from oomguard.errors import CollectorError
+from oomguard.exporter.collectors.base import Reading
+from oomguard.exporter.render import FamilyBuilder
+from oomguard.exporter.scrape import DEFAULT_MAX_BYTES, Scraper
+from oomguard.exporter.textparse import Parsed, is_openmetrics, parse
+
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"  # removed upstream; some routers still emit it
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREEMPTIONS = "vllm:num_preemptions_total"
+FINISHED = "vllm:request_success_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+CACHE_CONFIG = "vllm:cache_config_info"
+PROMPT_HIST = "vllm:request_prompt_tokens"
+GENERATION_HIST = "vllm:request_generation_tokens"
+
+WANTED = (
+    KV_USAGE,
+    KV_USAGE_LEGACY,
+    RUNNING,
+    WAITING,
+    PREEMPTIONS,
+    FINISHED,
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    CACHE_CONFIG,
+    f"{PROMPT_HIST}_sum",
+    f"{PROMPT_HIST}_count",
+    f"{GENERATION_HIST}_sum",
+    f"{GENERATION_HIST}_count",
+)
+
+
+@dataclass
+class EngineReading:
+    model_name: str
+    engine: str
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions: float | None = None
+    finished: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
+    kv_blocks: float | None = None
+    block_size: float | None = None
+    kv_capacity_tokens: float | None = None
+    gpu_memory_utilization: float | None = None
+    prompt_sum: float | None = None
+    prompt_count: float | None = None
+    generation_sum: float | None = None
+    generation_count: float | None = None
+
+    @property
+    def finished_total(self) -> float | None:
+        return sum(self.finished.values()) if self.finished else None
+
+    def labels(self, target: str) -> tuple[str, str, str]:
+        return (target, self.model_name, self.engine)
+
+
+@dataclass
+class VllmReading(Reading):
+    engines: list[EngineReading] = field(default_factory=list)
+
+
+def _number(
+    labels: dict[str, str], key: str, invalid: Counter[str], upper: float = 2.0**63
+) -> float | None:
+    """A cache_config_info label as a number in (0, upper]; "None" or absent is None."""
+    raw = labels.get(key)
+    if raw is None or raw in ("", "None"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        invalid["not_a_number"] += 1
+        return None
+    if not 0.0 < value <= upper:  # also refuses NaN
+        invalid["out_of_range"] += 1
+        return None
+    return value
+
+
+def _apply_cache_config(e: EngineReading, labels: dict[str, str], invalid: Counter[str]) -> None:
+    e.kv_blocks = _number(labels, "num_gpu_blocks", invalid)
+    e.block_size = _number(labels, "block_size", invalid)
+    e.kv_capacity_tokens = _number(labels, "kv_cache_size_tokens", invalid)
+    if e.kv_capacity_tokens is None and e.kv_blocks and e.block_size:
+        e.kv_capacity_tokens = e.kv_blocks * e.block_size
+    e.gpu_memory_utilization = _number(labels, "gpu_memory_utilization", invalid, upper=1.0)
+
+
+class VllmCollector:
+    name = "vllm"
+
+    def __init__(
+        self,
+        target: str,
+        url: str,
+        timeout: float = 2.0,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.target = target
+        self.url = url
+        self.timeout = timeout
+        self._scraper = Scraper(url, timeout, max_bytes)
+
+    def close(self) -> None:
+        self._scraper.close()
+
+    def collect(self) -> VllmReading:
+        text, content_type = self._scraper.get()
+        parsed = parse(text, WANTED, openmetrics=is_openmetrics(content_type))
+        return self.reading_from(parsed)
+
+    @staticmethod
+    def reading_from(parsed: Parsed) -> VllmReading:
+        reading = VllmReading()
+        reading.invalid.update(parsed.dropped)
+        engines: dict[tuple[str, str], EngineReading] = {}
+
+        def engine_of(labels: dict[str, str]) -> EngineReading:
+            key = (labels.get("model_name", ""), labels.get("engine", "0"))
+            if key not in engines:
+                engines[key] = EngineReading(model_name=key[0], engine=key[1])
+            return engines[key]
+
+        def gauge(name: str, attr: str) -> None:
+            for s in parsed.get(name):
+                if s.value < 0:  # request counts and KV usage are never negative
+                    reading.invalid["negative"] += 1
+                    continue
+                e = engine_of(s.labels)
+                current = getattr(e, attr)
+                setattr(e, attr, s.value if current is None else max(current, s.value))
+
+        def counter(name: str, attr: str) -> None:
+            for s in parsed.get(name):
+                if s.value < 0:
+                    reading.invalid["negative"] += 1
+                    continue
+                e = engine_of(s.labels)
+                setattr(e, attr, (getattr(e, attr) or 0.0) + s.value)
+
+        gauge(KV_USAGE, "kv_usage")
+        # the legacy gauge counts only for engines that do not report the current one
+        current = {id(engine_of(s.labels)) for s in parsed.get(KV_USAGE)}
+        for s in parsed.get(KV_USAGE_LEGACY):
+            if s.value < 0:
+                reading.invalid["negative"] += 1
+                continue
+            e = engine_of(s.labels)
+            if id(e) not in current:
+                e.kv_usage = s.value if e.kv_usage is None else max(e.kv_usage, s.value)
+        gauge(RUNNING, "running")
+        gauge(WAITING, "waiting")
+        counter(PREEMPTIONS, "preemptions")
+        counter(PROMPT_TOKENS, "prompt_tokens")
+        counter(GENERATION_TOKENS, "generation_tokens")
+        counter(f"{PROMPT_HIST}_sum", "prompt_sum")
+        counter(f"{PROMPT_HIST}_count", "prompt_count")
+        counter(f"{GENERATION_HIST}_sum", "generation_sum")
+        counter(f"{GENERATION_HIST}_count", "generation_count")
+        for s in parsed.get(FINISHED):
+            if s.value < 0:
+                reading.invalid["negative"] += 1
+                continue
+            e = engine_of(s.labels)
+            reason = s.labels.get("finished_reason", "")
+            e.finished[reason] = e.finished.get(reason, 0.0) + s.value
+        # cache_config_info has no model_name label: it belongs to every model on that engine.
+        for s in parsed.get(CACHE_CONFIG):
+            index = s.labels.get("engine", "0")
+            for e in [x for x in engines.values() if x.engine == index] or [engine_of(s.labels)]:
+                _apply_cache_config(e, s.labels, reading.invalid)
+        for e in engines.values():
+            if e.kv_usage is not None and not 0.0 <= e.kv_usage <= 1.0:
+                reading.invalid["out_of_range"] += 1
+                e.kv_usage = None
+        if not engines:
+            raise CollectorError(
+                "no_data", "no vllm: series in the response (is --disable-log-stats set?)"
+            )
+        reading.engines = sorted(engines.values(), key=lambda e: (e.model_name, e.engine))
+        return reading
+
+    def families(self, reading: VllmReading, out: FamilyBuilder) -> None:
+        for e in reading.engines:
+            labels = e.labels(self.target)
+            out.add("oomguard_vllm_kv_cache_usage_ratio", labels, e.kv_usage)
+            out.add("oomguard_vllm_requests_running", labels, e.running)
+            out.add("oomguard_vllm_requests_waiting", labels, e.waiting)
+            out.add("oomguard_vllm_preemptions_total", labels, e.preemptions)
+            out.add("oomguard_vllm_prompt_tokens_total", labels, e.prompt_tokens)
+            out.add("oomguard_vllm_generation_tokens_total", labels, e.generation_tokens)
+            out.add("oomguard_vllm_kv_cache_blocks", labels, e.kv_blocks)
+            out.add("oomguard_vllm_kv_cache_block_size_tokens", labels, e.block_size)
+            out.add("oomguard_vllm_kv_cache_capacity_tokens", labels, e.kv_capacity_tokens)
+            out.add("oomguard_vllm_gpu_memory_utilization_ratio", labels, e.gpu_memory_utilization)
+            for reason, value in sorted(e.finished.items()):
+                out.add("oomguard_vllm_requests_finished_total", (*labels, reason), value)

@@ -1,0 +1,365 @@
+"""The poller: collectors run in the background, snapshots are rendered once, scrapes read bytes.
+
+Each collector polls on its own thread at the configured interval, so a slow engine or a hung
+NVML call delays only itself. A render pass, also at the interval, takes each collector's latest
+result, merges GPU sources, computes pressure levels, and renders the exposition text once. A
+result older than `stale_after` is not served: its collector reports up 0, reason "timeout".
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard import __version__
+from oomguard.errors import CollectorError
+from oomguard.exporter.collectors.allocator import AllocatorReading
+from oomguard.exporter.collectors.base import (
+    Collector,
+    GpuIdentity,
+    GpuMemory,
+    GpuReading,
+    Reading,
+)
+from oomguard.exporter.collectors.vllm import VllmReading
+from oomguard.exporter.pressure import EngineSource, PressureEvaluator
+from oomguard.exporter.render import (
+    Family,
+    FamilyBuilder,
+    TextRenderer,
+    render_openmetrics,
+)
+from oomguard.thresholds import PressureThresholds
+
+log = logging.getLogger("oomguard.exporter")
+
+# GPU memory sources in order of preference: a GPU seen by both is reported from the first.
+GPU_SOURCE_PRIORITY = ("nvml", "dcgm")
+
+
+@dataclass
+class Result:
+    seq: int
+    finished_at: float
+    duration: float
+    reading: Reading | None
+    error: str | None = None
+
+
+@dataclass
+class CollectorState:
+    collector: Collector
+    result: Result | None = None
+    running_since: float | None = None
+    errors: Counter[str] = field(default_factory=Counter)
+    invalid: Counter[str] = field(default_factory=Counter)
+    last_success: float | None = None
+    seq: int = 0
+    stuck_counted: bool = False
+    observed_seq: int = 0  # last result fed into the pressure history
+    last_error: str | None = None
+    # Guards the counters against the render thread reading them mid-update.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Snapshot:
+    """One rendered snapshot. Gzip and OpenMetrics forms are made on first request."""
+
+    def __init__(self, timestamp: float, families: list[Family], text: bytes) -> None:
+        self.timestamp = timestamp
+        self.families = families
+        self.text = text
+        self._gzip: bytes | None = None
+        self._openmetrics: bytes | None = None
+
+    @property
+    def text_gzip(self) -> bytes:
+        if self._gzip is None:
+            self._gzip = gzip.compress(self.text, compresslevel=1)
+        return self._gzip
+
+    @property
+    def openmetrics(self) -> bytes:
+        if self._openmetrics is None:
+            self._openmetrics = render_openmetrics(self.families)
+        return self._openmetrics
+
+
+class Poller:
+    def __init__(
+        self,
+        collectors: Sequence[Collector],
+        interval: float = 1.0,
+        thresholds: PressureThresholds | None = None,
+        engine_gpus: dict[str, Sequence[str]] | None = None,
+        engine_gmu: dict[str, float] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.interval = interval
+        self.states = [CollectorState(c) for c in collectors]
+        self.pressure = PressureEvaluator(thresholds)
+        self.engine_gpus = engine_gpus or {}
+        self.engine_gmu = engine_gmu or {}
+        self.clock = clock
+        self.renderer = TextRenderer()
+        self.render_dropped: Counter[str] = Counter()  # samples refused while building
+        self.polls = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._render_lock = threading.Lock()
+        self.latest: Snapshot = Snapshot(0.0, [], b"")
+        self._last_render_seconds = 0.0
+
+    # -- collecting ----------------------------------------------------------------------------
+    def stale_after(self, collector: Collector) -> float:
+        return max(3 * self.interval, collector.timeout + self.interval)
+
+    def poll(self, state: CollectorState) -> Result:
+        """Run one poll of one collector and record its result. Never raises."""
+        c = state.collector
+        start = self.clock()
+        state.running_since = start
+        t0 = time.perf_counter()
+        reading: Reading | None = None
+        error: str | None = None
+        message = ""
+        try:
+            reading = c.collect()
+        except CollectorError as exc:
+            error, message = exc.reason, str(exc)
+        except Exception as exc:
+            error, message = "unexpected", f"{type(exc).__name__}: {exc}"
+            log.exception("collector %s %s raised unexpectedly", c.name, c.target)
+        # Log transitions only: a collector that stays down must not flood the log every poll.
+        if error != state.last_error:
+            if error is None:
+                log.info("collector %s %s recovered", c.name, c.target)
+            else:
+                log.warning("collector %s %s failed (%s): %s", c.name, c.target, error, message)
+            state.last_error = error
+        duration = time.perf_counter() - t0
+        now = self.clock()
+        with state.lock:
+            state.seq += 1
+            result = Result(state.seq, now, duration, reading, error)
+            if error is not None:
+                state.errors[error] += 1
+            elif reading is not None:
+                state.errors.update(reading.errors)
+                state.invalid.update(reading.invalid)
+                if not reading.errors:
+                    state.last_success = now
+            state.result = result
+            state.running_since = None
+            state.stuck_counted = False
+        return result
+
+    def _collector_loop(self, state: CollectorState) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.poll(state)
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def _render_loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.render()
+            except Exception:
+                log.exception("render failed; serving the previous snapshot")
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def start(self, first_results_within: float = 5.0) -> None:
+        """Start every collector's thread, wait (bounded) for first results, render once.
+
+        A collector that hangs on its first poll (a wedged driver) delays start-up by at most
+        `first_results_within` seconds and is then reported stuck, like at any other time.
+        """
+        for state in self.states:
+            t = threading.Thread(
+                target=self._collector_loop,
+                args=(state,),
+                name=f"collector-{state.collector.name}-{state.collector.target}",
+                daemon=True,  # a hung NVML call must not block process exit
+            )
+            t.start()
+            self._threads.append(t)
+        deadline = time.monotonic() + first_results_within
+        while time.monotonic() < deadline and any(s.result is None for s in self.states):
+            time.sleep(0.01)
+        self.render()
+        t = threading.Thread(target=self._render_loop, name="render", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for state in self.states:
+            close = getattr(state.collector, "close", None)
+            if close is not None:
+                close()
+
+    # -- rendering -----------------------------------------------------------------------------
+    def _fresh(self, state: CollectorState, now: float) -> Reading | None:
+        result = state.result
+        c = state.collector
+        if state.running_since is not None and now - state.running_since > c.timeout:
+            if not state.stuck_counted:
+                with state.lock:
+                    state.errors["timeout"] += 1
+                    state.stuck_counted = True
+                log.warning("collector %s %s is stuck for over %ss", c.name, c.target, c.timeout)
+            return None
+        if result is None or result.reading is None:
+            return None
+        if now - result.finished_at > self.stale_after(c):
+            return None
+        return result.reading
+
+    def render(self) -> Snapshot:
+        with self._render_lock:
+            return self._render()
+
+    def _render(self) -> Snapshot:
+        now = self.clock()
+        out = FamilyBuilder(self.render_dropped)
+        fresh: list[tuple[CollectorState, Any]] = []
+        for state in self.states:
+            reading = self._fresh(state, now)
+            if reading is not None:
+                fresh.append((state, reading))
+                try:
+                    state.collector.families(reading, out)
+                except Exception:
+                    # A bug in one collector's families must not take every metric down.
+                    with state.lock:
+                        state.errors["unexpected"] += 1
+                    log.exception("collector %s %s failed to render", *_names(state))
+        fresh_ids = {id(state) for state, _ in fresh}
+
+        gpus, processes = self._merge_gpus(fresh)
+        reports = [r for _, rd in fresh if isinstance(rd, AllocatorReading) for r in rd.reports]
+        engines: list[EngineSource] = []
+        fresh_targets: set[str] = set()
+        for state, reading in fresh:
+            if isinstance(reading, VllmReading):
+                target = state.collector.target
+                fresh_targets.add(target)
+                gpus_of = self.engine_gpus.get(target, ())
+                gmu = self.engine_gmu.get(target)
+                engines.extend(EngineSource(target, e, gpus_of, gmu) for e in reading.engines)
+                if state.result and state.result.seq != state.observed_seq:
+                    for e in reading.engines:
+                        self.pressure.observe_engine(target, e, state.result.finished_at)
+            elif (
+                isinstance(reading, AllocatorReading)
+                and state.result
+                and state.result.seq != state.observed_seq
+            ):
+                self.pressure.observe_allocator(reading.reports, now)
+            if state.result:
+                state.observed_seq = state.result.seq
+
+        blind_targets = {
+            s.collector.target
+            for s in self.states
+            if s.collector.name == "vllm" and s.collector.target not in fresh_targets
+        }
+        levels = self.pressure.evaluate(
+            [g for g, _ in gpus], engines, reports, now, processes, blind_targets
+        )
+        for g, source in gpus:
+            g.add_to(out)
+            out.add("oomguard_gpu_info", (*g.identity.labels(), source), 1)
+        for gp in levels.gpus:
+            labels = gp.identity.labels()
+            out.add("oomguard_gpu_free_floor_bytes", labels, gp.floor_bytes)
+            out.add("oomguard_gpu_planned_bytes", labels, gp.planned_bytes)
+            out.add("oomguard_gpu_headroom_bytes", labels, gp.headroom_bytes)
+            out.add("oomguard_gpu_pressure_level", (*labels, gp.level.reason), gp.level.level)
+        for ep in levels.engines:
+            labels = ep.key
+            out.add("oomguard_engine_pressure_level", (*labels, ep.level.reason), ep.level.level)
+            out.add("oomguard_vllm_preemption_ratio", labels, ep.preemption_ratio)
+            out.add("oomguard_vllm_kv_projected_demand_ratio", labels, ep.projected_kv_ratio)
+            for eg in ep.gpus:
+                ident = eg.gpu
+                where = (ident.gpu, ident.uuid, ident.gpu_instance_id, eg.source)
+                out.add("oomguard_engine_gpu_info", (*labels, *where), 1)
+
+        self._self_metrics(out, now, fresh_ids)
+        self.polls += 1
+        families = out.families()
+        t0 = time.perf_counter()
+        text = self.renderer.render(families)
+        render_seconds = time.perf_counter() - t0
+        self._last_render_seconds = render_seconds
+        snapshot = Snapshot(now, families, text)
+        self.latest = snapshot  # one reference swap: scrapes never see half a snapshot
+        return snapshot
+
+    def _merge_gpus(
+        self, fresh: list[tuple[CollectorState, Any]]
+    ) -> tuple[list[tuple[GpuMemory, str]], list[tuple[GpuIdentity, int, float]]]:
+        """Each GPU once, from the most preferred source that has it, with that source's
+        per-process memory of it."""
+        by_source: dict[str, list[GpuReading]] = {}
+        for state, reading in fresh:
+            if isinstance(reading, GpuReading):
+                by_source.setdefault(state.collector.name, []).append(reading)
+        merged: dict[tuple[str, str], tuple[GpuMemory, str]] = {}
+        processes: list[tuple[GpuIdentity, int, float]] = []
+        for source in (*GPU_SOURCE_PRIORITY, *sorted(set(by_source) - set(GPU_SOURCE_PRIORITY))):
+            for reading in by_source.get(source, ()):
+                taken = {g.identity.key for g in reading.gpus if g.identity.key not in merged}
+                for g in reading.gpus:
+                    merged.setdefault(g.identity.key, (g, source))
+                processes.extend(p for p in reading.processes if p[0].key in taken)
+        return list(merged.values()), processes
+
+    def _self_metrics(self, out: FamilyBuilder, now: float, fresh_ids: set[int]) -> None:
+        out.add("oomguard_exporter_build_info", (__version__,), 1)
+        for state in self.states:
+            c = state.collector
+            labels = (c.name, c.target)
+            result = state.result
+            with state.lock:
+                errors = sorted(state.errors.items())
+                invalid = sorted(state.invalid.items())
+            up = 0.0
+            if result is not None and result.reading is not None and id(state) in fresh_ids:
+                up = 0.0 if result.reading.errors else 1.0
+            out.add("oomguard_exporter_collector_up", labels, up)
+            if result is not None:
+                out.add("oomguard_exporter_collector_duration_seconds", labels, result.duration)
+            out.add(
+                "oomguard_exporter_collector_last_success_timestamp_seconds",
+                labels,
+                state.last_success,
+            )
+            for reason, count in errors:
+                out.add("oomguard_exporter_collector_errors_total", (*labels, reason), count)
+            for reason, count in invalid:
+                out.add("oomguard_exporter_invalid_samples_total", (*labels, reason), count)
+            if c.name == "vllm":
+                out.add("oomguard_vllm_up", (c.target,), up)
+                if result is not None:
+                    out.add("oomguard_vllm_scrape_duration_seconds", (c.target,), result.duration)
+        for reason, count in sorted((self.render_dropped + self.renderer.dropped).items()):
+            out.add("oomguard_exporter_invalid_samples_total", ("render", "", reason), count)
+        out.add("oomguard_exporter_snapshot_timestamp_seconds", (), now)
+        out.add("oomguard_exporter_polls_total", (), self.polls)
+        out.add("oomguard_exporter_render_duration_seconds", (), self._last_render_seconds)
+
+
+def _names(state: CollectorState) -> tuple[str, str]:
+    return state.collector.name, state.collector.target

@@ -1,0 +1,30 @@
+"""Where the files that ship beside the code live, in a checkout or in an installed wheel.
+
+The package is `src/oomguard/` in a checkout and `site-packages/oomguard/` once installed. Data that
+belongs to a component (generated rules and dashboards, twin models and traces) sits inside its
+folder in both. The deployment files and runbooks sit at the repository's top in a checkout, where
+the docs point; the wheel carries deploy/ as `oomguard/deploy`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+
+
+def _beside_package(name: str) -> Path:
+    """`oomguard/<name>` when installed, else `<repository>/<name>` (the checkout)."""
+    shipped = PACKAGE / name
+    if shipped.is_dir():
+        return shipped
+    return PACKAGE.parent.parent / name
+
+
+def deploy_dir() -> Path:
+    return _beside_package("deploy")
+
+
+def runbooks_dir() -> Path:
+    """Absent from a wheel: callers treat a missing runbook as a link without a preview."""
+    return _beside_package("runbooks")

@@ -1,0 +1,207 @@
+"""The remediator's configuration: where it listens, who may call it, which engines it may touch.
+
+Secrets are never in the file itself: tokens and passwords come from files (Kubernetes Secrets
+mounted as files, or /etc/oomguard/... on one box), re-read when they change, so rotation needs no
+restart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from oomguard.config import load_yaml, validate
+from oomguard.errors import ConfigError
+from oomguard.remediator.attention import AttentionConfig
+from oomguard.remediator.discovery import DiscoveryConfig
+from oomguard.remediator.flags import FlagLimits
+from oomguard.remediator.leader import LeaderElectionConfig
+from oomguard.remediator.policy import PolicyConfig
+from oomguard.remediator.safety import SafetyConfig
+
+
+class SecretFile:
+    """A secret read from a file, re-read when the file's mtime changes (rotation)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._mtime: float | None = None
+        self._value: str | None = None
+
+    def get(self) -> str | None:
+        try:
+            mtime = self.path.stat().st_mtime
+            if mtime != self._mtime:
+                self._value = self.path.read_text().strip() or None
+                self._mtime = mtime
+        except OSError:
+            # unreadable now: keep the last good value rather than locking everybody out
+            return self._value
+        return self._value
+
+
+class BasicAuth(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    username: str = Field(min_length=1)
+    password_file: str
+
+
+class AuthConfig(BaseModel):
+    """How Alertmanager (and operators) authenticate: its `http_config` bearer or basic auth."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bearer_token_file: str | None = None
+    basic: BasicAuth | None = None
+    allow_unauthenticated: bool = Field(
+        False, description="Only for a remediator bound to 127.0.0.1 on a single box or a demo."
+    )
+
+    @model_validator(mode="after")
+    def _some_auth(self) -> AuthConfig:
+        if not (self.bearer_token_file or self.basic or self.allow_unauthenticated):
+            raise ValueError(
+                "set bearer_token_file or basic (or allow_unauthenticated: true for a "
+                "loopback-only remediator)"
+            )
+        return self
+
+
+class SupervisorRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(pattern=r"^https?://", description="`oomguard serve` API of the engine.")
+    token_file: str | None = None
+
+
+class KubernetesRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    kind: Literal["Deployment", "StatefulSet"] = "Deployment"
+    name: str = Field(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
+    container: str = Field("vllm", description="The vLLM container in the pod template.")
+
+
+class RestartConfig(BaseModel):
+    """How this engine is restarted with new flags: one backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    supervisor: SupervisorRef | None = None
+    kubernetes: KubernetesRef | None = None
+    drain_timeout_seconds: float = Field(120.0, gt=0)
+    ready_timeout_seconds: float = Field(900.0, gt=0, description="Model reload included.")
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> RestartConfig:
+        if (self.supervisor is None) == (self.kubernetes is None):
+            raise ValueError("set exactly one of supervisor or kubernetes")
+        return self
+
+
+class TargetConfig(BaseModel):
+    """An engine on the allowlist. Alerts select it by labels; they never carry its address."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: str = Field(pattern=r"^https?://", description="The vLLM server's base URL.")
+    model: str = Field("", description="Engines with the same model share a disruption budget.")
+    token_file: str | None = Field(None, description="The plugin's bearer token.")
+    match: dict[str, str] = Field(
+        default_factory=dict,
+        description="Alert labels that select this target; default {target: <name>}.",
+    )
+    restart: RestartConfig | None = Field(
+        None, description="Restart with adjusted flags (absent: `restart` alerts cap instead)."
+    )
+
+    def selector(self) -> dict[str, str]:
+        return self.match or {"target": self.name}
+
+
+class AlertmanagerSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(pattern=r"^https?://")
+    receiver: str = Field("remediator", description="Only alerts routed to this receiver count.")
+    resync_seconds: float = Field(
+        60.0, ge=0, description="Re-read the firing alerts this often (0: only at start)."
+    )
+
+
+class StandaloneConfig(BaseModel):
+    """Watch exporters' pressure levels directly (single boxes, the demo): no Alertmanager."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exporters: list[str] = Field(min_length=1, description="Exporter /metrics URLs.")
+    interval_seconds: float = Field(1.0, gt=0)
+    pressure_for_seconds: float = Field(30.0, ge=0, description="Level 2 held this long acts.")
+    critical_for_seconds: float = Field(0.0, ge=0, description="Level 3 held this long acts.")
+    keep_firing_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="Hysteresis after a condition clears (the rules' keep_firing_for on action "
+        "alerts; recovery starts only when the alert resolves).",
+    )
+
+
+class RemediatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str = Field("127.0.0.1:9849", pattern=r"^[^:]*:[0-9]+$")
+    auth: AuthConfig
+    targets: list[TargetConfig] = Field(
+        default_factory=list, description="The static allowlist (with discovery: added to it)."
+    )
+    discovery: DiscoveryConfig | None = Field(None, description="Targets from Kubernetes pods.")
+    leader_election: LeaderElectionConfig | None = Field(
+        None, description="Replicas elect one active remediator on a Lease (Kubernetes)."
+    )
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)  # type: ignore[arg-type]
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)  # type: ignore[arg-type]
+    flags: FlagLimits = Field(default_factory=FlagLimits)  # type: ignore[arg-type]
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)  # type: ignore[arg-type]
+    audit_log: str = "/var/lib/oomguard/remediator-audit.jsonl"
+    reconcile_seconds: float = Field(1.0, gt=0, description="Level-triggered pass interval.")
+    actuation_timeout_seconds: float = Field(3.0, gt=0)
+    actuation_attempts: int = Field(3, ge=1)
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    unhealthy_after_failed_passes: int = Field(
+        3, ge=1, description="/healthz answers 503 after this many failed passes in a row."
+    )
+    dry_run: bool = False
+    alertmanager: AlertmanagerSource | None = None
+    standalone: StandaloneConfig | None = None
+    mode: Literal["alertmanager", "standalone"] = "alertmanager"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RemediatorConfig:
+        if not self.targets and self.discovery is None:
+            raise ValueError("targets: list at least one (or configure discovery)")
+        names = [t.name for t in self.targets]
+        dupes = sorted(n for n, k in Counter(names).items() if k > 1)  # linear: fleets are big
+        if dupes:
+            raise ValueError(f"target names must be unique: {', '.join(dupes)}")
+        if self.mode == "standalone" and self.standalone is None:
+            raise ValueError("mode standalone needs a standalone: section")
+        return self
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host or "127.0.0.1", int(port)
+
+
+def load(path: str | os.PathLike[str]) -> RemediatorConfig:
+    config = validate(RemediatorConfig, load_yaml(path), str(path))
+    for target in config.targets:
+        if target.token_file and not Path(target.token_file).is_file():
+            raise ConfigError(f"targets.{target.name}.token_file: {target.token_file} not found")
+    return config

@@ -1,0 +1,129 @@
+"""The remediator's own /metrics, under the names reserved in src/oomguard/catalog.py.
+
+A handful of series per target, so prometheus_client's own registry and exposition are the right
+tool here (the exporter renders its own text only because it serves hundreds of series a second).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from oomguard.catalog import spec
+
+MODES = ("serving", "capped", "draining", "readmitting", "restarting", "held")
+WEBHOOK_OUTCOMES = ("accepted", "duplicate", "invalid", "unauthorized", "too_large", "error")
+
+
+def _help(name: str) -> str:
+    return spec(name).help
+
+
+class RemediatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        # prometheus_client appends `_total` to counters itself
+        self.actions = Counter(
+            "oomguard_remediator_actions",
+            _help("oomguard_remediator_actions_total"),
+            ("target", "action", "result"),
+            registry=r,
+        )
+        self.cap = Gauge(
+            "oomguard_remediator_admission_cap",
+            _help("oomguard_remediator_admission_cap"),
+            ("target",),
+            registry=r,
+        )
+        self.startup = Gauge(
+            "oomguard_remediator_startup_max_num_seqs",
+            _help("oomguard_remediator_startup_max_num_seqs"),
+            ("target",),
+            registry=r,
+        )
+        self.mode = Gauge(
+            "oomguard_remediator_target_mode",
+            _help("oomguard_remediator_target_mode"),
+            ("target", "mode"),
+            registry=r,
+        )
+        self.stage = Gauge(
+            "oomguard_remediator_readmission_stage",
+            _help("oomguard_remediator_readmission_stage"),
+            ("target",),
+            registry=r,
+        )
+        self.webhooks = Counter(
+            "oomguard_remediator_webhook_requests",
+            _help("oomguard_remediator_webhook_requests_total"),
+            ("outcome",),
+            registry=r,
+        )
+        self.reconcile_errors = Counter(
+            "oomguard_remediator_reconcile_errors",
+            _help("oomguard_remediator_reconcile_errors_total"),
+            ("target",),
+            registry=r,
+        )
+        self.safety_limited = Counter(
+            "oomguard_remediator_safety_limited",
+            _help("oomguard_remediator_safety_limited_total"),
+            ("target", "limit"),
+            registry=r,
+        )
+        self.paused = Gauge(
+            "oomguard_remediator_paused", _help("oomguard_remediator_paused"), registry=r
+        )
+        self.pass_failures = Counter(
+            "oomguard_remediator_pass_failures",
+            _help("oomguard_remediator_pass_failures_total"),
+            registry=r,
+        )
+        self.last_pass = Gauge(
+            "oomguard_remediator_last_pass_timestamp_seconds",
+            _help("oomguard_remediator_last_pass_timestamp_seconds"),
+            registry=r,
+        )
+        self.pass_duration = Gauge(
+            "oomguard_remediator_pass_duration_seconds",
+            _help("oomguard_remediator_pass_duration_seconds"),
+            registry=r,
+        )
+        self.engines_read = Gauge(
+            "oomguard_remediator_engines_read",
+            _help("oomguard_remediator_engines_read"),
+            registry=r,
+        )
+        self.reads = Counter(
+            "oomguard_remediator_engine_reads",
+            _help("oomguard_remediator_engine_reads_total"),
+            registry=r,
+        )
+        self.targets = Gauge(
+            "oomguard_remediator_targets",
+            _help("oomguard_remediator_targets"),
+            ("state",),
+            registry=r,
+        )
+        self.discovered = Gauge(
+            "oomguard_remediator_targets_discovered",
+            _help("oomguard_remediator_targets_discovered"),
+            registry=r,
+        )
+        self.leader = Gauge(
+            "oomguard_remediator_leader", _help("oomguard_remediator_leader"), registry=r
+        )
+        self.leader.set(1)  # one replica on one box leads; leader.py says otherwise on a cluster
+        for outcome in WEBHOOK_OUTCOMES:  # present at 0 from the start, so rate() works
+            self.webhooks.labels(outcome)
+
+    def set_mode(self, target: str, mode: str) -> None:
+        for m in MODES:
+            self.mode.labels(target, m).set(1 if m == mode else 0)
+
+    def observe_pass(self, seconds: float, read: int, targets: int, quiet: int) -> None:
+        self.pass_duration.set(seconds)
+        self.engines_read.set(read)
+        self.reads.inc(read)
+        self.targets.labels("quiet").set(quiet)
+        self.targets.labels("attention").set(targets - quiet)

@@ -1,0 +1,184 @@
+"""The decision: from the alerts firing for an engine and the engine's own state, its desired state.
+
+A pure function, so the same inputs always give the same answer: retried webhooks, a restarted
+remediator and two replicas side by side all decide alike. It keeps no memory of its own; what
+pacing needs comes from the engine's state (the plugin reports how long ago the cap changed and
+what was admitted, finished and preempted since), so a restart in the middle of a staged
+re-admission simply carries on.
+
+Defaults from the field:
+- `lower_cap` (sustained preemptions, memory pressure): lower the cap by 20 % per step, at once
+  from full admission, then one step per `step_seconds`, never below `floor`;
+- `drain` (critical memory): stop admitting; running requests finish;
+- `hold` (the exporter is blind to the engine: no data, stale data): change nothing, in either
+  direction, until it can see again;
+- when nothing asks for action: resume if draining, then staged re-admission, by the field rule
+  of a long-context serving team (docs/remediator.md): admit one request at a time (cap
+  `readmit_start`), and go back to full admission after `readmit_successes` admissions that
+  finished with no preemption since the last change (`readmit_stages: field`); or, with
+  `readmit_stages: doubling`, multiply the cap by `readmit_growth` per clean stage.
+KV-cache usage alone never leads to an action.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from oomguard.contract import ACTION_LABEL, ACTIONS, Action
+from oomguard.remediator.webhook import Alert
+
+# Alerts that never act, whatever a label or the policy says: KV near 100 % is normal for vLLM.
+NEVER_ACT = frozenset({"OomguardKVCacheUsageHigh", "OomguardMemoryCaution", "Watchdog"})
+# Alerts that always hold their engine, whatever their labels say: the exporter cannot judge it.
+ALWAYS_HOLD = frozenset({"OomguardPressureBlind"})
+
+
+class PolicyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step_factor: float = Field(0.8, gt=0, lt=1, description="Cap multiplier per lowering step.")
+    step_seconds: float = Field(30.0, ge=0, description="Least time between two lowering steps.")
+    floor: int = Field(1, ge=1, description="Never lower the cap below this.")
+    readmit_start: int = Field(1, ge=1, description="First cap of a staged re-admission.")
+    readmit_successes: int = Field(
+        5, ge=1, description="Clean admissions needed before the next re-admission stage."
+    )
+    restart_after_drain_seconds: float = Field(
+        600.0,
+        ge=0,
+        description="A drained, idle engine whose drain alert still fires this long after the "
+        "drain is restarted with lower memory flags (targets with a restart backend). About a "
+        "model reload: memory critical that long is no longer cheaper to wait out.",
+    )
+    readmit_stages: Literal["field", "doubling"] = Field(
+        "field",
+        description="field: after the first clean stage, full admission; doubling: multiply "
+        "the cap by readmit_growth per clean stage.",
+    )
+    readmit_growth: float = Field(
+        2.0, gt=1, description="Cap multiplier per stage (readmit_stages: doubling)."
+    )
+    actions: dict[str, Action] = Field(
+        default_factory=dict,
+        description="Alert name -> action; overrides the alert's oomguard_action label.",
+    )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """An engine's state as the plugin reports it (GET /oomguard/v1/state)."""
+
+    startup_max_num_seqs: int
+    admission_cap: int
+    draining: bool
+    seconds_since_cap_change: float
+    admitted_since_cap_change: int
+    finished_since_cap_change: int
+    preemptions_since_cap_change: int
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and nothing queued: a restart now loses no request."""
+        return self.running == 0 and self.waiting == 0
+
+    @classmethod
+    def from_state(cls, state: dict[str, object]) -> Observed:
+        since = state["since_cap_change"]
+        assert isinstance(since, dict)
+        return cls(
+            startup_max_num_seqs=int(state["startup_max_num_seqs"]),  # type: ignore[arg-type]
+            admission_cap=int(state["admission_cap"]),  # type: ignore[arg-type]
+            draining=state["mode"] == "draining",
+            seconds_since_cap_change=float(since["seconds"]),
+            admitted_since_cap_change=int(since["admitted"]),
+            finished_since_cap_change=int(since["finished"]),
+            preemptions_since_cap_change=int(since["preemptions"]),
+            running=int(state.get("running", 0)),  # type: ignore[call-overload]
+            waiting=int(state.get("waiting", 0)),  # type: ignore[call-overload]
+        )
+
+
+Phase = Literal["serving", "capped", "draining", "readmitting", "held"]
+
+
+@dataclass(frozen=True)
+class Desired:
+    draining: bool
+    cap: int
+    phase: Phase
+    reason: str
+
+
+def actions_for(alerts: Iterable[Alert], policy: PolicyConfig) -> set[Action]:
+    """The action classes that the firing alerts of one engine ask for."""
+    wanted: set[Action] = set()
+    for alert in alerts:
+        if alert.status != "firing" or alert.name in NEVER_ACT:
+            continue
+        if alert.name in ALWAYS_HOLD:
+            wanted.add("hold")
+            continue
+        action = policy.actions.get(alert.name) or alert.labels.get(ACTION_LABEL)
+        if action in ACTIONS:
+            wanted.add(action)  # type: ignore[arg-type]
+    return wanted
+
+
+def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> Desired:
+    startup = max(1, observed.startup_max_num_seqs)
+    current = observed.admission_cap
+
+    def clamp(cap: float) -> int:
+        return max(1, min(startup, int(cap)))
+
+    if "hold" in actions:
+        return Desired(
+            observed.draining, clamp(current), "held", "the exporter is blind to this engine: hold"
+        )
+    if "drain" in actions:
+        return Desired(True, clamp(current), "draining", "critical memory: drain")
+    if "lower_cap" in actions or "restart" in actions:
+        # (restart is the restart actuator's; until it exists, treat it as pressure)
+        if observed.draining:
+            # leaving a drain under pressure: resume at the re-admission start, not at full cap
+            return Desired(
+                False,
+                clamp(min(current, policy.readmit_start)),
+                "capped",
+                "pressure after a drain: resume capped",
+            )
+        # Pace consecutive steps; the first step from full admission goes at once (the last
+        # change may have been the re-admission that just reached the startup cap).
+        if current < startup and observed.seconds_since_cap_change < policy.step_seconds:
+            return Desired(False, clamp(current), "capped", "pressure: waiting for the next step")
+        lowered = max(policy.floor, math.floor(current * policy.step_factor))
+        return Desired(False, clamp(min(lowered, current)), "capped", "pressure: lower the cap")
+    if observed.draining:
+        return Desired(
+            False,
+            clamp(policy.readmit_start),
+            "readmitting",
+            "alerts resolved: resume at the first re-admission stage",
+        )
+    if current >= startup:
+        return Desired(False, startup, "serving", "no alerts: full admission")
+    clean = (
+        observed.preemptions_since_cap_change == 0
+        and observed.admitted_since_cap_change >= policy.readmit_successes
+        and observed.finished_since_cap_change >= policy.readmit_successes
+    )
+    if clean:
+        if policy.readmit_stages == "field":
+            return Desired(False, startup, "readmitting", "clean admissions: full admission")
+        grown = max(current + 1, math.ceil(current * policy.readmit_growth))
+        return Desired(False, clamp(grown), "readmitting", "clean stage: raise the cap")
+    return Desired(
+        False, clamp(current), "readmitting", "re-admitting: waiting for clean admissions"
+    )

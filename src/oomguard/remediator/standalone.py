@@ -1,0 +1,137 @@
+"""Standalone mode: watch exporters' pressure levels directly, for single boxes and the demo.
+
+It plays the engine alerts the remediator acts on, with the same meaning and the same
+hysteresis as the generated rules: OomguardMemoryPressure (level >= 2 held `pressure_for`) lowers
+the cap, OomguardMemoryCritical (level 3 held `critical_for`) drains, and each keeps firing for
+`keep_firing` after its condition clears (30 s, as the rules' keep_firing_for on action alerts:
+recovery starts only when they resolve). OomguardPressureBlind (the exporter reports the level
+as -1: it cannot judge the engine) holds the engine at once and clears at once: blind is not
+healthy, so nothing is changed, re-admission included. The alerts go through the same book,
+policy and safety limits as Alertmanager's. An exporter that cannot be read changes nothing
+(hold, never guess): its alerts stay as they were until it answers again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from urllib.parse import urlsplit
+
+import httpx
+
+from oomguard.exporter.textparse import parse
+from oomguard.remediator.config import StandaloneConfig
+from oomguard.remediator.webhook import Alert, Webhook, normalise
+
+log = logging.getLogger("oomguard.remediator.standalone")
+
+LEVEL = "oomguard_engine_pressure_level"
+BLIND = -1.0  # the exporter's level when it lacks the data to judge an engine
+# (alert, condition on the engine's level, action, severity)
+RULES: tuple[tuple[str, Callable[[float], bool], str, str], ...] = (
+    ("OomguardMemoryPressure", lambda level: level >= 2, "lower_cap", "warning"),
+    ("OomguardMemoryCritical", lambda level: level >= 3, "drain", "critical"),
+    ("OomguardPressureBlind", lambda level: level < 0, "hold", "warning"),
+)
+
+
+@dataclass
+class _Rule:
+    pending_since: float | None = None
+    last_true: float | None = None
+    started: datetime | None = None  # set while firing
+
+
+class PressureWatcher:
+    def __init__(
+        self,
+        config: StandaloneConfig,
+        clock: Callable[[], float] = time.monotonic,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.client = client or httpx.Client(timeout=2.0)
+        self._rules: dict[tuple[str, ...], _Rule] = {}
+        self._labels: dict[tuple[str, ...], dict[str, str]] = {}
+        self.errors: dict[str, str] = {}
+
+    def _levels(self, url: str) -> dict[tuple[str, str], float]:
+        r = self.client.get(url)
+        r.raise_for_status()
+        levels: dict[tuple[str, str], float] = {}
+        for s in parse(r.text, wanted={LEVEL}).get(LEVEL):
+            key = (s.labels.get("target", ""), s.labels.get("engine", "0"))
+            if s.value < 0 or levels.get(key, 0.0) < 0:
+                levels[key] = BLIND  # blind on any series: never act on it
+            else:
+                levels[key] = max(levels.get(key, 0.0), s.value)
+        return levels
+
+    def poll(self) -> Webhook:
+        """One look at every exporter: the alerts firing and resolving now, as a webhook."""
+        now = self.clock()
+        alerts: list[Alert] = []
+        for url in self.config.exporters:
+            try:
+                levels = self._levels(url)
+            except (httpx.HTTPError, ValueError) as exc:
+                self.errors[url] = str(exc) or type(exc).__name__
+                log.warning("standalone: cannot read %s (holding): %s", url, exc)
+                continue
+            self.errors.pop(url, None)
+            instance = urlsplit(url).netloc
+            seen = set()
+            for (target, engine), level in levels.items():
+                for name, condition, action, severity in RULES:
+                    key = (instance, target, engine, name)
+                    seen.add(key)
+                    self._labels[key] = {
+                        "alertname": name,
+                        "instance": instance,
+                        "target": target,
+                        "engine": engine,
+                        "severity": severity,
+                        "oomguard_action": action,
+                    }
+                    alerts.extend(self._step(key, condition(level), name, now))
+            for key in [k for k in self._rules if k[0] == instance and k not in seen]:
+                # the engine's series went away (engine gone): its conditions are false
+                alerts.extend(self._step(key, False, key[3], now))
+        return Webhook("standalone", "standalone", tuple(alerts), 0)
+
+    def _step(self, key: tuple[str, ...], true: bool, name: str, now: float) -> list[Alert]:
+        rule = self._rules.setdefault(key, _Rule())
+        hold, keep = {
+            "OomguardMemoryCritical": (self.config.critical_for_seconds, None),
+            "OomguardPressureBlind": (0.0, 0.0),  # hold at once, and let go at once
+        }.get(name, (self.config.pressure_for_seconds, None))
+        keep = self.config.keep_firing_seconds if keep is None else keep
+        if true:
+            rule.last_true = now
+            if rule.pending_since is None:
+                rule.pending_since = now
+            if rule.started is None and now - rule.pending_since >= hold:
+                rule.started = normalise(datetime.now(UTC))
+        else:
+            rule.pending_since = None
+            if (
+                rule.started is not None
+                and rule.last_true is not None
+                and now - rule.last_true >= keep
+            ):
+                started, rule.started = rule.started, None
+                return [self._alert(key, "resolved", started)]
+        if rule.started is not None:
+            return [self._alert(key, "firing", rule.started)]
+        return []
+
+    def _alert(self, key: tuple[str, ...], status: str, started: datetime) -> Alert:
+        labels = self._labels[key]
+        digest = hashlib.sha256(repr(sorted(labels.items())).encode()).hexdigest()[:16]
+        ends = datetime.now(UTC) if status == "resolved" else None
+        return Alert(digest, status, labels, started, ends)

@@ -1,0 +1,498 @@
+"""`oomguard serve -- vllm serve ...`: run vLLM as a child, restart it with adjusted flags.
+
+The local backend of the restart actuator, for single boxes, the demo and the twin:
+- starts `vllm serve` with the flags persisted in `<state-dir>/flags.json` (so a changed
+  `--gpu-memory-utilization` / `--max-num-seqs` survives every restart, of vLLM and of this);
+- restarts it on request (`POST /v1/restart`): stop gracefully (SIGTERM to its process group,
+  SIGKILL after a deadline), start with the new flags and, when asked, an initial admission cap;
+- records why the child exited (CUDA out-of-memory from its output, another CUDA error, killed
+  by a signal, exit code) and writes an exit incident record next to the plugin's OOM records
+  (`exit-<pid>-<generation>.json`, schema `oomguard.exit_incident.v1`: reason, code, signal,
+  flags, the log's last lines, the OOM records the child wrote); a child that dies on its own
+  comes back after `restart_delay`: after a CUDA OOM with flags one step lower and capped at
+  the first re-admission stage, never at full admission;
+- crashloop guard: after `max_crashes` within `crash_window_seconds` it stops restarting and
+  reports `gave_up` until an operator (or the remediator) asks for a restart;
+- restart rate limit: at most `max_restarts` requested restarts within `restart_window_seconds`
+  (each one drops the KV cache and reloads the model); beyond it the API answers 429 with
+  Retry-After.
+
+HTTP API (bearer token): GET /v1/status, POST /v1/restart; GET /healthz (no token).
+POST /v1/restart body, checked strictly after authentication (400 names the field):
+  {"flags": {"gpu_memory_utilization": <number>, "max_num_seqs": <integer>} | null,
+   "initial_cap": <integer> | null, "reason": <string> | null}
+No coercion: `true`, `2.9` or `"0.85"` where an integer or a number belongs is a 400. An
+`initial_cap` outside 1..max_num_seqs is clamped (the answer says what was applied).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from oomguard.engine_env import INITIAL_CAP_ENV
+from oomguard.errors import ConfigError
+from oomguard.remediator import httpserve
+from oomguard.remediator.auth import Authenticator
+from oomguard.remediator.config import AuthConfig
+from oomguard.remediator.flags import (
+    SEQS,
+    FlagLimits,
+    Flags,
+    FlagStore,
+    apply,
+    read,
+)
+
+log = logging.getLogger("oomguard.supervisor")
+
+OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+# CUDA faults that are not out-of-memory (taxonomy type 6), some of them reported as if they were
+CUDA_ERROR_MARKERS = (
+    "CUDA error:",
+    "CUBLAS_STATUS_",
+    "CUDNN_STATUS_",
+    "NCCL error",
+    "Xid",
+    "illegal memory access",
+)
+EXIT_SCHEMA = "oomguard.exit_incident.v1"
+MAX_BODY_BYTES = 16 * 1024
+
+
+class RestartFlags(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu_memory_utilization: StrictFloat | StrictInt
+    max_num_seqs: StrictInt
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return float(value)
+
+
+class RestartRequest(BaseModel):
+    """What POST /v1/restart accepts: strict types, nothing coerced, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    flags: RestartFlags | None = None
+    initial_cap: StrictInt | None = None
+    reason: StrictStr | None = Field(None, max_length=500)
+
+
+class RateLimited(Exception):
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"restart rate limit reached; retry in {retry_after:.0f} s")
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Exit:
+    time: float
+    generation: int
+    returncode: int
+    reason: str  # cuda_oom | cuda_error | killed | exited | requested
+    flags: dict[str, Any]
+
+
+def classify(returncode: int, tail: list[str]) -> str:
+    if any(marker in line for line in tail for marker in OOM_MARKERS):
+        return "cuda_oom"
+    if any(marker in line for line in tail for marker in CUDA_ERROR_MARKERS):
+        return "cuda_error"
+    if returncode < 0 or returncode in (137, 143):
+        return "killed"  # SIGKILL with no traceback: the host OOM killer, most often
+    return "exited"
+
+
+def incident_dir(env: dict[str, str], state_dir: Path) -> str:
+    """Where the child's OOM observer writes (its environment), else the state directory."""
+    merged = {**os.environ, **env}
+    if merged.get("OOMGUARD_INCIDENT_DIR"):
+        return merged["OOMGUARD_INCIDENT_DIR"]
+    if merged.get("OOMGUARD_ALLOCATOR_DIR"):
+        return str(Path(merged["OOMGUARD_ALLOCATOR_DIR"]) / "incidents")
+    return str(state_dir / "incidents")
+
+
+def _port(argv: list[str]) -> tuple[str, int]:
+    host, port = "127.0.0.1", 8000
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--port":
+            port = int(argv[i + 1])
+        elif arg == "--host" and argv[i + 1] not in ("0.0.0.0", "::", ""):
+            host = argv[i + 1]
+    return host, port
+
+
+class Supervisor:
+    def __init__(
+        self,
+        argv: list[str],
+        state_dir: Path,
+        limits: FlagLimits | None = None,
+        max_crashes: int = 5,
+        crash_window_seconds: float = 600.0,
+        restart_delay: float = 5.0,
+        stop_timeout: float = 60.0,
+        readmit_start: int = 1,
+        env: dict[str, str] | None = None,
+        adjust_on_crash: bool = True,
+        max_restarts: int = 6,
+        restart_window_seconds: float = 600.0,
+    ) -> None:
+        if not argv:
+            raise ConfigError("nothing to run: give the vLLM command after --")
+        if not any(a == SEQS or a.startswith(SEQS + "=") for a in argv):
+            raise ConfigError(f"the vLLM command line must set {SEQS} (oomguard steps it)")
+        self.argv = argv
+        self.limits = limits or FlagLimits()
+        self.store = FlagStore(state_dir / "flags.json")
+        self.flags = self.store.load(read(argv, 0))
+        self.log_path = state_dir / "vllm.log"
+        self.max_crashes, self.window = max_crashes, crash_window_seconds
+        self.restart_delay, self.stop_timeout = restart_delay, stop_timeout
+        self.readmit_start = readmit_start
+        self.adjust_on_crash = adjust_on_crash  # False: a plain restart policy (baselines)
+        self.max_restarts, self.restart_window = max_restarts, restart_window_seconds
+        self._restarts: deque[float] = deque()  # monotonic times of requested restarts
+        self.env = env or {}
+        self.host, self.port = _port(argv)
+        self.exits: deque[Exit] = deque(maxlen=50)
+        self.generation = 0
+        self.gave_up = False
+        self.child: subprocess.Popen[bytes] | None = None
+        self.initial_cap: int | None = None
+        self._tail: deque[str] = deque(maxlen=200)
+        self._started_at = 0.0
+        self.incident_dir = incident_dir(self.env, state_dir)
+        self._lock = threading.RLock()
+        self._stopping = False
+
+    # -- the child -----------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        return apply(self.argv, self.flags.current)
+
+    def start(self, initial_cap: int | None = None) -> None:
+        with self._lock:
+            self.generation += 1
+            self.initial_cap = initial_cap
+            env = {**os.environ, **self.env}
+            env.pop(INITIAL_CAP_ENV, None)
+            if initial_cap is not None:
+                env[INITIAL_CAP_ENV] = str(initial_cap)
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._tail.clear()
+            self._started_at = time.time()
+            self.child = subprocess.Popen(
+                self.command(),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            log.info(
+                "started vLLM (generation %d, pid %d): %s",
+                self.generation,
+                self.child.pid,
+                " ".join(self.command()),
+            )
+            threading.Thread(
+                target=self._watch, args=(self.child, self.generation), daemon=True
+            ).start()
+
+    def _watch(self, child: subprocess.Popen[bytes], generation: int) -> None:
+        assert child.stdout is not None
+        with self.log_path.open("ab") as out:
+            for line in child.stdout:
+                out.write(line)
+                out.flush()
+                self._tail.append(line.decode(errors="replace"))
+        code = child.wait()
+        with self._lock:
+            # a child we stopped: restart() started the next generation under this lock, or
+            # stop() is shutting everything down
+            if generation != self.generation or self._stopping:
+                return
+            reason = classify(code, list(self._tail))
+            self._record(code, reason)
+            self._write_exit_incident(child.pid, code, reason)
+            log.error("vLLM exited (code %d, %s)", code, reason)
+            crashes = [e for e in self.exits if e.reason != "requested"]
+            recent = [e for e in crashes if time.time() - e.time < self.window]
+            if len(recent) >= self.max_crashes:
+                self.gave_up = True
+                log.error(
+                    "crashloop guard: %d crashes in %.0f s; not restarting until asked",
+                    len(recent),
+                    self.window,
+                )
+                return
+            if reason == "cuda_oom" and self.adjust_on_crash:
+                lowered = self.flags.current.lower(self.limits)
+                self.flags.set(lowered, "crashed with a CUDA out-of-memory error")
+                self.store.save(self.flags)
+        time.sleep(self.restart_delay)  # a model reload in real life; never a tight loop
+        with self._lock:
+            if generation == self.generation and not self._stopping:
+                # after a crash, come back through staged re-admission
+                self.start(initial_cap=self.readmit_start if self.adjust_on_crash else None)
+
+    def _record(self, code: int, reason: str) -> None:
+        self.exits.append(
+            Exit(time.time(), self.generation, code, reason, asdict(self.flags.current))
+        )
+
+    def _write_exit_incident(self, pid: int, code: int, reason: str) -> None:
+        """An exit record beside the OOM records the child's observer wrote (never raises)."""
+        try:
+            since = self._started_at
+            directory = Path(self.incident_dir)
+            oom_records = sorted(
+                p.name
+                for p in directory.glob("oom-*.json")
+                if p.is_file() and p.stat().st_mtime >= since - 1
+            )
+            record = {
+                "schema": EXIT_SCHEMA,
+                "kind": "exit",
+                "timestamp": time.time(),
+                "started_at": since,
+                "pid": pid,
+                "generation": self.generation,
+                "returncode": code,
+                "signal": -code if code < 0 else (code - 128 if code > 128 else None),
+                "reason": reason,
+                "flags": asdict(self.flags.current),
+                "oom_records": oom_records,
+                "log_tail": [line.rstrip()[:500] for line in list(self._tail)[-40:]],
+            }
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"exit-{pid}-{self.generation}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
+        except (OSError, ValueError):
+            log.warning("could not write the exit incident record", exc_info=True)
+
+    def _stop_child(self) -> None:
+        child = self.child
+        if child is None or child.poll() is not None:
+            return
+        group = os.getpgid(child.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            child.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("vLLM did not stop in %.0f s: SIGKILL", self.stop_timeout)
+            os.killpg(group, signal.SIGKILL)
+            child.wait(10)
+
+    def _admit_restart(self) -> None:
+        """Raise RateLimited when `max_restarts` already happened within the window."""
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] >= self.restart_window:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.max_restarts:
+            raise RateLimited(self.restart_window - (now - self._restarts[0]))
+        self._restarts.append(now)
+
+    def clamp_cap(self, initial_cap: int | None, flags: Flags | None) -> int | None:
+        """An initial cap within 1..max_num_seqs of the flags the child will start with."""
+        if initial_cap is None:
+            return None
+        ceiling = (flags or self.flags.current).max_num_seqs
+        return max(1, min(initial_cap, ceiling))
+
+    def restart(self, flags: Flags | None, initial_cap: int | None, reason: str) -> int:
+        """Stop the child and start it with `flags` (persisted first). Returns the generation.
+
+        Raises ValueError for flags outside the limits, RateLimited beyond the restart budget.
+        """
+        with self._lock:
+            if flags is not None:
+                self._check(flags)
+            self._admit_restart()
+            initial_cap = self.clamp_cap(initial_cap, flags)
+            if flags is not None:
+                self.flags.set(flags, reason)
+                self.store.save(self.flags)
+            self._stop_child()
+            if self.child is not None:
+                self._record(self.child.returncode or 0, "requested")
+            self.gave_up = False
+            self.start(initial_cap)
+            return self.generation
+
+    def _check(self, flags: Flags) -> None:
+        o, lim = self.flags.original, self.limits
+        if not lim.gmu_floor <= flags.gpu_memory_utilization <= o.gpu_memory_utilization:
+            raise ValueError(
+                f"gpu_memory_utilization {flags.gpu_memory_utilization} outside "
+                f"[{lim.gmu_floor}, {o.gpu_memory_utilization}]"
+            )
+        if not lim.seqs_floor <= flags.max_num_seqs <= o.max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs {flags.max_num_seqs} outside [{lim.seqs_floor}, {o.max_num_seqs}]"
+            )
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._stop_child()
+
+    def ready(self) -> bool:
+        child = self.child
+        if child is None or child.poll() is not None:
+            return False
+        try:
+            r = httpx.get(f"http://{self.host}:{self.port}/health", timeout=2)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    def status(self) -> dict[str, Any]:
+        child = self.child
+        running = child is not None and child.poll() is None
+        return {
+            "generation": self.generation,
+            "running": running,
+            "pid": child.pid if running and child else None,
+            "ready": self.ready(),
+            "initial_cap": self.initial_cap,
+            "gave_up": self.gave_up,
+            "flags": {
+                "original": asdict(self.flags.original),
+                "current": asdict(self.flags.current),
+                "changed_at": self.flags.changed_at,
+                "history": self.flags.history[-10:],
+            },
+            "exits": [asdict(e) for e in self.exits],
+            "command": self.command(),
+        }
+
+
+class BadBody(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_restart_request(request: Request) -> RestartRequest:
+    """The restart body, bounded in size and depth, validated strictly (BadBody names why)."""
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise BadBody(f"body larger than {MAX_BODY_BYTES} bytes", 413)
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise BadBody("body is nested too deeply") from None
+    except ValueError as exc:  # not JSON, bad UTF-8, an integer beyond the digit limit
+        raise BadBody(f"not valid JSON: {exc}") from None
+    try:
+        return RestartRequest.model_validate(data)
+    except ValidationError as exc:
+        raise BadBody(
+            "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+            )
+        ) from None
+
+
+def create_app(sup: Supervisor, auth: AuthConfig) -> Starlette:
+    authn = Authenticator(auth)
+
+    def allowed(request: Request) -> bool:
+        return authn.allows(request.headers.get("authorization", ""))
+
+    def denied() -> JSONResponse:
+        return JSONResponse(
+            {"error": "missing or wrong bearer token"}, 401, headers={"WWW-Authenticate": "Bearer"}
+        )
+
+    async def status(request: Request) -> Response:
+        if not allowed(request):
+            return denied()
+        return JSONResponse(sup.status())
+
+    async def restart(request: Request) -> Response:
+        if not allowed(request):  # before the body: strangers learn nothing of its schema
+            return denied()
+        try:
+            body = await read_restart_request(request)
+        except BadBody as exc:
+            return JSONResponse({"error": f"bad restart request: {exc}"}, exc.status)
+        flags = (
+            Flags(body.flags.gpu_memory_utilization, body.flags.max_num_seqs)
+            if body.flags is not None
+            else None
+        )
+        reason = body.reason or "requested over the API"
+        try:
+            generation = await run_in_threadpool(sup.restart, flags, body.initial_cap, reason)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, 400)
+        except RateLimited as exc:
+            return JSONResponse(
+                {"error": str(exc)}, 429, headers={"Retry-After": str(math.ceil(exc.retry_after))}
+            )
+        return JSONResponse(
+            {
+                "generation": generation,
+                "initial_cap": sup.initial_cap,
+                "flags": asdict(sup.flags.current),
+            },
+            202,
+        )
+
+    async def healthz(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    return Starlette(
+        routes=[
+            Route("/v1/status", status, methods=["GET"]),
+            Route("/v1/restart", restart, methods=["POST"]),
+            Route("/healthz", healthz, methods=["GET"]),
+        ]
+    )
+
+
+def serve(sup: Supervisor, listen: str, auth: AuthConfig) -> int:
+    host, _, port = listen.rpartition(":")
+    sup.start()
+    try:
+        httpserve.run(create_app(sup, auth), host or "127.0.0.1", int(port))
+    finally:
+        sup.stop()  # vLLM runs in its own session: stop it, or it outlives us
+    return 0

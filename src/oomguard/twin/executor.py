@@ -1,0 +1,426 @@
+"""A model-free vLLM executor: the real vLLM server, scheduler and KV-cache manager, no model.
+
+`vllm serve <folder with config.json> --distributed-executor-backend
+oomguard.twin.executor.ModelFreeExecutor` runs vLLM's own API server, EngineCore, V1 scheduler
+and KV cache manager on a machine without a GPU. This executor stands where the GPU workers
+would: it reports a KV pool of a configured size and, each step, returns one token for every
+scheduled request whose prefill is complete. vLLM decides everything else (admission, batching,
+preemption), so what the tests and the twin observe is vLLM's real behaviour.
+
+Settings come from `--additional-config '{"oomguard_twin": {...}}'` or environment variables:
+  kv_blocks      OOMGUARD_TWIN_KV_BLOCKS      KV pool size in blocks (default 1024)
+  step_seconds   OOMGUARD_TWIN_STEP_SECONDS   wall time of one step (default 0.005)
+  token_id       OOMGUARD_TWIN_TOKEN_ID       the token every step "samples" (default 7)
+
+With `gpu` set (OOMGUARD_TWIN_GPU: H100, A100-80GB, A100-40GB, RTX4090) the worker becomes a twin
+of that GPU (twin/physics.py): the KV pool is sized from gpu_memory_utilization as vLLM sizes it,
+each step takes its roofline time divided by `time_compression` (OOMGUARD_TWIN_TIME_COMPRESSION),
+and a step whose memory peak exceeds the device raises torch.OutOfMemoryError: the engine dies
+as a real one does. Also:
+  model          OOMGUARD_TWIN_MODEL          simulated model (twin/models/<name> or a config.json)
+  state_file     OOMGUARD_TWIN_STATE_FILE     JSON the trace driver writes: neighbour_bytes,
+                                              fragmentation_bytes (read every 0.2 s)
+  allocator_dir  OOMGUARD_ALLOCATOR_DIR       where it publishes allocator stats (hand-off format)
+  incident_dir   OOMGUARD_INCIDENT_DIR        OOM incident records (<allocator_dir>/incidents)
+  target         OOMGUARD_TARGET              target name in those reports
+
+A simulated CUDA OOM goes through the plugin's out-of-memory observer
+(`oomguard.vllm_plugin.oom.OomRecorder.observe`), as a real one does from PyTorch's allocator:
+the hand-off file shows the OOM and an incident record names the step's batch before the
+exception leaves the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.outputs import ModelRunnerOutput
+
+from oomguard.vllm_plugin.oom import note_step
+
+log = logging.getLogger("oomguard.twin.executor")
+
+
+def _setting(config: dict[str, Any], key: str, env: str, default: float) -> float:
+    if key in config:
+        return float(config[key])
+    return float(os.environ.get(env, default))
+
+
+def _text(config: dict[str, Any], key: str, env: str, default: str = "") -> str:
+    return str(config.get(key) or os.environ.get(env, default))
+
+
+class GpuTwin:
+    """The physics of one simulated GPU inside the worker: step time, memory, OOM, stats."""
+
+    def __init__(self, vllm_config: Any, twin: dict[str, Any]) -> None:
+        from oomguard.twin.physics import Physics
+
+        sched = vllm_config.scheduler_config
+        self.physics = Physics.for_model(
+            _text(twin, "model", "OOMGUARD_TWIN_MODEL", "llama-3-8b"),
+            gpu=_text(twin, "gpu", "OOMGUARD_TWIN_GPU"),
+            gpu_memory_utilization=float(vllm_config.cache_config.gpu_memory_utilization),
+            max_num_batched_tokens=int(sched.max_num_batched_tokens),
+            block_size=int(vllm_config.cache_config.block_size or 16),
+        )
+        self.compression = _setting(twin, "time_compression", "OOMGUARD_TWIN_TIME_COMPRESSION", 1.0)
+        self.state_file = _text(twin, "state_file", "OOMGUARD_TWIN_STATE_FILE")
+        self.allocator_dir = _text(twin, "allocator_dir", "OOMGUARD_ALLOCATOR_DIR")
+        self.target = _text(twin, "target", "OOMGUARD_TARGET")
+        from oomguard.vllm_plugin.oom import OomRecorder, note_flags
+
+        note_flags(vllm_config)
+        incident_dir = _text(twin, "incident_dir", "OOMGUARD_INCIDENT_DIR") or (
+            str(Path(self.allocator_dir) / "incidents") if self.allocator_dir else ""
+        )
+        self.oom = OomRecorder(
+            self.allocator_dir,
+            incident_dir,
+            self.target,
+            stats=self.memory_stats,
+            identity=dict,
+            extra=self.memory_details,
+        )
+        self.last_peak = 0
+        self.neighbour = 0
+        self.fragmentation = 0
+        self.ooms = 0
+        self.peak_seen = 0
+        self._read_at = 0.0
+        self._published_at = 0.0
+
+    def _read_state(self) -> None:
+        now = time.monotonic()
+        if not self.state_file or now - self._read_at < 0.2:
+            return
+        self._read_at = now
+        try:
+            data = json.loads(Path(self.state_file).read_text())
+            self.neighbour = int(data.get("neighbour_bytes", 0))
+            self.fragmentation = int(data.get("fragmentation_bytes", 0))
+        except (OSError, ValueError, TypeError):
+            pass  # the driver rewrites it atomically; a missing file means no neighbour
+
+    def memory_stats(self) -> dict[str, int]:
+        """What `torch.cuda.memory_stats()` would say on this GPU (the keys the hand-off reads)."""
+        p = self.physics
+        allocated = p.weights + p.kv_pool + p.graph_pool_bytes
+        reserved = allocated + p.activation(p.max_num_batched_tokens) + self.fragmentation
+        peak = max(0, self.peak_seen - p.driver_reserved)
+        return {
+            "allocated_bytes.all.current": allocated,
+            "reserved_bytes.all.current": reserved,
+            "allocated_bytes.all.peak": max(allocated, peak),
+            "reserved_bytes.all.peak": max(reserved, peak),
+            "inactive_split_bytes.all.current": self.fragmentation,
+            "num_alloc_retries": 0,
+            "num_ooms": self.ooms,
+        }
+
+    def memory_details(self) -> dict[str, int | bool]:
+        """Incident details a real allocator snapshot cannot give: what the twin simulated."""
+        return {
+            "simulated": True,
+            "step_peak_bytes": self.last_peak,
+            "device_total_bytes": self.physics.total,
+            "neighbour_bytes": self.neighbour,
+            "fragmentation_bytes": self.fragmentation,
+        }
+
+    def publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.allocator_dir or (not force and now - self._published_at < 0.5):
+            return
+        self._published_at = now
+        from oomguard.handoff import AllocatorReport, write_report
+
+        try:
+            write_report(
+                self.allocator_dir,
+                AllocatorReport.from_memory_stats(
+                    self.memory_stats(),
+                    timestamp=time.time(),
+                    pid=os.getpid(),
+                    rank=0,
+                    target=self.target,
+                    engine="0",
+                    device_index=0,
+                    device_uuid="",
+                ),
+            )
+        except OSError:
+            log.debug("twin: cannot publish allocator stats", exc_info=True)
+
+    def headroom(self) -> dict[str, int]:
+        """Room for one request's extra transient memory (what the plugin's request guard reads):
+        `idle` on this engine alone, `now` with the neighbour and fragmentation of the moment."""
+        self._read_state()
+        p = self.physics
+        idle = p.total - p.driver_reserved - p.resident - p.activation(p.max_num_batched_tokens)
+        return {"now": idle - self.neighbour - self.fragmentation, "idle": idle}
+
+    def check_startup(self) -> None:
+        """vLLM refuses to start when the device's free memory is below what it was told to take
+        (another process holds the rest): the same check, against the twin's neighbour."""
+        self._read_at = 0.0
+        self._read_state()
+        p = self.physics
+        free = p.total - p.driver_reserved - self.neighbour
+        wanted = p.gpu_memory_utilization * p.usable
+        if free < wanted:
+            raise ValueError(
+                f"Free memory on device ({free / 2**30:.2f}/{p.total / 2**30:.2f} GiB) on startup "
+                f"is less than desired GPU memory utilization ({p.gpu_memory_utilization}, "
+                f"{wanted / 2**30:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory "
+                "used by other processes."
+            )
+
+    def step(self, step: Any) -> float:
+        """Check the step's memory (raise a CUDA OOM if it does not fit); return its seconds."""
+        self._read_state()
+        p = self.physics
+        peak = p.peak(step, self.fragmentation, self.neighbour)
+        self.last_peak = peak
+        self.peak_seen = max(self.peak_seen, peak - self.neighbour)
+        if peak > p.total:
+            self.ooms += 1
+            need = peak - p.total
+            # the step's transient allocation, and what was free when it was asked for
+            transient = p.activation(step.tokens) + p.logits(step.logits)
+            free = max(0, p.total - (peak - transient))
+            # what PyTorch's allocator does before it raises: call the OOM observers
+            self.oom.observe(0, transient, p.total, free)
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {need / 2**30:.2f} GiB. GPU 0 has a total "
+                f"capacity of {p.total / 2**30:.2f} GiB (twin {p.gpu}; step of {step.tokens} "
+                f"tokens, {step.logits} prompt-logprob tokens, neighbour "
+                f"{self.neighbour / 2**30:.2f} GiB, fragmentation "
+                f"{self.fragmentation / 2**30:.2f} GiB)"
+            )
+        self.publish()
+        return p.step_seconds(step) / self.compression
+
+
+class ModelFreeWorker:
+    """What collective_rpc reaches: the worker methods vLLM calls, without a model."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        additional = vllm_config.additional_config or {}
+        twin = additional.get("oomguard_twin", {}) if isinstance(additional, dict) else {}
+        self.kv_blocks = int(_setting(twin, "kv_blocks", "OOMGUARD_TWIN_KV_BLOCKS", 1024))
+        self.step_seconds = _setting(twin, "step_seconds", "OOMGUARD_TWIN_STEP_SECONDS", 0.005)
+        self.token_id = int(_setting(twin, "token_id", "OOMGUARD_TWIN_TOKEN_ID", 7))
+        self.gpu = GpuTwin(vllm_config, twin) if _text(twin, "gpu", "OOMGUARD_TWIN_GPU") else None
+        if self.gpu is not None:
+            self.kv_blocks = self.gpu.physics.kv_blocks
+            log.info(
+                "twin %s: KV pool %.1f GiB = %d blocks",
+                self.gpu.physics.gpu,
+                self.gpu.physics.kv_pool / 2**30,
+                self.kv_blocks,
+            )
+        self._logprobs: set[str] = set()  # requests that asked for prompt_logprobs
+        # prompt ids and top-k of those requests, until their prompt logprobs are returned
+        self._prompt_logprobs: dict[str, tuple[list[int], int]] = {}
+        model = vllm_config.model_config
+        self.block_size = vllm_config.cache_config.block_size or 16
+        self.num_layers = model.get_num_layers(vllm_config.parallel_config)
+        self.spec = FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
+            head_size=model.get_head_size(),
+            dtype=model.dtype if isinstance(model.dtype, torch.dtype) else torch.float16,
+        )
+        # tokens that must be computed before a request samples: prompt (+ outputs if resumed)
+        self._needed: dict[str, int] = {}
+        self._pending: ModelRunnerOutput | None = None
+
+    # -- start-up ------------------------------------------------------------------------------
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return {f"model.layers.{i}.self_attn.attn": self.spec for i in range(self.num_layers)}
+
+    def determine_available_memory(self) -> int:
+        if self.gpu is not None:
+            self.gpu.check_startup()
+        return self.kv_blocks * self.spec.page_size_bytes * self.num_layers
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["LBNHC", "LBHNC"]  # vLLM's usual NHD / HND; nothing reads the (absent) cache
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        pass
+
+    def oomguard_memory(self) -> dict[str, int] | None:
+        """The request guard's headroom (a GPU worker computes it from the allocator)."""
+        return self.gpu.headroom() if self.gpu is not None else None
+
+    def check_health(self) -> None:
+        pass
+
+    # -- steps -------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: Any) -> None:
+        started = time.monotonic()
+        note_step(scheduler_output)  # as the plugin does in a GPU worker: for OOM incidents
+        for req_id in scheduler_output.finished_req_ids:
+            self._needed.pop(req_id, None)
+            self._logprobs.discard(req_id)
+            self._prompt_logprobs.pop(req_id, None)
+        done_before: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = new.prompt_token_ids or []
+            self._needed[new.req_id] = len(new.prefill_token_ids or prompt)
+            done_before[new.req_id] = new.num_computed_tokens
+            params = getattr(new, "sampling_params", None)
+            if params is not None and getattr(params, "prompt_logprobs", None) is not None:
+                self._logprobs.add(new.req_id)
+                top = int(params.prompt_logprobs)
+                self._prompt_logprobs[new.req_id] = (list(prompt), min(top if top >= 0 else 20, 20))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            done_before[req_id] = cached.num_computed_tokens[i]
+            if req_id in cached.resumed_req_ids or req_id not in self._needed:
+                # resumed after preemption: prompt and outputs so far are recomputed
+                tokens = cached.all_token_ids.get(req_id)
+                if tokens is not None:
+                    self._needed[req_id] = len(tokens)
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        tokens = attention = context = logits = 0
+        prompt_logprobs: dict[str, Any] = {}
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req_ids.append(req_id)
+            before = done_before.get(req_id, 0)
+            computed = before + n
+            needed = self._needed.get(req_id, 0)
+            ready = computed >= needed
+            sampled.append([self.token_id] if ready else [])
+            tokens += n
+            context += computed
+            attention += n * before + n * (n + 1) // 2  # each token attends to all before it
+            if req_id in self._logprobs and before < needed:
+                logits += min(n, needed - before)
+            if ready and req_id in self._prompt_logprobs:
+                prompt_logprobs[req_id] = self._prompt_logprob_tensors(req_id)
+        step_seconds = self.step_seconds
+        if self.gpu is not None:
+            from oomguard.twin.physics import Step
+
+            step_seconds = self.gpu.step(Step(tokens, attention, context, logits))
+        self._pending = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+        remaining = step_seconds - (time.monotonic() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def _prompt_logprob_tensors(self, req_id: str) -> Any:
+        """What a GPU runner returns at the end of a prompt_logprobs prefill: for each prompt
+        position after the first, the next prompt token and top-k entries (no model: every
+        entry is that token, log-probability 0, rank 1)."""
+        from vllm.v1.outputs import LogprobsTensors
+
+        prompt, top = self._prompt_logprobs.pop(req_id)
+        targets = torch.tensor(prompt[1:], dtype=torch.int32)
+        ids = targets.unsqueeze(1).repeat(1, top + 1)
+        return LogprobsTensors(
+            logprob_token_ids=ids,
+            logprobs=torch.zeros(ids.shape, dtype=torch.float32),
+            selected_token_ranks=torch.ones(len(targets), dtype=torch.int32),
+        )
+
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+        output, self._pending = self._pending, None
+        return output or ModelRunnerOutput(req_ids=[], req_id_to_index={})
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        # Housekeeping RPCs a GPU worker implements (cache resets, profiling, LoRA, sleep) are
+        # no-ops without a model.
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def noop(*args: Any, **kwargs: Any) -> None:
+            log.debug("model-free worker: ignoring %s", name)
+
+        return noop
+
+
+def _run(call: Callable[[], Any], non_block: bool) -> Any:
+    """The result, or with `non_block` a Future holding it (or the exception it raised)."""
+    if not non_block:
+        return call()
+    future: Future[Any] = Future()
+    try:
+        future.set_result(call())
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
+
+
+class ModelFreeExecutor(Executor):
+    uses_ray = False
+    supports_pp = False
+
+    def _init_executor(self) -> None:
+        self.worker = ModelFreeWorker(self.vllm_config)
+
+    def collective_rpc(  # type: ignore[override]
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+    ) -> Any:
+        # One worker: the result list has one entry. A callable gets the worker as `self`.
+        fn = getattr(self.worker, method) if isinstance(method, str) else None
+
+        def call() -> list[Any]:
+            if fn is not None:
+                return [fn(*args, **(kwargs or {}))]
+            return [method(self.worker, *args, **(kwargs or {}))]  # type: ignore[operator]
+
+        return _run(call, non_block)
+
+    def _single(self, method: str, arg: Any, non_block: bool) -> Any:
+        # vLLM expects one result (not a list) from execute_model / sample_tokens.
+        return _run(lambda: getattr(self.worker, method)(arg), non_block)
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
+        return self._single("execute_model", scheduler_output, non_block)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
+        return self._single("sample_tokens", grammar_output, non_block)
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    def determine_available_memory(self) -> list[int]:
+        return [self.worker.determine_available_memory()]
+
+    def check_health(self) -> None:
+        self.worker.check_health()
+
+    def shutdown(self) -> None:
+        pass

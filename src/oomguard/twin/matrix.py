@@ -1,0 +1,229 @@
+"""The GPU matrix: every common GPU x gpu_memory_utilization, steady load and incidents.
+
+Each cell runs in simulated time, without a vLLM server: the twin's memory physics decide what
+the GPU holds and whether a step fits; the exporter's own NVML collector reads that GPU through
+`TwinNvml`, and its own pressure evaluator computes the level, from the same inputs a real node
+gives it (device memory, per-process memory, vLLM's gpu_memory_utilization, the plugin's
+allocator report). The remediation is the rule the alert routes carry: a level-3 engine is
+drained after `detection_s` (exporter poll, Prometheus, Alertmanager, the remediator), so it
+stops starting prefills; a drained engine's running requests decode for `drain_s`, then it holds
+its memory idle. docs/pressure.md describes the model; bench/matrix.py runs the whole matrix.
+
+Steady cells: heavy load at max_num_seqs, every step a full prefill chunk, the allocator cache
+grown to the engine's planned peak. Incident cells: a trace's neighbour and fragmentation curve,
+scaled so that its peak takes `overshoot` x the plan's slack ((1 - gmu) x usable memory): the
+memory the incident takes always ends up beyond what vLLM left free, on every GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.collectors.vllm import EngineReading
+from oomguard.exporter.pressure import EngineSource, PressureEvaluator
+from oomguard.handoff import AllocatorReport
+from oomguard.thresholds import PressureThresholds
+from oomguard.twin.gpu import GPU_MODELS, TwinGpu, TwinNvml
+from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
+from oomguard.twin.traces import Trace
+
+GMUS = (0.85, 0.90, 0.92, 0.95)
+# Largest first: each GPU serves the largest of these that starts at the lowest gmu of the matrix.
+MODEL_LADDER = ("llama-3-8b", "llama-3.2-3b", "llama-3.2-1b")
+INCIDENT_TRACES = ("neighbour-growth", "fragmentation-creep")
+ENGINE_PID, NEIGHBOUR_PID = 4242, 7777
+MAX_NUM_SEQS = 256
+
+
+def model_for(gpu: str, max_num_batched_tokens: int = 8192) -> str:
+    for model in MODEL_LADDER:
+        try:
+            _ = Physics.for_model(
+                model,
+                gpu=gpu,
+                gpu_memory_utilization=min(GMUS),
+                max_num_batched_tokens=max_num_batched_tokens,
+            ).kv_pool  # raises when the model does not start
+        except TwinOutOfMemory:
+            continue
+        return model
+    raise TwinOutOfMemory(f"no twin model starts on {gpu}")
+
+
+@dataclass
+class Cell:
+    gpu: str
+    gmu: float
+    model: str
+    scenario: str  # "steady" or a trace name
+    max_level: int = 0
+    max_reason: str = "ok"
+    first_pressure_s: float | None = None  # first tick at level >= 2
+    first_critical_s: float | None = None
+    oom_without_s: float | None = None  # when the engine would hit a CUDA OOM on its own
+    oom_with_s: float | None = None  # ... and with oomguard acting on the level
+    actions: int = 0  # remediator actions (cap lowered at level 2 after pressure_for, drains)
+
+    @property
+    def lead_s(self) -> float | None:
+        """How long before the OOM the level reached 2."""
+        if self.oom_without_s is None or self.first_pressure_s is None:
+            return None
+        return self.oom_without_s - self.first_pressure_s
+
+    def record(self) -> dict[str, object]:
+        return {**asdict(self), "lead_s": self.lead_s}
+
+
+def _reader(gpu: TwinGpu) -> tuple[TwinNvml, NvmlCollector]:
+    nvml = TwinNvml([gpu])
+    return nvml, NvmlCollector("matrix", backend=nvml)
+
+
+def simulate(
+    gpu_name: str,
+    gmu: float,
+    trace: Trace | None = None,
+    *,
+    dt: float = 1.0,
+    detection_s: float = 5.0,
+    pressure_for_s: float = 30.0,
+    drain_s: float = 10.0,
+    overshoot: float = 1.1,
+    thresholds: PressureThresholds | None = None,
+    duration_s: float = 120.0,
+) -> Cell:
+    model = model_for(gpu_name)
+    p = Physics.for_model(model, gpu=gpu_name, gpu_memory_utilization=gmu)
+    spec = GPU_MODELS[gpu_name]
+    gpu = TwinGpu(f"GPU-matrix-{gpu_name}", gpu_name)
+    nvml, collector = _reader(gpu)
+    evaluator = PressureEvaluator(thresholds)
+    # A MIG instance's rank reports its MIG UUID; the exporter maps it through its PID instead.
+    device_uuid = f"MIG-matrix-{gpu_name}" if spec.mig_profile else gpu.uuid
+    cell = Cell(gpu_name, gmu, model, trace.name if trace else "steady")
+
+    slack = (1.0 - gmu) * p.usable
+    scale = 0.0
+    if trace is not None:
+        scale = _scale(trace, slack, overshoot)
+        duration_s = trace.duration_s
+    full = Step(tokens=p.max_num_batched_tokens)
+    decode = Step(tokens=MAX_NUM_SEQS)
+    critical_since: float | None = None
+    pressure_since: float | None = None
+    drained_at: float | None = None
+    capped = False
+    t = 0.0
+    while t <= duration_s:
+        neighbour, frag = (0, 0) if trace is None else trace.gpu_at(t)
+        neighbour, frag = int(neighbour * scale), int(frag * scale)
+        # Heavy load: the allocator cache holds the planned activation peak; fragmentation
+        # grows the engine's reserved memory beyond it.
+        nvml.set_process(0, ENGINE_PID, int(gmu * p.usable) + frag)
+        nvml.set_process(0, NEIGHBOUR_PID, neighbour or None)
+
+        # What the exporter sees, through its own collector and evaluator.
+        reading = collector.collect()
+        report = _report(t, device_uuid, p, frag)
+        engine = EngineReading(model, "0", gpu_memory_utilization=gmu)
+        evaluator.observe_allocator([report], t)
+        ev = evaluator.evaluate(
+            reading.gpus, [EngineSource("llm", engine)], [report], t, reading.processes
+        )
+        level = ev.engines[0].level
+        if level.level > cell.max_level:
+            cell.max_level, cell.max_reason = level.level, level.reason
+        if level.level >= 2 and cell.first_pressure_s is None:
+            cell.first_pressure_s = t
+        if level.level >= 3 and cell.first_critical_s is None:
+            cell.first_critical_s = t
+
+        # The remediation the alerts carry: cap at level 2 after pressure_for, drain at 3.
+        pressure_since = (
+            (pressure_since if pressure_since is not None else t) if level.level >= 2 else None
+        )
+        critical_since = (
+            (critical_since if critical_since is not None else t) if level.level >= 3 else None
+        )
+        if not capped and pressure_since is not None and t - pressure_since >= pressure_for_s:
+            capped, cell.actions = True, cell.actions + 1
+        if drained_at is None and critical_since is not None and t - critical_since >= detection_s:
+            drained_at, cell.actions = t, cell.actions + 1
+
+        # Does this tick's step fit? Without oomguard: a full chunk every step.
+        if cell.oom_without_s is None and not p.fits(full, frag, neighbour):
+            cell.oom_without_s = t
+        if drained_at is None:
+            step: Step | None = full
+        elif t - drained_at < drain_s:
+            step = decode
+        else:
+            step = None  # drained and idle: no allocation, nothing to fail
+        if cell.oom_with_s is None and step is not None and not p.fits(step, frag, neighbour):
+            cell.oom_with_s = t
+        t += dt
+    return cell
+
+
+def _report(t: float, device_uuid: str, p: Physics, frag: int) -> AllocatorReport:
+    allocated = p.weights + p.kv_pool + p.graph_pool_bytes
+    return AllocatorReport(
+        timestamp=t,
+        pid=ENGINE_PID,
+        rank=0,
+        target="llm",
+        engine="0",
+        device_index=0,
+        device_uuid=device_uuid,
+        allocated_bytes=allocated,
+        reserved_bytes=allocated + p.activation(p.max_num_batched_tokens) + frag,
+        allocated_peak_bytes=allocated + p.activation(p.max_num_batched_tokens),
+        reserved_peak_bytes=allocated + p.activation(p.max_num_batched_tokens) + frag,
+        inactive_split_bytes=frag,
+        alloc_retries=0,
+        ooms=0,
+    )
+
+
+def _scale(trace: Trace, slack: float, overshoot: float) -> float:
+    """The factor that makes the trace's memory events peak at `overshoot` x the plan's slack."""
+    worst = max(n + f for n, f in (trace.gpu_at(t) for t in range(int(trace.duration_s) + 1)))
+    return overshoot * slack / worst if worst else 0.0
+
+
+def scaled_trace(trace: Trace, gpu_name: str, gmu: float, overshoot: float = 1.1) -> Trace:
+    """The trace on another GPU and gmu, its memory events scaled as `simulate` scales them: the
+    same cell, for the real vLLM twin (src/oomguard/twin/runner.py)."""
+    model = model_for(gpu_name)
+    p = Physics.for_model(model, gpu=gpu_name, gpu_memory_utilization=gmu)
+    scale = _scale(trace, (1.0 - gmu) * p.usable, overshoot)
+    events = [
+        e.model_copy(
+            update={
+                "neighbour_gib": e.neighbour_gib * scale,
+                "fragmentation_gib": e.fragmentation_gib * scale,
+            }
+        )
+        for e in trace.gpu_events
+    ]
+    engine = trace.engine.model_copy(update={"gpu_memory_utilization": gmu})
+    return trace.model_copy(
+        update={"gpu": gpu_name, "model": model, "engine": engine, "gpu_events": events}
+    )
+
+
+def run(
+    gpus: tuple[str, ...] = tuple(GPU_MODELS),
+    gmus: tuple[float, ...] = GMUS,
+    traces: tuple[str, ...] = INCIDENT_TRACES,
+    steady_s: float = 120.0,
+) -> list[Cell]:
+    loaded = [Trace.load(name) for name in traces]
+    cells: list[Cell] = []
+    for gpu in gpus:
+        for gmu in gmus:
+            cells.append(simulate(gpu, gmu, duration_s=steady_s))
+            cells.extend(simulate(gpu, gmu, trace) for trace in loaded)
+    return cells

@@ -1,0 +1,568 @@
+"""Replay a trace on twin GPUs running the real vLLM server, with or without oomguard.
+
+The fleet: vLLM 0.33 servers (model-free executor with the GPU physics, plugin installed), each
+under `oomguard serve` (a crash reloads the model after the trace's `reload_s`), behind a gateway
+that balances requests and, like a real one, sends a request to another engine when one answers
+503 (draining) or refuses the connection (restarting). The trace's GPU events hit engine 0's GPU;
+the others are its healthy peers. Configurations:
+
+- `default`: vLLM's flags from the trace, no oomguard (crashes restart with the same flags);
+- `static`: the same with `max_num_seqs` 48, as conservative operators run it;
+- `oomguard`: the exporter reading the twin GPUs, the remediator (standalone mode: pressure
+  levels from the exporter; its timings scaled by the trace's time compression) acting through
+  the plugin, and the supervisor lowering flags after a CUDA OOM. A caller that runs its own
+  remediator (the demo: Prometheus, Alertmanager, one remediator for several fleets) passes
+  `own_remediator=False` and gives it `remediator_targets()`.
+
+`run()` does it all in one call (the outcome benchmark); `Fleet` exposes the steps (start,
+replay, outcome, stop) and a live `snapshot()` so the demo can run fleets side by side.
+Everything is measured in trace seconds (wall seconds x time compression).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from oomguard.exporter.main import Exporter
+from oomguard.twin.gpu import TwinGpu, TwinNvml
+from oomguard.twin.processes import (
+    TINY_MODEL,
+    RemediatorProcess,
+    SupervisedVllm,
+    start_all,
+    twin_exporter,
+)
+from oomguard.twin.traces import Request, Trace, requests
+
+CONFIGS = ("default", "static", "oomguard")
+STATIC_MAX_NUM_SEQS = 48
+TOKEN = "twin-plugin-token"
+NEIGHBOUR_PID = 424242
+RECOVERY_WATCH_S = 600.0  # trace seconds to keep watching for recovery after the trace
+PATIENCE_S = 300.0  # trace seconds a client keeps retrying a request before giving up
+
+
+@dataclass
+class Outcome:
+    trace: str
+    config: str
+    requests: int = 0
+    completed: int = 0
+    lost: int = 0  # failed mid-flight (engine died under it) or never served
+    crashes: int = 0  # CUDA OOMs
+    goodput_tokens_per_s: float = 0.0  # output tokens/s of requests within the TTFT objective
+    good_tokens: int = 0
+    ttft_p99_s: float | None = None
+    preemptions: int = 0
+    recovery_s: float | None = None  # pressure end -> engine 0 back at full admission
+    actions: list[str] = field(default_factory=list)
+    lost_why: dict[str, int] = field(default_factory=dict)  # why requests were lost, counted
+    wall_s: float = 0.0
+
+
+@dataclass
+class _Sent:
+    request: Request
+    first_token_s: float | None = None
+    done_s: float | None = None  # when it ended, served or lost (trace seconds)
+    tokens: int = 0
+    status: str = "pending"  # ok | lost | pending
+    why: str = ""  # for a lost request: what the client saw
+    engine: int = -1  # the engine it was last sent to
+
+
+class Gateway:
+    """Round-robin over engines; 503 or a refused connection go to the next engine."""
+
+    def __init__(
+        self, urls: list[str], compression: float, t0: float, model: str = str(TINY_MODEL)
+    ) -> None:
+        self.urls, self.compression, self.t0, self.model = urls, compression, t0, model
+        self.sent: list[_Sent] = []
+
+    def now(self) -> float:
+        return (time.monotonic() - self.t0) * self.compression
+
+    def _end(self, s: _Sent, status: str, why: str = "") -> None:
+        s.status, s.done_s, s.why = status, self.now(), why
+
+    async def _one(self, client: httpx.AsyncClient, s: _Sent, k: int, deadline: float) -> None:
+        r = s.request
+        body = {
+            "model": self.model,
+            "prompt": [(k * 7919 + j * 31) % 30000 + 10 for j in range(r.prompt_tokens)],
+            "max_tokens": r.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},  # chunks may carry several tokens
+        }
+        if r.prompt_logprobs:
+            body["prompt_logprobs"] = 1
+        attempt = 0
+        # a client waits PATIENCE_S from its arrival, and always makes its first attempt (a busy
+        # event loop may start this task late)
+        deadline = max(deadline, r.at_s + PATIENCE_S)
+        while attempt == 0 or self.now() < deadline:
+            s.engine = (k + attempt) % len(self.urls)
+            url = self.urls[s.engine]
+            attempt += 1
+            accepted = False  # the engine answered 200: the request is in it
+            try:
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                    if resp.status_code == 503:
+                        await asyncio.sleep(0.05)
+                        continue
+                    if resp.status_code != 200:
+                        self._end(s, "lost", f"HTTP {resp.status_code}")
+                        return
+                    accepted, failed = True, False
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        failed = failed or "error" in chunk
+                        if chunk.get("choices") and s.first_token_s is None:
+                            s.first_token_s = self.now()
+                        if chunk.get("usage"):
+                            s.tokens = int(chunk["usage"]["completion_tokens"])
+                    if failed and s.first_token_s is None:
+                        # ended before its first token (a drain ended it while queued): nothing
+                        # reached the user yet, so a gateway retries it elsewhere
+                        await asyncio.sleep(0.05)
+                        continue
+                    if s.tokens:
+                        self._end(s, "ok")
+                    else:
+                        self._end(s, "lost", "error mid-stream" if failed else "no tokens")
+                    return
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                if s.first_token_s is not None or (accepted and isinstance(exc, httpx.ReadError)):
+                    # the engine died under a request in flight
+                    self._end(s, "lost", "engine died mid-request")
+                    return
+                # refused, or reset before the engine answered (a restarting engine, a closed
+                # keep-alive connection): nothing was served, the gateway tries again
+                await asyncio.sleep(0.05)
+        self._end(s, "lost", "no engine took it before the deadline")
+
+    async def replay(self, reqs: list[Request], end_s: float) -> None:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+            tasks = []
+            for k, r in enumerate(reqs):
+                delay = r.at_s / self.compression - (time.monotonic() - self.t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                s = _Sent(r)
+                self.sent.append(s)
+                tasks.append(asyncio.create_task(self._one(client, s, k, end_s)))
+            await asyncio.gather(*tasks)
+
+
+@dataclass
+class EngineView:
+    """What the GPU driver last saw of one engine (trace time `t`)."""
+
+    t: float = 0.0
+    up: bool = False
+    mode: str = "starting"  # serving | capped | draining | down
+    cap: int | None = None
+    startup_cap: int | None = None
+    running: int = 0
+    waiting: int = 0
+    kv: float = 0.0
+    gpu_free: int = 0
+    neighbour: int = 0
+    generation: int = 0
+    ooms: int = 0  # CUDA OOM exits so far
+
+
+def _flags_args(trace: Trace, config: str) -> list[str]:
+    e = trace.engine
+    seqs = min(e.max_num_seqs, STATIC_MAX_NUM_SEQS) if config == "static" else e.max_num_seqs
+    return [
+        "--max-num-seqs",
+        str(seqs),
+        "--max-model-len",
+        str(e.max_model_len),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+        "--gpu-memory-utilization",
+        str(e.gpu_memory_utilization),
+    ]
+
+
+class Fleet:
+    """Engines on twin GPUs for one trace and one configuration; see the module docstring."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        config: str,
+        workdir: Path | None = None,
+        log: Callable[[str], None] = print,
+        *,
+        engines: int = 2,
+        prefix: str = "engine",
+        hostname: str = "twin-node",
+        own_remediator: bool = True,
+        period: float = 0.1,
+        served_name: str | None = None,
+        audit: Path | None = None,
+        recovery_watch_s: float = RECOVERY_WATCH_S,
+        start_timeout: float = 180.0,
+    ) -> None:
+        """`period`: wall seconds between the GPU driver's passes (GPU state, engine reads);
+        `served_name`: vLLM's --served-model-name (the `model_name` label of its metrics);
+        `audit`: the remediator's audit log when the caller runs the remediator;
+        `recovery_watch_s`: trace seconds to keep watching for engine 0's recovery after the
+        trace (a crashed engine reloads for the trace's `reload_s`); `start_timeout`: wall
+        seconds each vLLM may take to load."""
+        assert config in CONFIGS, config
+        self.trace, self.config, self.log = trace, config, log
+        self.work = workdir or Path(tempfile.mkdtemp(prefix=f"oomguard-{trace.name}-{config}-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.n, self.prefix, self.hostname = engines, prefix, hostname
+        self.own_remediator = own_remediator
+        self.period = period
+        self.c = trace.time_compression
+        self.engines: list[SupervisedVllm] = []
+        self.procs: list[Any] = []
+        self.exporter: Exporter | None = None
+        self.exporter_port: int | None = None
+        self.gateway: Gateway | None = None
+        self.t0 = 0.0
+        self.t0_wall = 0.0
+        self.ended_s = 0.0  # trace time when the replay (and the recovery watch) ended
+        self.views = [EngineView() for _ in range(engines)]
+        self.history: list[list[EngineView]] = []  # the views at each driver pass
+        self.crash_times: list[float] = []  # trace seconds of every CUDA OOM exit
+        self.sent: list[_Sent] = []
+        self.audit = audit or self.work / "audit.jsonl"
+        self.served_name = served_name
+        self.recovery_watch_s = recovery_watch_s
+        self.start_timeout = start_timeout
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._gmu = [trace.engine.gpu_memory_utilization] * engines
+        self._restarted_at = [0.0] * engines
+        self._gpu_seen = [(0, 0)] * engines  # (free bytes, neighbour bytes) last written
+        self._preempt_seen: dict[int, int] = {}
+        self._preempt_total = 0
+        self._wall0 = time.monotonic()
+        self.done = False
+        self.states = [self.work / f"gpu{i}.json" for i in range(engines)]
+        self.gpus = [
+            TwinGpu(f"GPU-twin-{prefix}-{i}-0000-0000-00000000000{i}", trace.gpu, i)
+            for i in range(engines)
+        ]
+        self.nvml = TwinNvml(self.gpus)
+
+    @property
+    def names(self) -> list[str]:
+        return [f"{self.prefix}-{i}" for i in range(self.n)]
+
+    # -- start-up ------------------------------------------------------------------------------
+    def start(self) -> None:
+        w, c, trace = self.work, self.c, self.trace
+        (w / "stoken").write_text("twin-supervisor-token")
+        (w / "ptoken").write_text(TOKEN)
+        (w / "rtoken").write_text("twin-remediator-token")
+        for s in self.states:
+            s.write_text(json.dumps({}))
+
+        def launch(i: int) -> SupervisedVllm:
+            served = ["--served-model-name", self.served_name] if self.served_name else []
+            return SupervisedVllm(
+                w / f"engine{i}",
+                *_flags_args(trace, self.config),
+                *served,
+                plugin_token=TOKEN,
+                supervisor_token_file=w / "stoken",
+                env={
+                    "OOMGUARD_TWIN_GPU": trace.gpu,
+                    "OOMGUARD_TWIN_MODEL": trace.model,
+                    "OOMGUARD_TWIN_STATE_FILE": str(self.states[i]),
+                    "OOMGUARD_TWIN_TIME_COMPRESSION": str(c),
+                    "OOMGUARD_ALLOCATOR_DIR": str(w / "allocator"),
+                    "OOMGUARD_TARGET": self.names[i],
+                },
+                restart_delay=trace.reload_s / c,
+                max_crashes=1000 if self.config != "oomguard" else 20,
+                keep_flags_on_crash=self.config != "oomguard",
+                timeout=self.start_timeout,
+            )
+
+        self.engines = start_all([lambda i=i: launch(i) for i in range(self.n)])
+        self.procs.extend(self.engines)
+        # the GPUs hold the engines' memory from now on (trace time 0 until the replay starts)
+        self._threads = [
+            threading.Thread(target=self._drive, daemon=True),
+            threading.Thread(target=self._watch, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        if self.config != "oomguard":
+            return
+        self.exporter, self.exporter_port = twin_exporter(
+            dict(zip(self.names, (e.url for e in self.engines), strict=True)),
+            self.nvml,
+            w / "allocator",
+            hostname=self.hostname,
+        )
+        if self.own_remediator:
+            rem = RemediatorProcess(
+                w / "remediator",
+                {
+                    "auth": {"bearer_token_file": str(w / "rtoken")},
+                    "targets": self.remediator_targets(),
+                    **remediator_timings(c),
+                    "audit_log": str(self.audit),
+                    "mode": "standalone",
+                    "standalone": {
+                        "exporters": [f"http://127.0.0.1:{self.exporter_port}/metrics"],
+                        "interval_seconds": 0.25,
+                        "pressure_for_seconds": 30 / c,
+                        "critical_for_seconds": 0,
+                        "keep_firing_seconds": 120 / c,
+                    },
+                },
+            )
+            self.procs.append(rem)
+
+    def remediator_targets(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": name,
+                "url": e.url,
+                "model": self.trace.model,
+                "token_file": str(self.work / "ptoken"),
+            }
+            for name, e in zip(self.names, self.engines, strict=True)
+        ]
+
+    # -- the replay ----------------------------------------------------------------------------
+    def now(self) -> float:
+        return (time.monotonic() - self.t0) * self.c if self.t0 else 0.0
+
+    def trace_time(self, wall_clock: float) -> float:
+        """Trace seconds at a `time.time()` instant (0 before the replay started)."""
+        return max(0.0, (wall_clock - self.t0_wall) * self.c) if self.t0 else 0.0
+
+    def replay(self) -> None:
+        """Replay the trace (blocking), then watch until engine 0 is back at full admission."""
+        self.t0, self.t0_wall = time.monotonic(), time.time()
+        trace, c = self.trace, self.c
+        gateway = self.gateway = Gateway(
+            [e.url for e in self.engines], c, self.t0, self.served_name or str(TINY_MODEL)
+        )
+        reqs = requests(trace)
+        self.log(
+            f"  {trace.name}/{self.config}: {len(reqs)} requests over {trace.duration_s:.0f} s "
+            f"(x{c:g}: {trace.duration_s / c:.0f} s wall)"
+        )
+        asyncio.run(gateway.replay(reqs, trace.duration_s + 120))
+        self.sent = list(gateway.sent)  # the trace's requests (the recovery watch adds its own)
+        if trace.pressure_ends_s is not None:
+            # keep watching (with light traffic, so staged re-admission can proceed) until
+            # engine 0 is back at full admission, for at most `recovery_watch_s`
+            end = max(trace.duration_s, trace.pressure_ends_s) + self.recovery_watch_s
+            tail = [
+                Request(at, 256, 16, False)
+                for at in range(int(gateway.now()) + 1, int(end), max(1, int(c / 2)))
+            ]
+
+            async def watch() -> None:
+                feeder = asyncio.create_task(gateway.replay(tail, end))
+                while self.recovered_at() is None and gateway.now() < end:
+                    await asyncio.sleep(0.2)
+                feeder.cancel()
+
+            asyncio.run(watch())
+        self.ended_s = self.now()
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(15)
+        self.done = True
+
+    def recovered_at(self) -> float | None:
+        """Trace time when engine 0 was first back at full admission after the pressure ended."""
+        end = self.trace.pressure_ends_s
+        if end is None:
+            return None
+        for views in list(self.history):
+            v = views[0]
+            if v.t >= end and v.up and v.mode == "serving":
+                return v.t
+        return None
+
+    def _drive(self) -> None:
+        """Writes each GPU's state for the executor and the exporter's NVML, every 0.1 s wall
+        at most; never waits on an engine (the trace's GPU events must keep their time)."""
+        trace = self.trace
+        while not self._stop.is_set():
+            t = self.now()
+            for i in range(self.n):
+                neighbour, frag = 0, 0
+                if i == 0:  # the trace's GPU events hit engine 0's GPU only
+                    neighbour = trace.gpu_at(t)[0]
+                    # fragmentation builds up in a process: a restart starts it from zero
+                    frag = trace.gpu_at(t - self._restarted_at[i])[1]
+                self.states[i].write_text(
+                    json.dumps({"neighbour_bytes": neighbour, "fragmentation_bytes": frag})
+                )
+                # vLLM plans gmu x the CUDA runtime's total (NVML total less reserved)
+                usable = self.gpus[i].total - self.gpus[i].reserved
+                self.nvml.set_process(i, 1000 + i, int(self._gmu[i] * usable) + frag)
+                self.nvml.set_process(i, NEIGHBOUR_PID, neighbour or None)
+                self._gpu_seen[i] = (self.gpus[i].free, neighbour)
+            self._stop.wait(min(self.period, 0.1))
+
+    def _watch(self) -> None:
+        """Reads each engine (supervisor status, plugin state) every `period` wall seconds."""
+        generation = [0] * self.n
+        exits_seen = [0] * self.n
+        while not self._stop.is_set():
+            t = self.now()
+            views = []
+            for i, e in enumerate(self.engines):
+                v = EngineView(t=t)
+                alive = False  # the supervisor says vLLM runs and answers its health check
+                try:
+                    status = e.status()
+                    alive = bool(status.get("running")) and bool(status.get("ready"))
+                    if status["generation"] != generation[i]:
+                        generation[i] = status["generation"]
+                        self._restarted_at[i] = t if generation[i] > 1 else 0.0
+                    self._gmu[i] = float(status["flags"]["current"]["gpu_memory_utilization"])
+                    ooms = [x for x in status["exits"] if x["reason"] == "cuda_oom"]
+                    # the exit's own wall clock, in trace time (this loop may run late)
+                    self.crash_times.extend(
+                        self.trace_time(float(x.get("time", 0))) or t for x in ooms[exits_seen[i] :]
+                    )
+                    exits_seen[i] = max(exits_seen[i], len(ooms))
+                except (httpx.HTTPError, KeyError, ValueError, TypeError):
+                    pass
+                v.generation, v.ooms = generation[i], exits_seen[i]
+                v.gpu_free, v.neighbour = self._gpu_seen[i]
+                try:
+                    st = httpx.get(f"{e.url}/oomguard/v1/state", timeout=1).json()
+                    total = int(st["preemptions_total"])
+                    key = i * 1000 + generation[i]
+                    self._preempt_total += total - self._preempt_seen.get(key, 0)
+                    self._preempt_seen[key] = total
+                    v.up = True
+                    v.cap, v.startup_cap = st["admission_cap"], st["startup_max_num_seqs"]
+                    full = v.cap >= v.startup_cap
+                    v.mode = "draining" if st["mode"] == "draining" else "serving"
+                    if v.mode == "serving" and not full:
+                        v.mode = "capped"
+                    v.running, v.waiting = int(st["running"]), int(st["waiting"])
+                    v.kv = float(st["kv_cache_usage"])
+                except (httpx.HTTPError, KeyError, ValueError, TypeError):
+                    # slow to answer is not dead: keep what was last seen while vLLM runs
+                    last = self.views[i]
+                    if alive and last.generation == v.generation and last.mode != "down":
+                        v.up, v.mode, v.cap, v.startup_cap = (
+                            True,
+                            last.mode,
+                            last.cap,
+                            last.startup_cap,
+                        )
+                        v.running, v.waiting, v.kv = last.running, last.waiting, last.kv
+                    else:
+                        v.mode = "down"
+                views.append(v)
+            self.views = views
+            self.history.append(views)
+            self._stop.wait(self.period)
+
+    # -- results -------------------------------------------------------------------------------
+    def counts(self) -> tuple[int, int, int]:
+        """(served, lost, in flight) among the requests sent so far."""
+        sent = list(self.gateway.sent) if self.gateway else []
+        ok = sum(1 for s in sent if s.status == "ok")
+        lost = sum(1 for s in sent if s.status == "lost")
+        return ok, lost, len(sent) - ok - lost
+
+    def outcome(self) -> Outcome:
+        trace = self.trace
+        o = Outcome(trace.name, self.config)
+        sent = self.sent
+        o.requests = len(sent)
+        ok = [s for s in sent if s.status == "ok"]
+        o.completed = len(ok)
+        o.lost = len(sent) - len(ok)
+        for x in sent:
+            if x.status != "ok":
+                why = x.why or "unfinished"
+                o.lost_why[why] = o.lost_why.get(why, 0) + 1
+        ttfts = [s.first_token_s - s.request.at_s for s in ok if s.first_token_s is not None]
+        if ttfts:
+            ranked = sorted(ttfts)
+            o.ttft_p99_s = round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 2)
+        o.good_tokens = sum(
+            s.tokens
+            for s in ok
+            if s.first_token_s is not None and s.first_token_s - s.request.at_s <= trace.ttft_slo_s
+        )
+        # over the trace's own duration: the same requests served well give the same goodput
+        o.goodput_tokens_per_s = round(o.good_tokens / trace.duration_s, 2)
+        o.preemptions = self._preempt_total
+        o.crashes = len(self.crash_times)
+        back = self.recovered_at()
+        if back is not None and trace.pressure_ends_s is not None:
+            o.recovery_s = round(back - trace.pressure_ends_s, 1)
+        if self.audit.exists():
+            for line in self.audit.read_text().splitlines():
+                entry = json.loads(line)
+                if entry["event"] == "acted" and entry["target"] in self.names:
+                    o.actions.append(f"{entry['target']}:{entry['action']}")
+        o.wall_s = round(time.monotonic() - self._wall0, 1)
+        return o
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.exporter is not None:
+            self.exporter.stop()
+        # engines stop side by side: each waits for its vLLM to shut down
+        threads = [threading.Thread(target=p.stop) for p in reversed(self.procs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def remediator_timings(compression: float) -> dict[str, Any]:
+    """The remediator's policy and safety clocks run in wall time: scale the trace-time ones."""
+    c = compression
+    return {
+        "policy": {"step_seconds": 30 / c},
+        "safety": {"cooldown_seconds": 10 / c, "window_seconds": 3600 / c},
+        "reconcile_seconds": 0.25,
+    }
+
+
+def run(
+    trace: Trace,
+    config: str,
+    workdir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> Outcome:
+    fleet = Fleet(trace, config, workdir, log)
+    try:
+        fleet.start()
+        fleet.replay()
+        return fleet.outcome()
+    finally:
+        fleet.stop()

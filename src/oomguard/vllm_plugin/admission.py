@@ -1,0 +1,233 @@
+"""The request guard in vLLM's API server: per-request decisions against cached headroom.
+
+Every request vLLM accepts passes `InputProcessor.assign_request_id(request)` once, after
+tokenization and parameter processing, before it is sent to an engine: completions, chat,
+responses, `/invocations` and any other route alike. The guard wraps that function, so it sees
+the exact prompt length and the final `n`, `logprobs`, `prompt_logprobs` and `max_tokens`.
+
+Headroom comes from the engines (`oomguard_headroom`, every `refresh` seconds, in the background);
+a decision reads only the cached figures (bench/guard_cost.py measures it). Stale or missing
+figures mean blind: the guard admits (blind is not a reason to refuse traffic).
+
+Modes (`OOMGUARD_GUARD_MODE`): `off` (no hook, no refresh), `observe` (default: decide, count and
+log; never refuse), `enforce` (defer answers 503 + Retry-After, reject answers 400 naming the
+parameter and the limit). `OOMGUARD_GUARD_KV_MARGIN` (e.g. 0.15) turns on the per-request KV budget.
+
+Decisions are exported on vLLM's /metrics as
+`oomguard_guard_decisions_total{mode, action, reason}`, and the headroom each engine reported as
+`oomguard_guard_headroom_bytes{engine, kind="now"|"idle"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from oomguard.catalog import spec
+from oomguard.vllm_plugin.guard import (
+    MODES,
+    Decision,
+    EngineShape,
+    Headroom,
+    ModelMemory,
+    RequestShape,
+    decide,
+)
+
+log = logging.getLogger("oomguard.vllm_plugin.admission")
+
+_DECISIONS = spec("oomguard_guard_decisions_total")
+_HEADROOM = spec("oomguard_guard_headroom_bytes")
+# prometheus_client adds `_total` to a counter's name itself.
+DECISIONS = Counter(
+    _DECISIONS.name.removesuffix("_total"), _DECISIONS.help, list(_DECISIONS.labels)
+)
+HEADROOM = Gauge(_HEADROOM.name, _HEADROOM.help, list(_HEADROOM.labels), multiprocess_mode="min")
+
+
+class Guard:
+    """Cached engine figures plus the decision hook."""
+
+    def __init__(
+        self,
+        mode: str = "observe",
+        refresh: float = 0.5,
+        stale_after: float = 5.0,
+        kv_margin: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"OOMGUARD_GUARD_MODE must be one of {MODES}, not {mode!r}")
+        self.mode, self.refresh, self.stale_after = mode, refresh, stale_after
+        self.kv_margin, self.clock = kv_margin, clock
+        self.model: ModelMemory | None = None
+        self.engine: EngineShape | None = None
+        self.headrooms: list[Headroom] = []
+        self.last: Decision | None = None
+        self._counters: dict[tuple[str, str], Any] = {}  # labelled children: no lookup per request
+
+    @classmethod
+    def from_env(cls) -> Guard:
+        """The guard as the environment configures it; a ValueError names the bad variable."""
+        margin = os.environ.get("OOMGUARD_GUARD_KV_MARGIN", "").strip()
+        return cls(
+            mode=os.environ.get("OOMGUARD_GUARD_MODE", "observe").strip() or "observe",
+            refresh=_env_number("OOMGUARD_GUARD_REFRESH_SECONDS", "0.5", 0.01, 3600.0),
+            kv_margin=_env_number("OOMGUARD_GUARD_KV_MARGIN", margin, 0.0, 10.0)
+            if margin
+            else None,
+        )
+
+    # -- engine figures ------------------------------------------------------------------------
+    def update(self, reports: list[dict[str, Any]]) -> None:
+        """Take what `oomguard_headroom` returned from each engine."""
+        now = self.clock()
+        headrooms = []
+        for r in reports:
+            self.model = ModelMemory(int(r["vocab_size"]), int(r["hidden_size"]))
+            self.engine = EngineShape(
+                int(r["max_num_batched_tokens"]),
+                bool(r["chunked_prefill"]),
+                int(r["block_size"]),
+                int(r["total_kv_blocks"]),
+            )
+            memory = r.get("memory")
+            if not memory:
+                continue  # an engine that cannot measure its memory: no figures, no refusals
+            headrooms.append(
+                Headroom(
+                    int(memory["now"]),
+                    int(memory["idle"]),
+                    int(r["free_kv_blocks"]),
+                    int(r["total_kv_blocks"]),
+                    now,
+                )
+            )
+            engine = str(r.get("engine", 0))
+            HEADROOM.labels(engine, "now").set(int(memory["now"]))
+            HEADROOM.labels(engine, "idle").set(int(memory["idle"]))
+        self.headrooms = headrooms
+
+    def fresh(self) -> list[Headroom]:
+        now = self.clock()
+        return [h for h in self.headrooms if now - h.measured_at <= self.stale_after]
+
+    async def run(self, fetch: Callable[[], Awaitable[list[dict[str, Any]]]]) -> None:
+        """Refresh the figures forever (a background task of the API server)."""
+        while True:
+            try:
+                self.update(await fetch())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # an engine restarting or busy: keep the last figures, go stale
+                log.debug("oomguard guard: headroom refresh failed", exc_info=True)
+            await asyncio.sleep(self.refresh)
+
+    # -- decisions -----------------------------------------------------------------------------
+    def check(self, request: Any) -> Decision | None:
+        """Decide one EngineCoreRequest; raise in enforce mode. None: not a generate request."""
+        params = getattr(request, "sampling_params", None)
+        if params is None or self.model is None or self.engine is None:
+            return None
+        prompt = getattr(request, "prompt_token_ids", None)
+        shape = RequestShape(
+            prompt_tokens=len(prompt) if prompt is not None else 0,
+            max_tokens=int(params.max_tokens or 0),
+            n=max(int(params.n or 1), int(getattr(params, "best_of", None) or 1)),
+            logprobs=int(params.logprobs or 0) if params.logprobs is not None else 0,
+            prompt_logprobs=params.prompt_logprobs is not None,
+        )
+        decision = decide(shape, self.model, self.engine, self.fresh(), self.kv_margin)
+        self.last = decision
+        key = (decision.action, decision.reason)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = DECISIONS.labels(self.mode, *key)
+        counter.inc()
+        if decision.action != "admit":
+            log.info(
+                "oomguard guard (%s): %s request %s: %s",
+                self.mode,
+                decision.action,
+                getattr(request, "request_id", "?"),
+                decision.message,
+            )
+        if self.mode == "enforce":
+            raise_for(decision)
+        return decision
+
+
+def raise_for(decision: Decision) -> None:
+    """vLLM's own exceptions, so its handlers answer 400 (with `param`) or 503."""
+    if decision.action == "reject":
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(
+            decision.message, parameter=decision.parameter, value=decision.limit_bytes
+        )
+    if decision.action == "defer":
+        from vllm.exceptions import GracefulHTTPError
+
+        raise GracefulHTTPError(decision.message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+_guard: Guard | None = None
+
+
+def install(guard: Guard) -> bool:
+    """Wrap `InputProcessor.assign_request_id` once per process; `guard` decides from now on."""
+    global _guard
+    _guard = guard
+    if guard.mode == "off":
+        return False
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:
+        log.warning("oomguard guard: vLLM's InputProcessor is not importable; guard inactive")
+        return False
+    original = InputProcessor.__dict__["assign_request_id"]
+    assign = original.__func__ if isinstance(original, staticmethod) else original
+    if getattr(assign, "_oomguard_wrapper", False):
+        return True  # already hooked in this process; the hook reads the current guard
+
+    def assign_request_id(request: Any) -> None:
+        if _guard is not None:
+            with _not_a_guard_failure():
+                _guard.check(request)
+        return assign(request)
+
+    assign_request_id._oomguard_wrapper = True  # type: ignore[attr-defined]
+    InputProcessor.assign_request_id = staticmethod(assign_request_id)  # type: ignore[method-assign]
+    return True
+
+
+@contextlib.contextmanager
+def _not_a_guard_failure() -> Any:
+    """A bug in the guard must never fail a request: only its own decisions may."""
+    from vllm.exceptions import GracefulHTTPError, VLLMValidationError
+
+    try:
+        yield
+    except (VLLMValidationError, GracefulHTTPError):
+        raise
+    except Exception:
+        log.warning("oomguard guard: decision failed; request admitted", exc_info=True)
+
+
+def _env_number(name: str, default: str, low: float, high: float) -> float:
+    raw = os.environ.get(name, default).strip() or default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {raw!r}") from None
+    if not low <= value <= high:  # also refuses nan
+        raise ValueError(f"{name} must be between {low} and {high}, not {raw!r}")
+    return value

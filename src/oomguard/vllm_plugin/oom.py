@@ -1,0 +1,309 @@
+"""Records a CUDA out-of-memory from inside the dying process, before it dies.
+
+A fatal CUDA OOM kills vLLM's worker within milliseconds; the allocator publisher's 1 s thread
+dies with it, so its last hand-off file predates the OOM and the exporter never counts it. PyTorch
+calls out-of-memory observers synchronously, in the thread that failed to allocate, after the
+caching allocator released its lock and before the `OutOfMemoryError` is raised
+(`torch._C._cuda_attach_out_of_memory_observer`). `OomRecorder.observe` is such an observer. It
+writes, before returning:
+
+1. the allocator hand-off file (format: src/oomguard/handoff.py, unchanged) with the OOM counted, so
+   the exporter sees the count even if nothing else in the process runs again;
+2. an incident record, `<incident dir>/oom-<pid>-<n>.json` (schema `oomguard.oom_incident.v1`):
+   the allocation that failed, the allocator summary (allocated, reserved, inactive split,
+   segments, largest free block), the step's batch (requests, prompt and computed tokens,
+   sampling parameters that set transient memory), the engine's memory flags.
+
+The GPU twin's simulated CUDA OOM (twin/executor.py) calls the same `observe`, with its own
+allocator statistics, so this path runs on the real vLLM server in the tests.
+
+The step's batch comes from `note_step(scheduler_output)`: the worker's `execute_model` keeps a
+reference to the current step's scheduler output (one attribute store per step); it is read only
+when an OOM happens.
+
+Environment: OOMGUARD_ALLOCATOR_DIR (hand-off directory), OOMGUARD_INCIDENT_DIR (default
+`<allocator dir>/incidents`), OOMGUARD_TARGET.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from oomguard.handoff import AllocatorReport, write_report
+
+log = logging.getLogger("oomguard.vllm_plugin.oom")
+
+INCIDENT_SCHEMA = "oomguard.oom_incident.v1"
+MAX_BATCH_REQUESTS = 512  # an incident file stays small even for a huge batch
+
+_step: Any = None  # the scheduler output of the step running in this process
+_flags: dict[str, Any] = {}
+_recorder: OomRecorder | None = None
+_lock = threading.Lock()
+
+
+def note_step(scheduler_output: Any) -> None:
+    """Remember the step being executed (a reference; summarised only on an OOM)."""
+    global _step
+    _step = scheduler_output
+
+
+def note_flags(vllm_config: Any) -> None:
+    """Remember the engine's memory flags for incident records (once, at worker start)."""
+    cache = getattr(vllm_config, "cache_config", None)
+    sched = getattr(vllm_config, "scheduler_config", None)
+    model = getattr(vllm_config, "model_config", None)
+    values = {
+        "gpu_memory_utilization": getattr(cache, "gpu_memory_utilization", None),
+        "max_num_seqs": getattr(sched, "max_num_seqs", None),
+        "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
+        "enable_chunked_prefill": getattr(sched, "enable_chunked_prefill", None),
+        "max_model_len": getattr(model, "max_model_len", None),
+        "block_size": getattr(cache, "block_size", None),
+    }
+    _flags.clear()
+    _flags.update({k: v for k, v in values.items() if isinstance(v, bool | int | float)})
+
+
+def _params(sampling: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("n", "best_of", "logprobs", "prompt_logprobs", "max_tokens"):
+        value = getattr(sampling, key, None)
+        if isinstance(value, int):
+            out[key] = value
+    return out
+
+
+def batch_summary(step: Any) -> dict[str, Any] | None:
+    """What the step scheduled: one entry per request (new ones with their prompt and params)."""
+    if step is None:
+        return None
+    scheduled: dict[str, int] = dict(getattr(step, "num_scheduled_tokens", {}) or {})
+    requests: list[dict[str, Any]] = []
+    for new in getattr(step, "scheduled_new_reqs", []) or []:
+        prompt = new.prompt_token_ids or new.prefill_token_ids or []
+        requests.append(
+            {
+                "id": str(new.req_id),
+                "new": True,
+                "prompt_tokens": len(prompt),
+                "computed_tokens": int(new.num_computed_tokens),
+                "scheduled_tokens": int(scheduled.get(new.req_id, 0)),
+                "params": _params(new.sampling_params),
+            }
+        )
+    cached = getattr(step, "scheduled_cached_reqs", None)
+    if cached is not None:
+        for i, req_id in enumerate(cached.req_ids):
+            requests.append(
+                {
+                    "id": str(req_id),
+                    "new": False,
+                    "computed_tokens": int(cached.num_computed_tokens[i]),
+                    "scheduled_tokens": int(scheduled.get(req_id, 0)),
+                }
+            )
+    requests.sort(key=lambda r: -r["scheduled_tokens"])  # the big ones first
+    return {
+        "requests": len(requests),
+        "scheduled_tokens": int(getattr(step, "total_num_scheduled_tokens", 0) or 0),
+        "largest": requests[:MAX_BATCH_REQUESTS],
+    }
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".oom-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, separators=(",", ":"))
+            fh.flush()
+            os.fsync(fh.fileno())  # the process may be gone a moment later
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class OomRecorder:
+    """An out-of-memory observer that writes the hand-off file and an incident record.
+
+    `stats` returns `torch.cuda.memory_stats()`-shaped counters; `identity` returns the hand-off
+    identity fields (rank, engine, device_index, device_uuid); `extra` returns allocator details
+    for the incident (segments, largest free block), or {}.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        incident_dir: str,
+        target: str,
+        stats: Callable[[], dict[str, Any]],
+        identity: Callable[[], dict[str, Any]],
+        extra: Callable[[], dict[str, Any]] = dict,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.directory, self.incident_dir, self.target = directory, incident_dir, target
+        self.stats, self.identity, self.extra, self.clock = stats, identity, extra, clock
+        self.ooms = 0
+
+    def observe(self, device: int, requested: int, device_limit: int, device_free: int) -> None:
+        """PyTorch's observer signature. Never raises: the process is failing already."""
+        self.ooms += 1
+        now = self.clock()
+        try:
+            stats = dict(self.stats())
+            stats["num_ooms"] = max(int(stats.get("num_ooms", 0)), self.ooms)
+            identity = {
+                "rank": 0,
+                "engine": "0",
+                "device_index": int(device),
+                "device_uuid": "",
+                **self.identity(),
+            }
+            report = AllocatorReport.from_memory_stats(
+                stats, timestamp=now, pid=os.getpid(), target=self.target, **identity
+            )
+            if self.directory:
+                write_report(self.directory, report)
+        except Exception:
+            log.warning("oomguard: could not write the allocator report on OOM", exc_info=True)
+            return
+        try:
+            self._write_incident(now, report, requested, device_limit, device_free)
+        except Exception:
+            log.warning("oomguard: could not write the OOM incident record", exc_info=True)
+
+    def _write_incident(
+        self,
+        now: float,
+        report: AllocatorReport,
+        requested: int,
+        device_limit: int,
+        device_free: int,
+    ) -> None:
+        if not self.incident_dir:
+            return
+        extra: dict[str, Any] = {}
+        with contextlib.suppress(Exception):
+            extra = dict(self.extra())
+        record = {
+            "schema": INCIDENT_SCHEMA,
+            "kind": "cuda_oom",
+            "timestamp": now,
+            "pid": report.pid,
+            "rank": report.rank,
+            "target": report.target,
+            "engine": report.engine,
+            "device_index": report.device_index,
+            "device_uuid": report.device_uuid,
+            "requested_bytes": int(requested),
+            "device_limit_bytes": int(device_limit),
+            "device_free_bytes": int(device_free),
+            "allocator": {
+                "allocated_bytes": report.allocated_bytes,
+                "reserved_bytes": report.reserved_bytes,
+                "allocated_peak_bytes": report.allocated_peak_bytes,
+                "reserved_peak_bytes": report.reserved_peak_bytes,
+                "inactive_split_bytes": report.inactive_split_bytes,
+                "alloc_retries": report.alloc_retries,
+                "ooms": report.ooms,
+                **extra,
+            },
+            "batch": batch_summary(_step),
+            "flags": dict(_flags),
+        }
+        path = Path(self.incident_dir) / f"oom-{report.pid}-{self.ooms}.json"
+        _write_json(path, record)
+
+
+# -- real CUDA ---------------------------------------------------------------------------------
+def _cuda_identity() -> dict[str, Any]:
+    import torch
+
+    from oomguard.vllm_plugin.allocator import rank_and_engine
+
+    device = torch.cuda.current_device()
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+    rank, engine = rank_and_engine()
+    return {
+        "rank": rank,
+        "engine": engine,
+        "device_index": int(device),
+        "device_uuid": uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}",
+    }
+
+
+def _cuda_details() -> dict[str, Any]:
+    """Segments and the largest free block, from the allocator's snapshot (OOM time only)."""
+    import torch
+
+    segments = torch.cuda.memory_snapshot()
+    largest = 0
+    for segment in segments:
+        for block in segment.get("blocks", []):
+            if block.get("state") == "inactive":
+                largest = max(largest, int(block.get("size", 0)))
+    return {"segments": len(segments), "largest_free_block_bytes": largest}
+
+
+def directories() -> tuple[str, str]:
+    handoff = os.environ.get("OOMGUARD_ALLOCATOR_DIR", "/run/oomguard/allocator")
+    incidents = os.environ.get("OOMGUARD_INCIDENT_DIR") or str(Path(handoff) / "incidents")
+    return handoff, incidents
+
+
+def recorder(
+    stats: Callable[[], dict[str, Any]] | None = None,
+    identity: Callable[[], dict[str, Any]] | None = None,
+    extra: Callable[[], dict[str, Any]] | None = None,
+) -> OomRecorder:
+    """This process's recorder (created once). Without providers it reads torch.cuda."""
+    global _recorder
+    with _lock:
+        if _recorder is None:
+            handoff, incidents = directories()
+            if stats is None:
+                import torch
+
+                stats = torch.cuda.memory_stats
+            _recorder = OomRecorder(
+                handoff,
+                incidents,
+                os.environ.get("OOMGUARD_TARGET", ""),
+                stats,
+                identity or _cuda_identity,
+                extra or _cuda_details,
+            )
+        return _recorder
+
+
+def attach_to_torch() -> bool:
+    """Register the recorder with PyTorch's CUDA allocator once CUDA is initialised.
+
+    PyTorch keeps OOM observers per device allocator, which exist only after CUDA's lazy init;
+    `torch.cuda._lazy_call` runs the registration then (or at once if CUDA is up already).
+    Returns False where this torch has no CUDA observer hook (CPU builds).
+    """
+    try:
+        import torch
+
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        lazy_call = getattr(torch.cuda, "_lazy_call", None)
+        if attach is None or lazy_call is None or not torch.cuda.is_available():
+            return False
+        observer = recorder().observe
+        lazy_call(lambda: attach(observer))
+        return True
+    except Exception:
+        log.warning("oomguard: CUDA OOM observer not attached", exc_info=True)
+        return False
