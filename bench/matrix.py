@@ -8,7 +8,8 @@ remediator actions, when vLLM alone would hit a CUDA OOM, whether it does with o
 lead time (OOM minus the first level 2). Targets: steady cells at level 0 with zero actions;
 incident cells at level >= 2 before the OOM and no OOM with oomguard.
 
-Usage: python bench/matrix.py [--quick] [--real]   (writes bench/results/matrix.json)
+Usage: python bench/matrix.py [--quick] [--real | --real-only] [--gpus ...] [--traces ...]
+(writes bench/results/matrix.json; the real subset is merged into bench/results/matrix-real.json)
 --quick runs three GPUs (24 GB, 48 GB, 80 GB) at the default gmu 0.92.
 --real also runs those three GPUs at 0.92 on the real vLLM twin (twin/runner.py: vLLM 0.33's
 server and scheduler, the exporter, the standalone remediator), each incident trace with vLLM
@@ -20,6 +21,8 @@ the simulation says it does, and steady load gets no action.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,42 +72,88 @@ def table(cells: list[Cell]) -> str:
 
 
 REAL_GPUS = ("L4", "L40S", "H100")
+REAL_TRACES = (*INCIDENT_TRACES, "do-no-harm")
+REAL_OUT = ROOT / "bench" / "results" / "matrix-real.json"
 
 
-def real_subset(log: object = print) -> list[dict[str, object]]:
-    """The representative subset on the real vLLM twin, beside the simulation of each cell."""
+def real_cell(gpu: str, name: str) -> dict[str, object]:
+    """One cell on the real vLLM twin, beside its simulation: do the two agree?"""
     from oomguard.twin.runner import run as run_fleet
 
-    rows: list[dict[str, object]] = []
-    for gpu in REAL_GPUS:
-        for name in (*INCIDENT_TRACES, "do-no-harm"):
-            base = Trace.load(name)
-            trace = scaled_trace(base, gpu, 0.92)
-            sim = simulate(gpu, 0.92, trace if base.gpu_events else None, duration_s=60)
-            row: dict[str, object] = {"gpu": gpu, "trace": name, "model": trace.model}
-            configs = ("oomguard",) if not base.gpu_events else ("default", "oomguard")
-            for config in configs:
-                out = run_fleet(trace, config, log=lambda _m: None)
-                row[config] = {"crashes": out.crashes, "lost": out.lost, "actions": out.actions}
-            if base.gpu_events:
-                agree = (row["default"]["crashes"] > 0) == (sim.oom_without_s is not None) and (  # type: ignore[index]
-                    row["oomguard"]["crashes"] == 0  # type: ignore[index]
-                ) == (sim.oom_with_s is None)
-            else:
-                agree = row["oomguard"]["crashes"] == 0 and not row["oomguard"]["actions"]  # type: ignore[index]
-            row["simulated"] = sim.record()
-            row["agrees"] = agree
+    base = Trace.load(name)
+    trace = scaled_trace(base, gpu, 0.92)
+    sim = simulate(gpu, 0.92, trace if base.gpu_events else None, duration_s=60)
+    row: dict[str, object] = {"gpu": gpu, "trace": name, "model": trace.model}
+    configs = ("oomguard",) if not base.gpu_events else ("default", "oomguard")
+    runs: dict[str, dict[str, object]] = {}
+    for config in configs:
+        started = time.perf_counter()
+        out = run_fleet(trace, config, log=lambda _m: None)
+        runs[config] = {
+            "crashes": out.crashes,
+            "lost": out.lost,
+            "actions": out.actions,
+            "seconds": round(time.perf_counter() - started),
+        }
+    if base.gpu_events:
+        # vLLM alone crashes where the simulation says it would; oomguard prevents the crash
+        # where the simulation says it does.
+        agree = (int(runs["default"]["crashes"]) > 0) == (sim.oom_without_s is not None) and (  # type: ignore[call-overload]
+            runs["oomguard"]["crashes"] == 0
+        ) == (sim.oom_with_s is None)
+    else:  # steady heavy load: no crash and no action
+        agree = runs["oomguard"]["crashes"] == 0 and not runs["oomguard"]["actions"]
+    row.update(runs)
+    row["simulated"] = sim.record()
+    row["agrees"] = agree
+    row["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    row["load_average"] = round(os.getloadavg()[0], 1)
+    return row
+
+
+def real_subset(
+    gpus: tuple[str, ...], traces: tuple[str, ...], out: Path
+) -> list[dict[str, object]]:
+    """Run the chosen cells and merge them into `out` (a cell run again replaces its old row), so
+    the subset can be run a few cells at a time on a shared machine; each row keeps its date."""
+    previous = json.loads(out.read_text()).get("cells", []) if out.exists() else []
+    rows = {(str(r["gpu"]), str(r["trace"])): r for r in previous}
+    for gpu in gpus:
+        for name in traces:
+            row = real_cell(gpu, name)
             print(f"real {gpu} {name}: {row}", flush=True)
-            rows.append(row)
-    return rows
+            rows[(gpu, name)] = row
+            cells = [rows[k] for k in sorted(rows)]
+            record.write(
+                out,
+                "matrix-real",
+                False,
+                note="each cell is one run of vLLM alone and one with oomguard; cells carry "
+                "their own date and load average",
+                cells=cells,
+                agreed=sum(bool(r["agrees"]) for r in cells),
+                total=len(cells),
+                expected=len(REAL_GPUS) * len(REAL_TRACES),
+            )
+    return [rows[k] for k in sorted(rows)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--real", action="store_true", help="also run the real vLLM subset")
+    parser.add_argument(
+        "--real-only", action="store_true", help="only the real vLLM subset (no simulation)"
+    )
+    parser.add_argument("--gpus", nargs="+", choices=REAL_GPUS, default=REAL_GPUS)
+    parser.add_argument("--traces", nargs="+", choices=REAL_TRACES, default=REAL_TRACES)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "matrix.json"))
     args = parser.parse_args()
+    if args.real_only:
+        real = real_subset(tuple(args.gpus), tuple(args.traces), REAL_OUT)
+        agreed = sum(bool(r["agrees"]) for r in real)
+        print(f"real vLLM subset: {agreed}/{len(real)} cells agree with the simulation")
+        return 0 if agreed == len(real) else 1
     gpus = ("L4", "L40S", "H100") if args.quick else tuple(GPU_MODELS)
     gmus = (0.92,) if args.quick else GMUS
     started = time.perf_counter()
@@ -113,7 +162,7 @@ def main() -> int:
     print(table(cells))
     met = sum(judge(c) for c in cells)
     print(f"\n{met}/{len(cells)} cells met their target ({elapsed:.0f} s)")
-    real = real_subset() if args.real else []
+    real = real_subset(tuple(args.gpus), tuple(args.traces), REAL_OUT) if args.real else []
     agreed = sum(bool(r["agrees"]) for r in real)
     if real:
         print(f"real vLLM subset: {agreed}/{len(real)} cells agree with the simulation")
@@ -124,8 +173,6 @@ def main() -> int:
         cells=[{**c.record(), "met": judge(c)} for c in cells],
         cells_met=met,
         cells_total=len(cells),
-        real_subset=real,
-        real_agreed=agreed,
         seconds=round(elapsed, 1),
     )
     return 0 if met == len(cells) and agreed == len(real) else 1

@@ -414,16 +414,48 @@ def test_history_stays_bounded_at_any_poll_rate():
 
 
 # -- the matrix, quick subset (bench/matrix.py runs it all) -----------------------------------
-@pytest.mark.parametrize("gpu_name", ["L4", "L40S", "H100", "H100-MIG-1g.10gb"])
-def test_matrix_subset_steady_is_left_alone_and_the_incident_is_caught_in_time(gpu_name):
+@pytest.mark.parametrize(
+    ("gpu_name", "trace_name"),
+    [
+        *((g, "neighbour-growth") for g in ("L4", "L40S", "H100", "H100-MIG-1g.10gb")),
+        *((g, "long-context-burst") for g in ("L4", "A100-40GB", "H200")),
+        ("L40S", "fragmentation-creep"),  # 7,200 simulated seconds: one GPU here, all in bench
+    ],
+)
+def test_matrix_subset_steady_is_left_alone_and_the_incident_is_caught_in_time(
+    gpu_name, trace_name
+):
     steady = simulate(gpu_name, 0.92, duration_s=30)
     assert (steady.max_level, steady.actions, steady.oom_without_s) == (0, 0, None)
-    trace = Trace.load("neighbour-growth")
-    cell = simulate(gpu_name, 0.92, trace)
+    cell = simulate(gpu_name, 0.92, Trace.load(trace_name))
     assert cell.oom_without_s is not None  # the scaled incident does kill vLLM alone
     assert cell.lead_s is not None and cell.lead_s >= 30  # level 2 well before the OOM
     assert cell.first_critical_s is not None and cell.first_critical_s < cell.oom_without_s
     assert cell.oom_with_s is None  # drained before its next full chunk no longer fit
+
+
+def test_matrix_covers_every_trace_that_takes_memory_away():
+    """A trace with GPU memory events is a pressure-model incident: the matrix must run it."""
+    from oomguard.twin.matrix import INCIDENT_TRACES
+    from oomguard.twin.traces import TRACES
+
+    with_events = {p.stem for p in TRACES.glob("*.json") if Trace.load(p.stem).gpu_events}
+    assert with_events == set(INCIDENT_TRACES)
+
+
+def test_the_real_twins_trace_has_the_simulations_load():
+    """Every prefill step a full chunk in the real run too, so the two can agree or disagree."""
+    from oomguard.twin.matrix import scaled_trace
+
+    base = Trace.load("fragmentation-creep")
+    real = scaled_trace(base, "L40S", 0.92)
+    chunk = real.engine.max_num_batched_tokens
+    for phase in real.phases:
+        assert phase.prompt_tokens[1] <= real.engine.max_model_len - phase.output_tokens[1]
+        assert phase.prompt_tokens[0] >= chunk - 64 - phase.output_tokens[1]
+    assert real.engine.gpu_memory_utilization == 0.92 and real.gpu == "L40S"
+    peak = max(f for _n, f in (real.gpu_at(t) for t in range(int(real.duration_s) + 1)))
+    assert peak > 0 and peak != max(f for _n, f in (base.gpu_at(t) for t in range(7201)))
 
 
 # -- end to end through the exporter's own collectors --------------------------------------

@@ -26,12 +26,15 @@ from oomguard.handoff import AllocatorReport
 from oomguard.thresholds import PressureThresholds
 from oomguard.twin.gpu import GPU_MODELS, TwinGpu, TwinNvml
 from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
-from oomguard.twin.traces import Trace
+from oomguard.twin.traces import Phase, Trace
 
 GMUS = (0.85, 0.90, 0.92, 0.95)
 # Largest first: each GPU serves the largest of these that starts at the lowest gmu of the matrix.
 MODEL_LADDER = ("llama-3-8b", "llama-3.2-3b", "llama-3.2-1b")
-INCIDENT_TRACES = ("neighbour-growth", "fragmentation-creep")
+# The traces whose incident is GPU memory taken away from the engine (a neighbour, fragmentation):
+# what the pressure level predicts. prompt-logprobs and prefill-during-decode are one request's own
+# transient peak; the request guard (vllm_plugin/guard.py) answers those, not the level.
+INCIDENT_TRACES = ("neighbour-growth", "fragmentation-creep", "long-context-burst")
 ENGINE_PID, NEIGHBOUR_PID = 4242, 7777
 MAX_NUM_SEQS = 256
 
@@ -194,8 +197,15 @@ def _scale(trace: Trace, slack: float, overshoot: float) -> float:
 
 
 def scaled_trace(trace: Trace, gpu_name: str, gmu: float, overshoot: float = 1.1) -> Trace:
-    """The trace on another GPU and gmu, its memory events scaled as `simulate` scales them: the
-    same cell, for the real vLLM twin (src/oomguard/twin/runner.py)."""
+    """The trace on another GPU and gmu as `simulate` sees it: the same cell, for the real vLLM
+    twin (src/oomguard/twin/runner.py).
+
+    Its memory events are scaled as `simulate` scales them, and its load is the simulation's:
+    every prompt a full prefill chunk, so that each prefill step allocates the activation peak
+    vLLM profiled. With the trace's own prompt mix (6-8K tokens against an 8K chunk) whether
+    vLLM alone crashes in the few seconds its incident overshoots depends on which prompts
+    arrive then, and the real run could not agree or disagree with the simulation reliably.
+    """
     model = model_for(gpu_name)
     p = Physics.for_model(model, gpu=gpu_name, gpu_memory_utilization=gmu)
     scale = _scale(trace, (1.0 - gmu) * p.usable, overshoot)
@@ -209,9 +219,26 @@ def scaled_trace(trace: Trace, gpu_name: str, gmu: float, overshoot: float = 1.1
         for e in trace.gpu_events
     ]
     engine = trace.engine.model_copy(update={"gpu_memory_utilization": gmu})
+    phases = [
+        _full_chunks(ph, engine.max_num_batched_tokens, engine.max_model_len) for ph in trace.phases
+    ]
     return trace.model_copy(
-        update={"gpu": gpu_name, "model": model, "engine": engine, "gpu_events": events}
+        update={
+            "gpu": gpu_name,
+            "model": model,
+            "engine": engine,
+            "gpu_events": events,
+            "phases": phases,
+        }
     )
+
+
+def _full_chunks(phase: Phase, max_num_batched_tokens: int, max_model_len: int) -> Phase:
+    """The phase with prompts as long as one prefill chunk allows (and the outputs still fit)."""
+    chunk = min(max_num_batched_tokens, max_model_len - phase.output_tokens[1])
+    if phase.prompt_tokens[0] >= chunk:  # long prompts: every chunk but the last is full already
+        return phase
+    return phase.model_copy(update={"prompt_tokens": (max(1, chunk - 64), chunk)})
 
 
 def run(
