@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RestartConfig, SupervisorRef
 from oomguard.remediator.controller import Controller
+from oomguard.remediator.decision import Context, EngineInput, decide_fleet
 from oomguard.remediator.flags import Flags
 from oomguard.remediator.main import explain
+from oomguard.remediator.policy import Observed
 from oomguard.remediator.restart import FlagView
+from oomguard.remediator.safety import EngineView, SafetyState, limit
 from oomguard.remediator.webhook import parse
 from tests.remediator_helpers import Engine, Engines, alert, config, payload
 
@@ -188,3 +191,62 @@ def test_explain_says_exactly_what_the_loop_does(fleet, raw_alerts, safety, paus
         for name in names:
             done = [(kind, value) for n, kind, value in engines.calls if n == name]
             assert done == expected_calls(said, name), (name, said)
+
+
+def _engine(name: str, alerts: list, cap: int = 256) -> EngineInput:
+    o = Observed(256, cap, False, 1e9, 0, 0, 0)
+    return EngineInput(name, "llama", tuple(alerts), o)
+
+
+def test_a_critical_drain_is_not_withheld_by_the_cooldown_of_a_cap_step(tmp_path):
+    """Memory goes from pressure (lower the cap) to critical (drain) within the cooldown of the
+    cap step: the escalation must happen now, not one cooldown later (the OOM comes first)."""
+    cfg = config(tmp_path, "a", "b", safety={"cooldown_seconds": 60})
+    now = 1_000_000.0
+    capped = SafetyState(history={"a": ((now - 5, "lower_cap"),)})
+    ctx = Context(cfg.policy, cfg.safety, cfg.flags, capped, now)
+    hook = parse(
+        payload(
+            alert("OomguardMemoryPressure", "a"),
+            alert("OomguardMemoryCritical", "a", start=30),
+        )
+    )
+    engines = [_engine("a", list(hook.alerts), cap=204), _engine("b", [])]
+    verdict = decide_fleet(engines, ctx)[0]
+    assert [s.describe() for s in verdict.steps] == ["drain"]
+    # `explain` says the same, from the same audit log
+    AuditLog(cfg.audit_log).record("acted", target="a", action="lower_cap", result="ok")
+    fleet = Engines({"a": Engine(256, 204), "b": Engine(256, 256)})
+    said = {e["target"]: e for e in explain(cfg, hook, actuator=fleet, backends={})}
+    assert said["a"]["steps"] == ["drain"], said["a"]
+    assert said["a"]["withheld"] == []
+    # the other way round still waits: a milder step, or the same again, after the drain
+    drained = capped.with_action("a", now, "drain")
+    assert limit(cfg.safety, drained, now + 5, "a", "lower_cap", FLEET2) == "cooldown"
+    assert limit(cfg.safety, drained, now + 5, "a", "drain", FLEET2) == "cooldown"
+
+
+def test_escalation_still_counts_against_the_action_and_disruption_budgets(tmp_path):
+    cfg = config(tmp_path, "a", "b", safety={"cooldown_seconds": 60, "max_actions": 1})
+    now = 1_000_000.0
+    hook = parse(payload(alert("OomguardMemoryCritical", "a")))
+    spent = SafetyState(history={"a": ((now - 5, "drain"),)})
+    ctx = Context(cfg.policy, cfg.safety, cfg.flags, spent, now)
+    engines = [_engine("a", list(hook.alerts)), _engine("b", [])]
+    # a drain 5 s ago: the drain's own cooldown holds the next drain
+    assert decide_fleet(engines, ctx)[0].steps[0].withheld == "cooldown"
+    # past the cooldown, the budget of one action per window holds it
+    ctx = Context(cfg.policy, cfg.safety, cfg.flags, spent, now + 120)
+    assert decide_fleet(engines, ctx)[0].steps[0].withheld == "rate_limit"
+    # and a peer already draining holds it by the disruption budget, cap step or not
+    capped = SafetyState(history={"a": ((now - 5, "lower_cap"),)})
+    ctx = Context(cfg.policy, cfg.safety, cfg.flags, capped, now)
+    peer_draining = EngineInput("b", "llama", (), Observed(256, 256, True, 1e9, 0, 0, 0))
+    steps = decide_fleet([_engine("a", list(hook.alerts)), peer_draining], ctx)[0].steps
+    assert steps[0].withheld == "disruption_budget"
+
+
+FLEET2 = {
+    "a": EngineView("llama", draining=False, reachable=True),
+    "b": EngineView("llama", draining=False, reachable=True),
+}

@@ -2,6 +2,8 @@
 
 `limit` is pure: it names the limit that withholds an action (counted in
 oomguard_remediator_safety_limited_total{limit}) or returns None, from a `SafetyState` snapshot.
+A cooldown holds an action only after one at least as severe (cap < drain < restart), so an
+escalation is never held by the cooldown of a milder step; the budgets count every action.
 Draining is held to a budget per model: never more than `max_draining_per_model` engines of one
 model at once, and never the last one that is ready (draining every replica is an outage the
 remediator would have caused) unless `allow_last_replica` says a single replica may go.
@@ -22,6 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 OUT_OF_SERVICE = frozenset({"drain", "restart"})
 DISRUPTIVE = frozenset({"drain", "lower_cap", "restart"})  # cooldown, rate limit, budget
+# How far each action takes an engine out of service. A cooldown holds an action only after one
+# at least as severe: memory that turns critical right after a cap step is drained now, not a
+# cooldown later (the OOM would come first); the budgets still count every action.
+SEVERITY = {"lower_cap": 1, "drain": 2, "restart": 3}
 COUNTED_RESULTS = frozenset({"ok", "started", "dry_run"})  # audited actions that used budget
 
 
@@ -80,7 +86,10 @@ def limit(
         return None  # restoring capacity is paced by the policy, not by these limits
     c = config
     recent = [(t, k) for t, k in state.history.get(target, ()) if now - t <= c.window_seconds]
-    if recent and now - recent[-1][0] < c.cooldown_seconds:
+    severity = SEVERITY.get(action, 0)
+    if any(
+        now - t < c.cooldown_seconds and SEVERITY.get(k, 0) >= severity for t, k in recent
+    ):  # escalation is exempt (see SEVERITY)
         return "cooldown"
     # Lowering steps never use up the budget of a drain or restart: a long incident that
     # stepped the cap down must still be able to take the engine out when it turns critical.
