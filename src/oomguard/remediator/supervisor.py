@@ -8,7 +8,8 @@ The local backend of the restart actuator, for single boxes, the demo and the tw
 - records why the child exited (CUDA out-of-memory from its output, another CUDA error, killed
   by a signal, exit code) and writes an exit incident record next to the plugin's OOM records
   (`exit-<pid>-<generation>.json`, schema `oomguard.exit_incident.v1`: reason, code, signal,
-  flags, the log's last lines, the OOM records the child wrote); a child that dies on its own
+  flags, the log's last lines, the OOM records the child wrote, the cgroup's `oom_kill` count
+  at the child's start and exit: a host OOM, taxonomy type 5); a child that dies on its own
   comes back after `restart_delay`: after a CUDA OOM with flags one step lower and capped at
   the first re-admission stage, never at full admission;
 - crashloop guard: after `max_crashes` within `crash_window_seconds` it stops restarting and
@@ -144,6 +145,38 @@ def incident_dir(env: dict[str, str], state_dir: Path) -> str:
     return str(state_dir / "incidents")
 
 
+def own_cgroup_dir(proc_cgroup: str = "/proc/self/cgroup") -> str | None:
+    """This process's memory cgroup directory (the child inherits it), or None."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:  # cgroup v2
+            return "/sys/fs/cgroup" + path.rstrip("/")
+        if "memory" in controllers.split(","):  # cgroup v1 memory controller
+            return "/sys/fs/cgroup/memory" + path.rstrip("/")
+    return None
+
+
+def cgroup_oom_kills(cgroup_dir: str | None) -> int | None:
+    """The kernel's OOM-kill count of a cgroup (v2 memory.events, v1 memory.oom_control)."""
+    if not cgroup_dir:
+        return None
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            text = (Path(cgroup_dir) / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "oom_kill" and parts[1].isdigit():
+                return int(parts[1])
+    return None
+
+
 def _port(argv: list[str]) -> tuple[str, int]:
     host, port = "127.0.0.1", 8000
     for i, arg in enumerate(argv[:-1]):
@@ -169,6 +202,7 @@ class Supervisor:
         adjust_on_crash: bool = True,
         max_restarts: int = 6,
         restart_window_seconds: float = 600.0,
+        cgroup_dir: str | None = None,
     ) -> None:
         if not argv:
             raise ConfigError("nothing to run: give the vLLM command after --")
@@ -195,6 +229,8 @@ class Supervisor:
         self._tail: deque[str] = deque(maxlen=200)
         self._started_at = 0.0
         self.incident_dir = incident_dir(self.env, state_dir)
+        self.cgroup_dir = cgroup_dir or own_cgroup_dir()
+        self._oom_kills_at_start: int | None = None
         self._lock = threading.RLock()
         self._stopping = False
 
@@ -213,6 +249,7 @@ class Supervisor:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._tail.clear()
             self._started_at = time.time()
+            self._oom_kills_at_start = cgroup_oom_kills(self.cgroup_dir)
             self.child = subprocess.Popen(
                 self.command(),
                 env=env,
@@ -294,6 +331,11 @@ class Supervisor:
                 "reason": reason,
                 "flags": asdict(self.flags.current),
                 "oom_records": oom_records,
+                "cgroup": {
+                    "dir": self.cgroup_dir,
+                    "oom_kills_at_start": self._oom_kills_at_start,
+                    "oom_kills_at_exit": cgroup_oom_kills(self.cgroup_dir),
+                },
                 "log_tail": [line.rstrip()[:500] for line in list(self._tail)[-40:]],
             }
             directory.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,10 @@ writes, before returning:
 2. an incident record, `<incident dir>/oom-<pid>-<n>.json` (schema `oomguard.oom_incident.v1`):
    the allocation that failed, the allocator summary (allocated, reserved, inactive split,
    segments, largest free block), the step's batch (requests, prompt and computed tokens,
-   sampling parameters that set transient memory), the engine's memory flags.
+   sampling parameters that set transient memory), the engine's memory flags, and what the
+   classifier (src/oomguard/incidents.py) needs to name the type: the process's uptime, how many
+   steps it ran (0: it never served, so the OOM was at start-up), and a short history of the
+   allocator's allocated/reserved bytes (a leak grows the first, fragmentation the gap).
 
 The GPU twin's simulated CUDA OOM (twin/executor.py) calls the same `observe`, with its own
 allocator statistics, so this path runs on the real vLLM server in the tests.
@@ -44,17 +47,25 @@ log = logging.getLogger("oomguard.vllm_plugin.oom")
 
 INCIDENT_SCHEMA = "oomguard.oom_incident.v1"
 MAX_BATCH_REQUESTS = 512  # an incident file stays small even for a huge batch
+HISTORY_LEN = 64  # allocator samples kept; when full every other one is dropped
+HISTORY_FIRST_INTERVAL = 60.0  # seconds between samples, doubled at each thinning
+_STARTED = time.time()  # the plugin is imported as the worker starts: uptime counts from here
 
 _step: Any = None  # the scheduler output of the step running in this process
 _flags: dict[str, Any] = {}
 _recorder: OomRecorder | None = None
 _lock = threading.Lock()
+_steps = 0  # steps this process executed (0 at an OOM: it never served)
+_active: OomRecorder | None = None  # the recorder whose stats the history samples
 
 
 def note_step(scheduler_output: Any) -> None:
     """Remember the step being executed (a reference; summarised only on an OOM)."""
-    global _step
+    global _step, _steps
     _step = scheduler_output
+    _steps += 1
+    if _active is not None:
+        _active.sample()  # one clock read per step; the allocator is read once a minute
 
 
 def note_flags(vllm_config: Any) -> None:
@@ -70,6 +81,8 @@ def note_flags(vllm_config: Any) -> None:
         "max_model_len": getattr(model, "max_model_len", None),
         "block_size": getattr(cache, "block_size", None),
     }
+    with contextlib.suppress(Exception):  # sizes the logits estimate in the classifier
+        values["vocab_size"] = int(model.get_vocab_size())  # type: ignore[union-attr]
     _flags.clear()
     _flags.update({k: v for k, v in values.items() if isinstance(v, bool | int | float)})
 
@@ -155,6 +168,33 @@ class OomRecorder:
         self.directory, self.incident_dir, self.target = directory, incident_dir, target
         self.stats, self.identity, self.extra, self.clock = stats, identity, extra, clock
         self.ooms = 0
+        # (unix time, allocated, reserved): thinned to cover the whole life in HISTORY_LEN rows
+        self.history: list[tuple[float, int, int]] = []
+        self._interval = HISTORY_FIRST_INTERVAL
+        self._next_sample = 0.0
+        global _active
+        _active = self
+
+    def sample(self) -> None:
+        """Add an allocator sample when one is due (called from note_step; never raises)."""
+        now = time.monotonic()
+        if now < self._next_sample:
+            return
+        self._next_sample = now + self._interval
+        try:
+            stats = self.stats()
+            row = (
+                float(self.clock()),
+                int(stats.get("allocated_bytes.all.current", 0)),
+                int(stats.get("reserved_bytes.all.current", 0)),
+            )
+        except Exception:
+            return
+        self.history.append(row)
+        if len(self.history) >= HISTORY_LEN:
+            self.history = self.history[::2]
+            self._interval *= 2
+            self._next_sample = now + self._interval
 
     def observe(self, device: int, requested: int, device_limit: int, device_free: int) -> None:
         """PyTorch's observer signature. Never raises: the process is failing already."""
@@ -221,6 +261,10 @@ class OomRecorder:
             },
             "batch": batch_summary(_step),
             "flags": dict(_flags),
+            "process_started_at": _STARTED,
+            "uptime_seconds": max(0.0, now - _STARTED),
+            "steps": _steps,
+            "history": [list(row) for row in self.history],
         }
         path = Path(self.incident_dir) / f"oom-{report.pid}-{self.ooms}.json"
         _write_json(path, record)

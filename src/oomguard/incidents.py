@@ -1,0 +1,841 @@
+"""OOM forensics: read incident records, join them, and name the type of each incident.
+
+Two writers put records into one directory (`OOMGUARD_INCIDENT_DIR`, by default
+`<allocator dir>/incidents`):
+- the vLLM plugin's out-of-memory observer, `oom-<pid>-<n>.json` (schema
+  `oomguard.oom_incident.v1`, vllm_plugin/oom.py), written by the dying worker before it dies:
+  the failed allocation, the allocator summary, the step's batch, the flags, uptime, steps run and
+  a short allocator history;
+- the `oomguard serve` supervisor, `exit-<pid>-<generation>.json` (schema
+  `oomguard.exit_incident.v1`, remediator/supervisor.py): why the child exited, its log's last
+  lines, the OOM records written during its life and the cgroup's `oom_kill` count.
+
+An exit record and the OOM records it names are one incident; OOM records that no exit record
+names (no supervisor: Kubernetes restarts the pod) are incidents of their own, one per process.
+`classify` gives each the field's type (../shared/REFERENCE.md, "The OOM taxonomy"):
+
+  1 startup       OOM before the engine served a step: weights + KV pool do not fit
+  2 long_prompt   the failing step had a long prefill or prompt_logprobs/large logprobs/n, and the
+                  failed allocation is a transient peak
+  3 under_load    a full batch, and a failed allocation small next to what is reserved
+  4 after_hours   a long uptime, with a leak (allocated grew steadily) or fragmentation (reserved -
+                  allocated large, no free block as large as the request)
+  5 host_oom      SIGKILL without a traceback, the cgroup's oom_kill count grew
+  6 not_oom       a CUDA error that is not out-of-memory, or an XID on the GPU and no allocator OOM
+
+and `unknown` when the records do not say enough, with what was checked. Every decision keeps the
+numbers that made it (`figures`) and a sentence per step (`evidence`). Thresholds live in
+`Thresholds`, each with its reason.
+
+The directory is untrusted (anything that can write there can put anything there): only regular
+files named as the writers name them are read, with O_NOFOLLOW|O_NONBLOCK (no symlink, no FIFO,
+no device), at most MAX_FILE_BYTES each and MAX_FILES in all; JSON is validated strictly; a file
+that fails is counted under a reason and never raises.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import math
+import os
+import re
+import stat
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+OOM_SCHEMA = "oomguard.oom_incident.v1"
+EXIT_SCHEMA = "oomguard.exit_incident.v1"
+MAX_FILE_BYTES = 256 * 1024  # an OOM record with a 512-request batch is about 80 KB
+MAX_FILES = 4096
+MAX_COUNT = 2**63 - 1
+GIB = 2**30
+MIB = 2**20
+
+_OOM_NAME = re.compile(r"oom-([1-9][0-9]{0,9})-([1-9][0-9]{0,9})\.json")
+_EXIT_NAME = re.compile(r"exit-([1-9][0-9]{0,9})-([1-9][0-9]{0,9})\.json")
+
+
+@dataclass(frozen=True)
+class IncidentType:
+    name: str  # label value and runbook anchor
+    number: int  # the taxonomy's number (0: unknown)
+    title: str
+    fix: str
+
+
+TYPES: dict[str, IncidentType] = {
+    t.name: t
+    for t in (
+        IncidentType(
+            "startup",
+            1,
+            "OOM at startup",
+            "The weights and the KV pool do not fit: lower gpu_memory_utilization (or set "
+            "--kv-cache-memory-bytes), lower max_model_len, quantize the weights, use tensor "
+            "parallelism or a larger GPU; free the GPU of other processes.",
+        ),
+        IncidentType(
+            "long_prompt",
+            2,
+            "activation spike of a long request",
+            "One request's transient memory did not fit: enable chunked prefill, lower "
+            "max_num_batched_tokens, cap prompt length and prompt_logprobs/logprobs/n at the "
+            "gateway (400), or run the oomguard request guard in enforce mode.",
+        ),
+        IncidentType(
+            "under_load",
+            3,
+            "OOM under load",
+            "A full batch left no room: lower max_num_seqs (by 20 %), lower max_model_len, "
+            "quantize the KV cache, lower gpu_memory_utilization by 0.03-0.05, or add capacity.",
+        ),
+        IncidentType(
+            "after_hours",
+            4,
+            "OOM after hours",
+            "Memory crept up over hours: for a leak, find the retained tensors (allocated grows "
+            "at steady load); for fragmentation, set PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True; meanwhile restart the engine on a schedule.",
+        ),
+        IncidentType(
+            "host_oom",
+            5,
+            "host OOM (killed by the kernel)",
+            "The cgroup's memory limit, not the GPU: raise the pod or unit memory limit, load "
+            "weights streaming, bound pinned host buffers; confirm with dmesg -T and "
+            "memory.events oom_kill.",
+        ),
+        IncidentType(
+            "not_oom",
+            6,
+            "not an out-of-memory",
+            "Another fault: read the real error (the XID in dmesg or dcgm-exporter, the CUDA "
+            "error in the log; CUBLAS_STATUS_ALLOC_FAILED can be a different fault); drain and "
+            "check the GPU before restarting on it.",
+        ),
+        IncidentType(
+            "unknown",
+            0,
+            "not classified",
+            "The records do not say enough: read the evidence and the log tail; install the "
+            "oomguard vLLM plugin so the next OOM is recorded by its observer.",
+        ),
+    )
+}
+TYPE_NAMES: tuple[str, ...] = tuple(TYPES)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every number the classifier decides with, and why it has its default."""
+
+    # A prefill chunk of this many tokens makes a large transient: 8,192 tokens x a 128K
+    # vocabulary in FP32 logits is 4.2 GB (REFERENCE.md); activations grow the same way.
+    long_prefill_tokens: int = 4096
+    # top-logprobs at OpenAI's maximum (20) or n/best_of of 4 multiply the sampler's memory.
+    large_logprobs: int = 20
+    large_n: int = 4
+    # A failed allocation at least this large is a transient peak, not the step's usual churn.
+    spike_min_bytes: int = 512 * MIB
+    # Under load: the batch holds at least this share of max_num_seqs, or of
+    # max_num_batched_tokens...
+    busy_batch_ratio: float = 0.5
+    busy_tokens_ratio: float = 0.9
+    # ...and the failed allocation is small next to what the allocator holds.
+    small_alloc_ratio: float = 0.05
+    # After hours: the growth window of the leak and fragmentation alerts (thresholds.py).
+    after_hours_seconds: float = 2 * 3600.0
+    # Leak: allocated at step start rose by this much (the OomguardAllocatorLeak threshold)...
+    leak_growth_bytes: int = 1 * GIB
+    # ...in at least this share of the history's steps (steadily, not one jump).
+    leak_steady_ratio: float = 0.8
+    leak_min_samples: int = 4
+    # Fragmentation: reserved - allocated at the OOM, after PyTorch released its free cached
+    # blocks, is split-block waste (the OomguardAllocatorFragmentationGrowing threshold).
+    fragmentation_bytes: int = 2 * GIB
+    # An exit record alone: a child that lived this long is taken to have served (a 405B
+    # model loads in about 20 minutes), unless its log says it did.
+    startup_seconds: float = 1800.0
+    # An XID this close to the incident (dcgm-exporter counts them per 5-minute window) counts.
+    xid_window_seconds: float = 600.0
+    # XID 45 is the driver cleaning up after a process that was killed: it follows any crash.
+    ignored_xids: frozenset[int] = frozenset({45})
+
+
+# -- records ------------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+_Count = Field(0, ge=0, le=MAX_COUNT)
+_Time = Field(ge=0, le=1e11)
+
+
+class BatchRequest(_Model):
+    id: str = Field("", max_length=256)
+    new: bool = False
+    prompt_tokens: int = _Count
+    computed_tokens: int = _Count
+    scheduled_tokens: int = _Count
+    params: dict[str, int | None] = Field(default_factory=dict, max_length=16)
+
+
+class Batch(_Model):
+    requests: int = _Count
+    scheduled_tokens: int = _Count
+    largest: list[BatchRequest] = Field(default_factory=list, max_length=1024)
+
+
+class Allocator(_Model):
+    allocated_bytes: int = _Count
+    reserved_bytes: int = _Count
+    allocated_peak_bytes: int = _Count
+    reserved_peak_bytes: int = _Count
+    inactive_split_bytes: int = _Count
+    alloc_retries: int = _Count
+    ooms: int = _Count
+    segments: int | None = Field(None, ge=0, le=MAX_COUNT)
+    largest_free_block_bytes: int | None = Field(None, ge=0, le=MAX_COUNT)
+
+
+class OomRecord(_Model):
+    """An observer record (vllm_plugin/oom.py). `name` is the file's name."""
+
+    name: str = ""
+    schema_: str = Field(alias="schema", pattern=f"^{re.escape(OOM_SCHEMA)}$")
+    timestamp: float = _Time
+    pid: int = Field(ge=1, le=2**31 - 1)
+    rank: int = Field(0, ge=0, le=2**31 - 1)
+    target: str = Field("", max_length=256)
+    engine: str = Field("", max_length=256)
+    device_index: int = Field(0, ge=0, le=2**31 - 1)
+    device_uuid: str = Field("", max_length=256)
+    requested_bytes: int = _Count
+    device_limit_bytes: int = _Count
+    device_free_bytes: int = _Count
+    allocator: Allocator = Field(default_factory=Allocator)
+    batch: Batch | None = None
+    flags: dict[str, int | float | bool] = Field(default_factory=dict, max_length=32)
+    uptime_seconds: float | None = Field(None, ge=0, le=1e10)
+    steps: int | None = Field(None, ge=0, le=MAX_COUNT)
+    history: list[tuple[float, int, int]] = Field(default_factory=list, max_length=256)
+
+
+class CgroupKills(_Model):
+    dir: str | None = Field(None, max_length=4096)
+    oom_kills_at_start: int | None = Field(None, ge=0, le=MAX_COUNT)
+    oom_kills_at_exit: int | None = Field(None, ge=0, le=MAX_COUNT)
+
+
+class ExitRecord(_Model):
+    """A supervisor exit record (remediator/supervisor.py). `name` is the file's name."""
+
+    name: str = ""
+    schema_: str = Field(alias="schema", pattern=f"^{re.escape(EXIT_SCHEMA)}$")
+    timestamp: float = _Time
+    started_at: float = _Time
+    pid: int = Field(ge=1, le=2**31 - 1)
+    generation: int = Field(0, ge=0, le=MAX_COUNT)
+    returncode: int = Field(ge=-255, le=255)
+    signal: int | None = Field(None, ge=0, le=255)
+    reason: str = Field(max_length=32)
+    flags: dict[str, int | float] = Field(default_factory=dict, max_length=32)
+    oom_records: list[str] = Field(default_factory=list, max_length=256)
+    log_tail: list[str] = Field(default_factory=list, max_length=200)
+    cgroup: CgroupKills | None = None
+
+
+@dataclass
+class Loaded:
+    ooms: list[OomRecord] = field(default_factory=list)
+    exits: list[ExitRecord] = field(default_factory=list)
+    invalid: Counter[str] = field(default_factory=Counter)  # files refused, by reason
+
+
+class IncidentDirError(Exception):
+    """The directory itself cannot be read; `reason` is a short label value."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _read_file(dir_fd: int, name: str) -> bytes:
+    """At most MAX_FILE_BYTES of one regular file, never following a link or blocking."""
+    try:
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink swapped in after listing
+            raise _Refused("symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Refused("not_regular_file")
+        if st.st_size > MAX_FILE_BYTES:
+            raise _Refused("too_large")
+        data = b""
+        while len(data) <= MAX_FILE_BYTES:  # it may grow after fstat: read one byte past
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > MAX_FILE_BYTES:
+            raise _Refused("too_large")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _parse(name: str, data: bytes) -> OomRecord | ExitRecord:
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, huge integers, deep nesting
+        raise _Refused("not_json") from None
+    if not isinstance(doc, dict):
+        raise _Refused("not_json")
+    oom = name.startswith("oom-")
+    if doc.get("schema") != (OOM_SCHEMA if oom else EXIT_SCHEMA):
+        raise _Refused("schema")
+    model: type[OomRecord] | type[ExitRecord] = OomRecord if oom else ExitRecord
+    try:
+        # JSON mode: strict types (no "5" for 5, no NaN), arrays for tuples
+        record = model.model_validate_json(data).model_copy(update={"name": name})
+    except ValidationError:
+        raise _Refused("invalid_record") from None
+    match = (_OOM_NAME if oom else _EXIT_NAME).fullmatch(name)
+    if match is None or int(match.group(1)) != record.pid:
+        raise _Refused("name_mismatch")  # one process, one name: no file can pose as another
+    return record
+
+
+def load(directory: str | os.PathLike[str], missing_ok: bool = True) -> Loaded:
+    """Every valid record in the directory; refused files counted by reason, never raised.
+
+    A missing directory holds no incidents (no writer ran yet) unless `missing_ok` is False;
+    a directory that cannot be opened or listed raises IncidentDirError.
+    """
+    loaded = Loaded()
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        if missing_ok:
+            return loaded
+        raise IncidentDirError("not_found", f"{directory}: no such directory") from exc
+    except OSError as exc:
+        raise IncidentDirError(
+            "unreadable_directory", f"{directory}: {exc.strerror or exc}"
+        ) from exc
+    try:
+        names: list[str] = []
+        try:
+            with os.scandir(dir_fd) as it:
+                for entry in it:
+                    name = entry.name
+                    if not (name.startswith(("oom-", "exit-")) and name.endswith(".json")):
+                        continue  # writers' temp files, anything else
+                    if not (_OOM_NAME.fullmatch(name) or _EXIT_NAME.fullmatch(name)):
+                        loaded.invalid["bad_name"] += 1
+                    elif entry.is_symlink():
+                        loaded.invalid["symlink"] += 1
+                    elif not entry.is_file(follow_symlinks=False):
+                        loaded.invalid["not_regular_file"] += 1  # never opened
+                    elif len(names) >= MAX_FILES:
+                        loaded.invalid["too_many_files"] += 1
+                    else:
+                        names.append(name)
+        except OSError as exc:
+            raise IncidentDirError(
+                "unreadable_directory", f"cannot list {directory}: {exc.strerror or exc}"
+            ) from exc
+        for name in sorted(names):
+            try:
+                record = _parse(name, _read_file(dir_fd, name))
+            except _Refused as exc:
+                loaded.invalid[exc.reason] += 1
+                continue
+            except FileNotFoundError:
+                continue  # removed between listing and reading
+            except OSError:
+                loaded.invalid["unreadable"] += 1
+                continue
+            if isinstance(record, OomRecord):
+                loaded.ooms.append(record)
+            else:
+                loaded.exits.append(record)
+    finally:
+        os.close(dir_fd)
+    return loaded
+
+
+# -- XIDs ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Xid:
+    """XIDs a GPU reported (dcgm-exporter's DCGM_EXP_XID_ERRORS_COUNT for one window)."""
+
+    timestamp: float  # when the count was read
+    uuid: str  # the GPU's UUID ("" when the source does not say)
+    code: int
+    count: int = 1
+
+
+# -- classification -----------------------------------------------------------------------------
+@dataclass
+class Incident:
+    id: str
+    timestamp: float
+    target: str
+    engine: str
+    pid: int
+    device_uuid: str
+    type: str
+    confidence: str  # confirmed | likely | "" (unknown)
+    evidence: list[str]
+    figures: dict[str, Any]
+    records: list[str]
+
+    @property
+    def kind(self) -> IncidentType:
+        return TYPES[self.type]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "timestamp": self.timestamp,
+            "target": self.target,
+            "engine": self.engine,
+            "pid": self.pid,
+            "device_uuid": self.device_uuid,
+            "type": self.type,
+            "type_number": self.kind.number,
+            "title": self.kind.title,
+            "confidence": self.confidence,
+            "evidence": self.evidence,
+            "figures": self.figures,
+            "fix": self.kind.fix,
+            "records": self.records,
+        }
+
+
+STARTUP_MARKERS = (
+    "less than desired GPU memory utilization",  # vllm/v1/worker/utils.py
+    "No available memory for the cache blocks",  # vllm/v1/core/kv_cache_planning.py
+    "larger than the available KV cache memory",  # the same file: max_model_len does not fit
+)
+SERVED_MARKER = "Application startup complete."  # uvicorn, once vLLM's API serves
+CUDA_ERROR_MARKERS = (
+    "CUDA error:",
+    "CUBLAS_STATUS_",
+    "CUDNN_STATUS_",
+    "NCCL error",
+    "Xid",
+    "illegal memory access",
+)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _first_line(lines: Iterable[str], markers: Sequence[str]) -> str | None:
+    for line in lines:
+        if any(m in line for m in markers):
+            return line.strip()[:300]
+    return None
+
+
+@dataclass
+class _Case:
+    """What one incident's records say, gathered before deciding."""
+
+    oom: OomRecord | None
+    exit: ExitRecord | None
+    xids: list[Xid]
+    evidence: list[str] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def note(self, text: str, **figures: Any) -> None:
+        self.evidence.append(text)
+        self.figures.update(figures)
+
+
+def _served(c: _Case, t: Thresholds) -> bool | None:
+    """Did the engine serve before it failed? None when nothing says."""
+    if c.oom is not None:
+        if c.oom.steps is not None:
+            c.figures["steps"] = c.oom.steps
+            return c.oom.steps > 0
+        return c.oom.batch is not None  # older records: a step was noted, or none
+    if c.exit is None:
+        return None
+    uptime = max(0.0, c.exit.timestamp - c.exit.started_at)
+    c.figures["uptime_seconds"] = round(uptime, 1)
+    if any(SERVED_MARKER in line for line in c.exit.log_tail):
+        return True
+    if _first_line(c.exit.log_tail, STARTUP_MARKERS):
+        return False
+    return uptime > t.startup_seconds
+
+
+def _triggers(oom: OomRecord, t: Thresholds) -> list[str]:
+    """Requests of the failing step that make a large transient, described."""
+    found: list[str] = []
+    for r in (oom.batch.largest if oom.batch else [])[:64]:
+        p = r.params
+        why = []
+        if p.get("prompt_logprobs") is not None and r.scheduled_tokens > 1:
+            why.append(f"prompt_logprobs={p['prompt_logprobs']}")
+        if r.scheduled_tokens >= t.long_prefill_tokens:
+            why.append(f"{r.scheduled_tokens} prefill tokens")
+        if (p.get("logprobs") or 0) >= t.large_logprobs:
+            why.append(f"logprobs={p['logprobs']}")
+        n = max(p.get("n") or 0, p.get("best_of") or 0)
+        if n >= t.large_n:
+            why.append(f"n={n}")
+        if why:
+            found.append(f"{r.id or '?'} ({r.prompt_tokens} prompt tokens: {', '.join(why)})")
+    return found
+
+
+def _logits_estimate(oom: OomRecord) -> int | None:
+    """FP32 logits of the step's prompt_logprobs tokens, when the vocabulary is known."""
+    vocab = oom.flags.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not oom.batch:
+        return None
+    tokens = sum(
+        r.scheduled_tokens for r in oom.batch.largest if r.params.get("prompt_logprobs") is not None
+    )
+    return tokens * vocab * 4 if tokens else None
+
+
+def _leak(oom: OomRecord, t: Thresholds) -> tuple[bool, int]:
+    """Allocated bytes at step start grew steadily over the history: (leak, growth)."""
+    rows = oom.history
+    if len(rows) < t.leak_min_samples:
+        return False, 0
+    growth = rows[-1][1] - rows[0][1]
+    deltas = [b[1] - a[1] for a, b in itertools.pairwise(rows)]
+    steady = sum(1 for d in deltas if d >= 0) / len(deltas)
+    return growth >= t.leak_growth_bytes and steady >= t.leak_steady_ratio, growth
+
+
+def _fragmented(oom: OomRecord, t: Thresholds) -> tuple[bool, int]:
+    a = oom.allocator
+    gap = max(a.reserved_bytes - a.allocated_bytes, a.inactive_split_bytes)
+    largest = a.largest_free_block_bytes
+    no_block = largest is None or largest < oom.requested_bytes
+    return gap >= t.fragmentation_bytes and no_block, gap
+
+
+def _decide(c: _Case, t: Thresholds) -> tuple[str, str]:
+    """(type, confidence), noting the evidence on the way."""
+    oom, ex = c.oom, c.exit
+    if c.xids:
+        codes = sorted({x.code for x in c.xids})
+        c.note(
+            f"XID {', '.join(map(str, codes))} on the GPU within "
+            f"{t.xid_window_seconds:.0f} s of the incident",
+            xids=codes,
+        )
+    # 6: a CUDA fault that is not an allocator OOM
+    if oom is None and ex is not None and ex.reason == "cuda_error":
+        line = _first_line(ex.log_tail, CUDA_ERROR_MARKERS)
+        c.note(f"the process died of a CUDA error, not out-of-memory: {line}", reason=ex.reason)
+        return "not_oom", "confirmed"
+    if oom is None and c.xids:
+        if ex is not None and ex.reason == "cuda_oom":
+            c.note("the log reports out-of-memory but no allocator OOM was recorded")
+        return "not_oom", "confirmed" if ex is not None else "likely"
+    # 5: killed by the kernel
+    if oom is None and ex is not None and ex.reason == "killed" and ex.signal == 9:
+        c.note(f"exit code {ex.returncode}: SIGKILL, no traceback", returncode=ex.returncode)
+        g = ex.cgroup
+        if g and g.oom_kills_at_start is not None and g.oom_kills_at_exit is not None:
+            grew = g.oom_kills_at_exit - g.oom_kills_at_start
+            c.figures["cgroup_oom_kills_delta"] = grew
+            if grew > 0:
+                c.note(f"the cgroup's oom_kill count rose by {grew} during the child's life")
+                return "host_oom", "confirmed"
+            c.note("the cgroup's oom_kill count did not change: killed by something else")
+            return "unknown", ""
+        c.note("no cgroup oom_kill count to confirm it: check dmesg -T")
+        return "host_oom", "likely"
+    # 1: never served
+    served = _served(c, t)
+    startup_line = _first_line(ex.log_tail, STARTUP_MARKERS) if ex else None
+    if served is False and (oom is not None or startup_line or (ex and ex.reason == "cuda_oom")):
+        if oom is not None:
+            c.note(
+                f"out of memory before the first step (steps {oom.steps}); "
+                f"allocated {gib(oom.allocator.allocated_bytes)} of "
+                f"{gib(oom.device_limit_bytes)}",
+                allocated_bytes=oom.allocator.allocated_bytes,
+                device_limit_bytes=oom.device_limit_bytes,
+            )
+        if startup_line:
+            c.note(f"vLLM refused to start: {startup_line}")
+        elif ex is not None and oom is None:
+            c.note(f"out of memory after {c.figures.get('uptime_seconds')} s, before serving")
+        gmu = (oom.flags if oom else ex.flags if ex else {}).get("gpu_memory_utilization")
+        if gmu is not None:
+            c.figures["gpu_memory_utilization"] = gmu
+        return "startup", "confirmed"
+    if oom is None:
+        if ex is not None:
+            c.note(
+                f"the child exited ({ex.reason}, code {ex.returncode}) and no OOM record "
+                "names the failing step",
+                reason=ex.reason,
+                returncode=ex.returncode,
+            )
+        return "unknown", ""
+    # the engine served: which kind of step failed
+    a = oom.allocator
+    c.figures.update(
+        requested_bytes=oom.requested_bytes,
+        device_free_bytes=oom.device_free_bytes,
+        allocated_bytes=a.allocated_bytes,
+        reserved_bytes=a.reserved_bytes,
+    )
+    if oom.uptime_seconds is not None:
+        c.figures["uptime_seconds"] = round(oom.uptime_seconds, 1)
+    c.note(
+        f"asked for {gib(oom.requested_bytes)} with {gib(oom.device_free_bytes)} free; "
+        f"allocated {gib(a.allocated_bytes)}, reserved {gib(a.reserved_bytes)}"
+    )
+    triggers = _triggers(oom, t)
+    if triggers and oom.requested_bytes >= t.spike_min_bytes:
+        c.note(f"the step carried {'; '.join(triggers[:3])}", trigger_requests=len(triggers))
+        logits = _logits_estimate(oom)
+        if logits:
+            c.note(
+                f"FP32 logits of its prompt_logprobs tokens alone are {gib(logits)}",
+                logits_bytes=logits,
+            )
+        return "long_prompt", "confirmed"
+    uptime = oom.uptime_seconds or 0.0
+    if uptime >= t.after_hours_seconds:
+        leak, growth = _leak(oom, t)
+        frag, gap = _fragmented(oom, t)
+        c.figures.update(allocated_growth_bytes=growth, reserved_minus_allocated_bytes=gap)
+        if leak:
+            c.note(
+                f"after {uptime / 3600:.1f} h allocated memory grew steadily by {gib(growth)} "
+                f"over {len(oom.history)} samples: a leak",
+                after_hours="leak",
+            )
+            return "after_hours", "confirmed"
+        if frag:
+            largest = a.largest_free_block_bytes
+            c.note(
+                f"after {uptime / 3600:.1f} h {gib(gap)} was reserved but unused, and "
+                + (
+                    f"the largest free block ({gib(largest)}) was smaller than the request"
+                    if largest is not None
+                    else "no block could serve the request"
+                )
+                + ": fragmentation",
+                after_hours="fragmentation",
+                largest_free_block_bytes=largest,
+            )
+            return "after_hours", "confirmed"
+    batch = oom.batch
+    seqs = oom.flags.get("max_num_seqs")
+    tokens = oom.flags.get("max_num_batched_tokens")
+    if batch is not None:
+        c.figures.update(batch_requests=batch.requests, batch_tokens=batch.scheduled_tokens)
+        busy = (
+            isinstance(seqs, int) and seqs > 0 and batch.requests >= t.busy_batch_ratio * seqs
+        ) or (
+            isinstance(tokens, int)
+            and tokens > 0
+            and batch.scheduled_tokens >= t.busy_tokens_ratio * tokens
+        )
+        small = oom.requested_bytes < t.small_alloc_ratio * max(a.reserved_bytes, 1)
+        if busy and small:
+            c.note(
+                f"the step ran {batch.requests} requests (max_num_seqs {seqs}), "
+                f"{batch.scheduled_tokens} tokens (max_num_batched_tokens {tokens}); the failed "
+                f"allocation is {oom.requested_bytes / max(a.reserved_bytes, 1):.1%} of reserved",
+                max_num_seqs=seqs,
+            )
+            return "under_load", "confirmed"
+    c.note(
+        "no long request, no full batch, no leak or fragmentation after hours: "
+        f"uptime {uptime:.0f} s, batch {batch.requests if batch else 0} requests"
+    )
+    return "unknown", ""
+
+
+def _matching_xids(xids: Sequence[Xid], when: float, uuid: str, t: Thresholds) -> list[Xid]:
+    return [
+        x
+        for x in xids
+        if x.code not in t.ignored_xids
+        and x.count > 0
+        and abs(x.timestamp - when) <= t.xid_window_seconds
+        and (not x.uuid or not uuid or x.uuid == uuid)
+    ]
+
+
+def classify(
+    oom: OomRecord | None,
+    exit: ExitRecord | None = None,
+    xids: Sequence[Xid] = (),
+    thresholds: Thresholds | None = None,
+) -> Incident:
+    """One incident from its records: the type, the evidence, the figures that decided it."""
+    t = thresholds or Thresholds()
+    if oom is None and exit is None:
+        raise ValueError("an incident needs an OOM record or an exit record")
+    when = exit.timestamp if exit is not None else oom.timestamp  # type: ignore[union-attr]
+    uuid = oom.device_uuid if oom is not None else ""
+    case = _Case(oom, exit, _matching_xids(xids, when, uuid, t))
+    kind, confidence = _decide(case, t)
+    records = [r.name for r in (exit, oom) if r is not None and r.name]
+    if exit is not None:
+        ident, pid = f"exit-{exit.pid}-{exit.generation}", exit.pid
+    else:
+        ident, pid = oom.name.removesuffix(".json") or f"oom-{oom.pid}", oom.pid  # type: ignore[union-attr]
+    return Incident(
+        id=ident,
+        timestamp=when,
+        target=oom.target if oom is not None else "",
+        engine=oom.engine if oom is not None else "",
+        pid=pid,
+        device_uuid=uuid,
+        type=kind,
+        confidence=confidence,
+        evidence=case.evidence,
+        figures=case.figures,
+        records=records,
+    )
+
+
+def incidents(
+    loaded: Loaded, xids: Sequence[Xid] = (), thresholds: Thresholds | None = None
+) -> list[Incident]:
+    """Join exit records with the OOM records they name; each incident classified, oldest first.
+
+    Several OOM records for one exit (tensor-parallel ranks, retried steps): the earliest is
+    the one that failed first, and it decides; the others are listed.
+    """
+    by_name = {r.name: r for r in loaded.ooms}
+    used: set[str] = set()
+    out: list[Incident] = []
+    for ex in loaded.exits:
+        named = sorted(
+            (by_name[n] for n in ex.oom_records if n in by_name), key=lambda r: r.timestamp
+        )
+        used.update(r.name for r in named)
+        inc = classify(named[0] if named else None, ex, xids, thresholds)
+        inc.records += [r.name for r in named[1:]]
+        out.append(inc)
+    first: dict[int, OomRecord] = {}
+    rest: dict[int, list[str]] = {}
+    for r in sorted(loaded.ooms, key=lambda r: r.timestamp):
+        if r.name in used:
+            continue
+        if r.pid in first:
+            rest.setdefault(r.pid, []).append(r.name)
+        else:
+            first[r.pid] = r
+    for pid, r in first.items():
+        inc = classify(r, None, xids, thresholds)
+        inc.records += rest.get(pid, [])
+        out.append(inc)
+    out.sort(key=lambda i: i.timestamp)
+    return out
+
+
+# -- reading it ---------------------------------------------------------------------------------
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(s|m|h|d)")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """`--since`: a duration back from now (90s, 30m, 2h, 7d) or an ISO-8601 time; unix time."""
+    from datetime import datetime
+
+    now = time.time() if now is None else now
+    match = _DURATION.fullmatch(text.strip())
+    if match:
+        return now - float(match.group(1)) * _UNITS[match.group(2)]
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"--since {text[:40]!r}: expected a duration (90s, 30m, 2h, 7d) or an ISO-8601 time"
+        ) from None
+    if when.tzinfo is None:
+        raise ValueError(f"--since {text[:40]!r}: give the time zone (e.g. 2026-12-01T10:00Z)")
+    return when.timestamp()
+
+
+def _when(ts: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def render_text(found: Sequence[Incident], invalid: Counter[str]) -> str:
+    """A table, then one explanation per incident: the evidence and the fix."""
+    lines = []
+    if not found:
+        lines.append("no incidents")
+    else:
+        header = ("TIME (UTC)", "INCIDENT", "TARGET", "TYPE", "CONFIDENCE")
+        rows = [
+            (
+                _when(i.timestamp),
+                i.id,
+                (i.target or "-") + (f"/{i.engine}" if i.engine else ""),
+                f"{i.kind.number} {i.type}" if i.kind.number else i.type,
+                i.confidence or "-",
+            )
+            for i in found
+        ]
+        widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
+        for r in [header, *rows]:
+            lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+        for i in found:
+            lines += ["", f"{i.id}: type {i.kind.number} {i.type}, {i.kind.title}"]
+            lines += [f"  - {e}" for e in i.evidence]
+            lines.append(f"  fix: {i.kind.fix}")
+            lines.append(f"  records: {', '.join(i.records) or '-'}")
+    if invalid:
+        refused = ", ".join(f"{n} {reason}" for reason, n in sorted(invalid.items()))
+        lines += ["", f"refused files: {refused}"]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(found: Sequence[Incident], invalid: Counter[str]) -> str:
+    def clean(v: Any) -> Any:
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    return json.dumps(
+        {
+            "incidents": [
+                {**i.to_dict(), "figures": {k: clean(v) for k, v in i.figures.items()}}
+                for i in found
+            ],
+            "invalid_files": dict(sorted(invalid.items())),
+        },
+        indent=2,
+    )

@@ -1,0 +1,535 @@
+"""OOM forensics (issue 16, item 3): incident records are classified into the field's six types,
+each with the figures that decided it and the fix.
+
+Records are written by the real writers: the plugin's out-of-memory observer
+(`OomRecorder.observe`, as PyTorch calls it) with allocator figures of a real engine, and the
+`oomguard serve` supervisor around a stand-in child that dies the way vLLM dies (the same
+stand-ins as tests/test_supervisor_inputs.py). Figures, where they come from:
+- Llama-3-8B has a 128,256-token vocabulary (src/oomguard/twin/models/llama-3-8b/config.json);
+  FP32 logits of 8,192 prompt tokens are 4.2 GB (../shared/REFERENCE.md, "prompt_logprobs").
+- An H100 80GB has 79.11 GiB of capacity as PyTorch reports it ("GPU 0 has a total capacity of
+  79.11 GiB" in vLLM's OOM reports); gpu_memory_utilization 0.92 is vLLM 0.33's default.
+- PyTorch's OOM message names fragmentation as "reserved by PyTorch but unallocated" and points
+  to expandable_segments (REFERENCE.md, taxonomy type 4); the leak and fragmentation thresholds
+  are the OomguardAllocatorLeak / FragmentationGrowing ones (1 GiB and 2 GiB in 2 h).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from oomguard import incidents as inc
+from oomguard.remediator.supervisor import EXIT_SCHEMA, Supervisor
+from oomguard.vllm_plugin import oom
+from tests.conftest import DCGM_MIG
+
+GIB = 2**30
+MIB = 2**20
+H100 = int(79.11 * GIB)
+VOCAB = 128_256
+NOW = 1_764_590_000.0
+
+
+# -- the observer, driven as PyTorch drives it ----------
+def engine_config(gmu: float = 0.92, seqs: int = 256, tokens: int = 8192, chunked: bool = True):
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(gpu_memory_utilization=gmu, block_size=16),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=seqs, max_num_batched_tokens=tokens, enable_chunked_prefill=chunked
+        ),
+        model_config=SimpleNamespace(max_model_len=32768, get_vocab_size=lambda: VOCAB),
+    )
+
+
+def new_request(req_id: str, prompt: int, scheduled: int, **params: int) -> SimpleNamespace:
+    sampling = SimpleNamespace(
+        n=1, best_of=None, logprobs=None, prompt_logprobs=None, max_tokens=64
+    )
+    for key, value in params.items():
+        setattr(sampling, key, value)
+    return SimpleNamespace(
+        req_id=req_id,
+        prompt_token_ids=list(range(prompt)),
+        prefill_token_ids=None,
+        num_computed_tokens=prompt - scheduled,
+        sampling_params=sampling,
+    )
+
+
+def step(new: list[SimpleNamespace], decoding: int = 0) -> SimpleNamespace:
+    scheduled = {r.req_id: len(r.prompt_token_ids) - r.num_computed_tokens for r in new}
+    ids = [f"cmpl-d{i}" for i in range(decoding)]
+    scheduled.update(dict.fromkeys(ids, 1))
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[900] * decoding),
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+    )
+
+
+def stats(allocated: int, reserved: int, inactive: int = 0) -> dict[str, int]:
+    return {
+        "allocated_bytes.all.current": allocated,
+        "reserved_bytes.all.current": reserved,
+        "allocated_bytes.all.peak": reserved,
+        "reserved_bytes.all.peak": reserved,
+        "inactive_split_bytes.all.current": inactive,
+        "num_alloc_retries": 3,
+        "num_ooms": 0,
+    }
+
+
+def observe(
+    directory: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    allocated: int,
+    reserved: int,
+    requested: int,
+    free: int,
+    steps: list[SimpleNamespace] = (),  # type: ignore[assignment]
+    uptime: float = 600.0,
+    config: Any = None,
+    history: list[tuple[int, int]] = (),  # type: ignore[assignment]
+    inactive: int = 0,
+    largest_free: int | None = None,
+) -> dict[str, Any]:
+    """Run the real observer path: flags noted, steps noted (with history samples), then an
+    OOM observed. Returns the record it wrote."""
+    monkeypatch.setattr(oom, "_step", None)
+    monkeypatch.setattr(oom, "_steps", 0)
+    monkeypatch.setattr(oom, "_flags", {})
+    monkeypatch.setattr(oom, "_STARTED", NOW - uptime)
+    current = {"stats": stats(allocated, reserved, inactive)}
+    extra = {"segments": 412}
+    if largest_free is not None:
+        extra["largest_free_block_bytes"] = largest_free
+    clock = {"t": NOW - uptime}
+    rec = oom.OomRecorder(
+        "",
+        str(directory),
+        "llama",
+        stats=lambda: current["stats"],
+        identity=lambda: {"device_uuid": "GPU-3f7c1a2e-5b1d-4c0e-9a7f-2d6b8e4c1a90"},
+        extra=lambda: extra,
+        clock=lambda: clock["t"],
+    )
+    oom.note_flags(config or engine_config())
+    for i, (a, r) in enumerate(history):  # the history samples, as note_step takes them
+        current["stats"] = stats(a, r, inactive)
+        clock["t"] = NOW - uptime + (i + 1) * (uptime / (len(history) + 1))
+        rec._next_sample = 0.0  # due now (in production: once a minute, thinned)
+        oom.note_step(step([], decoding=1))
+    for s in steps:
+        oom.note_step(s)
+    current["stats"] = stats(allocated, reserved, inactive)
+    clock["t"] = NOW
+    rec.observe(0, requested, H100, free)
+    [path] = sorted(directory.glob(f"oom-{os.getpid()}-*.json"))[-1:]
+    return json.loads(path.read_text())
+
+
+def classify_dir(directory: Path, **kw: Any) -> list[inc.Incident]:
+    loaded = inc.load(directory, missing_ok=False)
+    assert not loaded.invalid, loaded.invalid
+    return inc.incidents(loaded, **kw)
+
+
+def the_incident(directory: Path, **kw: Any) -> inc.Incident:
+    [found] = classify_dir(directory, **kw)
+    return found
+
+
+# -- type 1: startup ----------
+def test_an_oom_before_the_first_step_is_a_startup_oom(tmp_path, monkeypatch):
+    # Llama-3-70B in BF16 is about 131 GiB of weights: loading it on one 79.11 GiB H100 fails
+    # with the device nearly full and no step ever run.
+    record = observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(78.6 * GIB),
+        reserved=int(78.9 * GIB),
+        requested=448 * MIB,
+        free=3 * MIB,
+        uptime=95.0,
+        config=engine_config(gmu=0.92),
+    )
+    assert record["steps"] == 0 and record["batch"] is None
+    found = the_incident(tmp_path)
+    assert (found.type, found.confidence, found.kind.number) == ("startup", "confirmed", 1)
+    assert found.figures["steps"] == 0
+    assert found.figures["gpu_memory_utilization"] == 0.92
+    assert "before the first step" in found.evidence[0]
+    assert "gpu_memory_utilization" in found.kind.fix
+
+
+# -- type 2: a long prompt asking for prompt_logprobs ----------
+def test_a_prompt_logprobs_request_that_does_not_fit_is_a_long_prompt_spike(tmp_path, monkeypatch):
+    logits = 8192 * VOCAB * 4  # 4.2 GB of FP32 logits (REFERENCE.md)
+    record = observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(71.2 * GIB),
+        reserved=int(72.0 * GIB),
+        requested=logits,
+        free=int(1.9 * GIB),
+        steps=[step([new_request("cmpl-long", 8192, 8192, prompt_logprobs=1)], decoding=12)],
+        uptime=5400.0,
+    )
+    assert record["steps"] == 1 and record["flags"]["vocab_size"] == VOCAB
+    found = the_incident(tmp_path)
+    assert (found.type, found.kind.number) == ("long_prompt", 2)
+    assert found.figures["logits_bytes"] == logits == found.figures["requested_bytes"]
+    assert any("cmpl-long" in e and "prompt_logprobs=1" in e for e in found.evidence)
+    assert "chunked prefill" in found.kind.fix
+
+
+def test_a_small_allocation_beside_a_long_prompt_is_not_called_a_spike(tmp_path, monkeypatch):
+    observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(71.2 * GIB),
+        reserved=int(72.0 * GIB),
+        requested=20 * MIB,  # the long prompt is in the batch, but this is not its peak
+        free=2 * MIB,
+        steps=[step([new_request("cmpl-long", 8192, 8192)], decoding=3)],
+    )
+    assert the_incident(tmp_path).type != "long_prompt"
+
+
+# -- type 3: under load ----------
+def test_a_full_batch_and_a_small_failed_allocation_is_an_oom_under_load(tmp_path, monkeypatch):
+    observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(73.5 * GIB),
+        reserved=int(73.9 * GIB),
+        requested=40 * MIB,
+        free=12 * MIB,
+        steps=[step([new_request("cmpl-new", 900, 900)], decoding=199)],  # 200 of 256 seqs
+        uptime=1800.0,
+    )
+    found = the_incident(tmp_path)
+    assert (found.type, found.kind.number) == ("under_load", 3)
+    assert found.figures["batch_requests"] == 200 and found.figures["max_num_seqs"] == 256
+    assert "max_num_seqs" in found.kind.fix
+
+
+def test_a_small_batch_is_not_called_under_load(tmp_path, monkeypatch):
+    observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(73.5 * GIB),
+        reserved=int(73.9 * GIB),
+        requested=40 * MIB,
+        free=12 * MIB,
+        steps=[step([], decoding=20)],  # 20 of 256
+    )
+    assert the_incident(tmp_path).type == "unknown"
+
+
+# -- type 4: after hours, leak or fragmentation ----------
+def test_allocated_memory_growing_for_hours_is_a_leak(tmp_path, monkeypatch):
+    base = int(66 * GIB)
+    # nine hours, a sample every hour: +0.25 GiB an hour (2.25 GiB), one step back on the way
+    growth = [0, 0.25, 0.5, 0.5, 0.8, 1.0, 1.2, 1.1, 1.6, 2.0, 2.25]
+    history = [(base + int(g * GIB), base + int(g * GIB) + 2 * GIB) for g in growth]
+    record = observe(
+        tmp_path,
+        monkeypatch,
+        allocated=base + int(2.3 * GIB),
+        reserved=base + int(4.2 * GIB),
+        requested=260 * MIB,
+        free=30 * MIB,
+        steps=[step([], decoding=40)],
+        uptime=9 * 3600.0,
+        history=history,
+    )
+    assert len(record["history"]) == len(history)
+    assert record["uptime_seconds"] == pytest.approx(9 * 3600.0)
+    found = the_incident(tmp_path)
+    assert (found.type, found.figures["after_hours"]) == ("after_hours", "leak")
+    assert found.figures["allocated_growth_bytes"] == int(2.25 * GIB)
+    assert "retained tensors" in found.kind.fix
+
+
+def test_reserved_but_unused_memory_after_hours_is_fragmentation(tmp_path, monkeypatch):
+    flat = [(int(62 * GIB), int(64 * GIB))] * 8  # allocated flat: no leak
+    observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(62.4 * GIB),
+        reserved=int(68.6 * GIB),  # 6.2 GiB reserved by PyTorch but unallocated
+        inactive=int(6.1 * GIB),
+        requested=1 * GIB,
+        largest_free=300 * MIB,  # no single free block holds the 1 GiB asked for
+        free=200 * MIB,
+        steps=[step([], decoding=64)],
+        uptime=30 * 3600.0,
+        history=flat,
+    )
+    found = the_incident(tmp_path)
+    assert (found.type, found.figures["after_hours"]) == ("after_hours", "fragmentation")
+    assert found.figures["largest_free_block_bytes"] == 300 * MIB
+    assert "expandable_segments" in found.kind.fix
+
+
+def test_the_same_fragmentation_in_the_first_hour_is_not_after_hours(tmp_path, monkeypatch):
+    observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(62.4 * GIB),
+        reserved=int(68.6 * GIB),
+        requested=1 * GIB,
+        largest_free=300 * MIB,
+        free=200 * MIB,
+        steps=[step([], decoding=64)],
+        uptime=1800.0,
+    )
+    assert the_incident(tmp_path).type != "after_hours"
+
+
+def test_the_history_stays_bounded_over_a_long_life():
+    values = iter(range(10**6))
+    rec = oom.OomRecorder("", "", "t", stats=lambda: stats(next(values) * GIB, 0), identity=dict)
+    for _ in range(1000):
+        rec._next_sample = 0.0
+        rec.sample()
+    assert len(rec.history) < oom.HISTORY_LEN
+    assert rec._interval > oom.HISTORY_FIRST_INTERVAL  # thinned: the rows span the whole life
+    assert rec.history[0][1] == 0
+
+
+# -- types 5 and 6: the supervisor's exit records ----------
+def supervise(tmp_path: Path, script: str, cgroup: Path | None = None) -> Path:
+    """A stand-in child under the real supervisor; returns the incident directory."""
+    incidents = tmp_path / "incidents"
+    sup = Supervisor(
+        [sys.executable, "-c", f"import os, signal, sys, pathlib\n{script}", "--max-num-seqs", "8"],
+        tmp_path / "state",
+        max_crashes=1,  # no restart: one record to read
+        env={"OOMGUARD_INCIDENT_DIR": str(incidents)},
+        cgroup_dir=str(cgroup) if cgroup else None,
+    )
+    sup.start()
+    deadline = time.monotonic() + 60
+    while not list(incidents.glob("exit-*.json")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sup.stop()
+    return incidents
+
+
+def test_sigkill_with_a_grown_cgroup_oom_kill_count_is_a_host_oom(tmp_path):
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    events = cgroup / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\noom_group_kill 0\n")
+    # what the kernel does: count the kill in memory.events, then SIGKILL the process
+    script = (
+        f"pathlib.Path({str(events)!r}).write_text('low 0\\nhigh 0\\nmax 40\\noom 2\\n"
+        "oom_kill 2\\noom_group_kill 0\\n'); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    directory = supervise(tmp_path, script, cgroup)
+    [record] = [json.loads(p.read_text()) for p in directory.glob("exit-*.json")]
+    assert record["schema"] == EXIT_SCHEMA == inc.EXIT_SCHEMA
+    assert (
+        record["cgroup"]["oom_kills_at_start"] == 1 and record["cgroup"]["oom_kills_at_exit"] == 2
+    )
+    found = the_incident(directory)
+    assert (found.type, found.confidence, found.kind.number) == ("host_oom", "confirmed", 5)
+    assert found.figures["cgroup_oom_kills_delta"] == 1 and found.figures["returncode"] == -9
+
+
+def test_sigkill_without_a_cgroup_count_is_a_likely_host_oom(tmp_path):
+    directory = supervise(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)", tmp_path / "none")
+    found = the_incident(directory)
+    assert (found.type, found.confidence) == ("host_oom", "likely")
+    assert any("dmesg" in e for e in found.evidence)
+
+
+def test_sigkill_with_an_unchanged_oom_kill_count_is_not_a_host_oom(tmp_path):
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.events").write_text("oom 0\noom_kill 0\n")
+    directory = supervise(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)", cgroup)
+    assert the_incident(directory).type == "unknown"
+
+
+def test_a_cuda_error_that_is_not_out_of_memory_is_type_6(tmp_path):
+    script = (
+        "print('RuntimeError: CUDA error: an illegal memory access was encountered', flush=True)"
+        "; sys.exit(1)"
+    )
+    found = the_incident(supervise(tmp_path, script))
+    assert (found.type, found.kind.number) == ("not_oom", 6)
+    assert "illegal memory access" in found.evidence[0]
+
+
+def test_a_crash_with_an_xid_on_the_gpu_and_no_allocator_oom_is_type_6(tmp_path):
+    from oomguard.exporter.collectors.dcgm import xids_from_text
+
+    # the engine reported out-of-memory, but the allocator never ran out: XID 79 (fell off the
+    # bus) in dcgm-exporter's window tells the real story
+    script = "print('torch.OutOfMemoryError: CUDA out of memory.', flush=True); sys.exit(1)"
+    directory = supervise(tmp_path, script)
+    [exit_record] = [json.loads(p.read_text()) for p in directory.glob("exit-*.json")]
+    assert exit_record["reason"] == "cuda_oom" and exit_record["oom_records"] == []
+    text = DCGM_MIG.read_text()
+    xids = xids_from_text(text, timestamp=exit_record["timestamp"] + 30)
+    assert [(x.code, x.count) for x in xids] == [(79, 1)]
+    found = the_incident(directory, xids=xids)
+    assert (found.type, found.confidence) == ("not_oom", "confirmed")
+    assert found.figures["xids"] == [79]
+    assert any("no allocator OOM" in e for e in found.evidence)
+    # without the XID the same records do not claim a type they cannot show
+    assert the_incident(directory).type != "not_oom"
+
+
+def test_an_old_xid_or_the_cleanup_xid_does_not_make_an_oom_type_6(tmp_path, monkeypatch):
+    observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(71.2 * GIB),
+        reserved=int(72.0 * GIB),
+        requested=8192 * VOCAB * 4,
+        free=int(1.9 * GIB),
+        steps=[step([new_request("cmpl-long", 8192, 8192, prompt_logprobs=1)])],
+    )
+    xids = [
+        inc.Xid(NOW - 3 * 3600, "", 79),  # hours before
+        inc.Xid(NOW + 5, "", 45),  # the driver cleaning up after the dead process
+    ]
+    assert the_incident(tmp_path, xids=xids).type == "long_prompt"
+
+
+# -- joining ----------
+def test_an_exit_record_and_the_oom_records_it_names_are_one_incident(tmp_path, monkeypatch):
+    observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(71.2 * GIB),
+        reserved=int(72.0 * GIB),
+        requested=8192 * VOCAB * 4,
+        free=int(1.9 * GIB),
+        steps=[step([new_request("cmpl-long", 8192, 8192, prompt_logprobs=1)])],
+    )
+    [oom_name] = [p.name for p in tmp_path.glob("oom-*.json")]
+    exit_record = {
+        "schema": EXIT_SCHEMA,
+        "kind": "exit",
+        "timestamp": NOW + 2,
+        "started_at": NOW - 600,
+        "pid": 777,
+        "generation": 3,
+        "returncode": 1,
+        "signal": None,
+        "reason": "cuda_oom",
+        "flags": {"gpu_memory_utilization": 0.92, "max_num_seqs": 256},
+        "oom_records": [oom_name],
+        "log_tail": ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB."],
+    }
+    (tmp_path / "exit-777-3.json").write_text(json.dumps(exit_record))
+    found = the_incident(tmp_path)
+    assert found.id == "exit-777-3" and found.type == "long_prompt"
+    assert found.records == ["exit-777-3.json", oom_name]
+
+
+# -- the directory is untrusted ----------
+def valid_exit(pid: int = 5) -> dict[str, Any]:
+    return {
+        "schema": EXIT_SCHEMA,
+        "timestamp": NOW,
+        "started_at": NOW - 60,
+        "pid": pid,
+        "generation": 1,
+        "returncode": -9,
+        "signal": 9,
+        "reason": "killed",
+    }
+
+
+def test_hostile_files_are_counted_and_never_raise(tmp_path):
+    d = tmp_path
+    (d / "exit-5-1.json").write_text(json.dumps(valid_exit()))  # the one good record
+    (d / "exit-6-1.json").write_text("{not json")
+    (d / "exit-7-1.json").write_text("[1, 2]")
+    (d / "exit-8-1.json").write_text(json.dumps({**valid_exit(8), "schema": "other"}))
+    (d / "exit-9-1.json").write_text(json.dumps({**valid_exit(9), "returncode": "137"}))
+    (d / "exit-10-1.json").write_text(json.dumps({**valid_exit(10), "timestamp": 10**400}))
+    (d / "exit-11-1.json").write_text(json.dumps({**valid_exit(11), "signal": True}))
+    (d / "exit-12-1.json").write_text(json.dumps(valid_exit(99)))  # poses as another process
+    (d / "exit-13-1.json").write_text('{"schema": "oomguard.exit_incident.v1", "x": ' * 5000)
+    (d / "exit-14-1.json").write_text(
+        json.dumps({**valid_exit(14), "log_tail": ["x" * 100] * 3000})
+    )  # 300 KB
+    (d / "exit-15-1.json").write_text(
+        json.dumps(valid_exit(15)).replace('"timestamp": ' + str(NOW), '"timestamp": NaN')
+    )
+    (d / "oom-16-1.json").write_text(
+        json.dumps({"schema": inc.OOM_SCHEMA, "timestamp": NOW, "pid": 16, "history": [[1, 2]]})
+    )  # history rows are (time, allocated, reserved)
+    (d / "exit-x-1.json").write_text("{}")
+    os.symlink("/etc/passwd", d / "exit-20-1.json")
+    os.mkfifo(d / "exit-21-1.json")  # would block a reader that opens it
+    os.mkdir(d / "exit-22-1.json")
+    (d / ".oom-123.tmp").write_text("{}")  # a writer's temp file: not a record, not counted
+    loaded = inc.load(d)
+    assert [r.pid for r in loaded.exits] == [5] and loaded.ooms == []
+    assert loaded.invalid == {
+        "not_json": 3,
+        "schema": 1,
+        "invalid_record": 5,
+        "name_mismatch": 1,
+        "too_large": 1,
+        "bad_name": 1,
+        "symlink": 1,
+        "not_regular_file": 2,
+    }
+
+
+def test_a_missing_directory_holds_no_incidents_unless_it_must_exist(tmp_path):
+    assert inc.load(tmp_path / "nothing").ooms == []
+    with pytest.raises(inc.IncidentDirError):
+        inc.load(tmp_path / "nothing", missing_ok=False)
+
+
+def test_too_many_files_are_counted_not_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(inc, "MAX_FILES", 3)
+    for pid in range(1, 6):
+        (tmp_path / f"exit-{pid}-1.json").write_text(json.dumps(valid_exit(pid)))
+    loaded = inc.load(tmp_path)
+    assert len(loaded.exits) == 3 and loaded.invalid == {"too_many_files": 2}
+
+
+def test_every_threshold_has_a_default_and_changes_the_decision(tmp_path, monkeypatch):
+    observe(
+        tmp_path,
+        monkeypatch,
+        allocated=int(73.5 * GIB),
+        reserved=int(73.9 * GIB),
+        requested=40 * MIB,
+        free=12 * MIB,
+        steps=[step([], decoding=100)],  # 100 of 256: 39 %
+    )
+    loaded = inc.load(tmp_path)
+    assert inc.incidents(loaded)[0].type == "unknown"
+    looser = inc.Thresholds(busy_batch_ratio=0.35)
+    assert inc.incidents(loaded, thresholds=looser)[0].type == "under_load"
+
+
+def test_since_takes_durations_and_zoned_times():
+    assert inc.parse_since("2h", now=NOW) == NOW - 7200
+    assert inc.parse_since("90s", now=NOW) == NOW - 90
+    assert inc.parse_since("2026-12-01T10:00:00+00:00") == 1_796_119_200.0
+    for bad in ("yesterday", "2026-12-01T10:00:00", "-5m", "5 m"):
+        with pytest.raises(ValueError):
+            inc.parse_since(bad, now=NOW)
