@@ -5,8 +5,10 @@ x {steady heavy load, each memory incident trace scaled to the GPU}, in simulate
 (twin/matrix.py: the twin's memory physics, the exporter's own NVML collector and pressure
 evaluator, the remediation the alerts carry). Reported per cell: the highest level and why,
 remediator actions, when vLLM alone would hit a CUDA OOM, whether it does with oomguard, and the
-lead time (OOM minus the first level 2). Targets: steady cells at level 0 with zero actions;
-incident cells at level >= 2 before the OOM and no OOM with oomguard.
+lead time (OOM minus the first level 2), and where the trace's pressure ends, the recovery: the
+end of the pressure to full admission through the shipped alert hysteresis and the remediator's
+own decision (twin/recovery.py). Targets: steady cells at level 0 with zero actions; incident
+cells at level >= 2 before the OOM, no OOM with oomguard, recovery <= 60 s with no re-trigger.
 
 Usage: python bench/matrix.py [--quick] [--real | --real-only] [--gpus ...] [--traces ...]
 (writes bench/results/matrix.json; the real subset is merged into bench/results/matrix-real.json)
@@ -51,14 +53,17 @@ def judge(cell: Cell) -> bool:
         and cell.first_pressure_s is not None
         and cell.first_pressure_s < cell.oom_without_s
         and cell.oom_with_s is None
+        # where the pressure ends: full admission within 60 s, and no re-trigger
+        and (cell.recovery_s is None or cell.recovery_s <= 60)
+        and not cell.retriggered
     )
 
 
 def table(cells: list[Cell]) -> str:
     rows = [
         "| GPU | gmu | model | scenario | max level (reason) | actions | OOM alone (s) "
-        "| OOM with oomguard | lead (s) | met |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| OOM with oomguard | lead (s) | recovery (s) | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         oom_with = "none" if c.oom_with_s is None else f"at {c.oom_with_s:.0f} s"
@@ -66,9 +71,15 @@ def table(cells: list[Cell]) -> str:
             f"| {c.gpu} | {c.gmu:.2f} | {c.model} | {c.scenario} | {c.max_level} ({c.max_reason}) "
             f"| {c.actions} | {'-' if c.oom_without_s is None else f'{c.oom_without_s:.0f}'} "
             f"| {oom_with} | {'-' if c.lead_s is None else f'{c.lead_s:.0f}'} "
-            f"| {'yes' if judge(c) else 'NO'} |"
+            f"| {_recovery(c)} | {'yes' if judge(c) else 'NO'} |"
         )
     return "\n".join(rows)
+
+
+def _recovery(c: Cell) -> str:
+    if c.recovery_s is None:
+        return "-"
+    return f"{c.recovery_s:.0f}" + (" re-triggered" if c.retriggered else "")
 
 
 REAL_GPUS = ("L4", "L40S", "H100")

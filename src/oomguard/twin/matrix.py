@@ -67,6 +67,10 @@ class Cell:
     oom_without_s: float | None = None  # when the engine would hit a CUDA OOM on its own
     oom_with_s: float | None = None  # ... and with oomguard acting on the level
     actions: int = 0  # remediator actions (cap lowered at level 2 after pressure_for, drains)
+    # the end of the pressure -> full admission, through the shipped alerting path and the
+    # remediator's own decision (twin/recovery.py); None where the trace has no end
+    recovery_s: float | None = None
+    retriggered: bool | None = None  # drained or capped again after full admission
 
     @property
     def lead_s(self) -> float | None:
@@ -96,6 +100,7 @@ def simulate(
     overshoot: float = 1.1,
     thresholds: PressureThresholds | None = None,
     duration_s: float = 120.0,
+    levels: list[int] | None = None,
 ) -> Cell:
     model = model_for(gpu_name)
     p = Physics.for_model(model, gpu=gpu_name, gpu_memory_utilization=gmu)
@@ -118,6 +123,7 @@ def simulate(
     pressure_since: float | None = None
     drained_at: float | None = None
     capped = False
+    ticks: list[int] = [] if levels is None else levels  # the level per tick, for the recovery
     t = 0.0
     while t <= duration_s:
         neighbour, frag = (0, 0) if trace is None else trace.gpu_at(t)
@@ -136,6 +142,7 @@ def simulate(
             reading.gpus, [EngineSource("llm", engine)], [report], t, reading.processes
         )
         level = ev.engines[0].level
+        ticks.append(level.level)
         if level.level > cell.max_level:
             cell.max_level, cell.max_reason = level.level, level.reason
         if level.level >= 2 and cell.first_pressure_s is None:
@@ -167,6 +174,11 @@ def simulate(
         if cell.oom_with_s is None and step is not None and not p.fits(step, frag, neighbour):
             cell.oom_with_s = t
         t += dt
+    if trace is not None and trace.pressure_ends_s is not None:
+        from oomguard.twin.recovery import on_gpu, simulate_recovery
+
+        r = simulate_recovery(on_gpu(trace, gpu_name, gmu, model), ticks, dt)
+        cell.recovery_s, cell.retriggered = r.recovery_s, r.retriggered
     return cell
 
 

@@ -1,0 +1,331 @@
+"""Recovery in simulated time: from the end of the pressure to full admission, link by link.
+
+The chain a node runs once its memory comes back, each link at its shipped setting:
+
+1. the exporter's level drops (the caller computes the level per tick from the twin GPU through
+   the exporter's own evaluator: twin/matrix.py);
+2. the action alerts see it: OomguardMemoryPressure (level >= 2 held `pressure_for`, lower_cap)
+   and OomguardMemoryCritical (level >= 3 held `critical_for`, drain) each resolve once their
+   condition has been false for `keep_firing_for`, checked at each rule evaluation on a level as
+   old as the exporter poll plus the scrape;
+3. the change reaches the remediator: Alertmanager flushes a group's resolve at its next
+   `group_interval` (the remediator route's); standalone mode has no such hop;
+4. the remediator's own decision (`decide_fleet`: the policy and the safety limits) runs on each
+   delivery and every `reconcile_seconds`, against an engine fed by the trace's requests as the
+   twin's gateway sends them (every other one to engine 0; none while it drains): staged
+   re-admission at `readmit_start`, full admission after `readmit_successes` clean admissions.
+
+Recovery is the time from the trace's `pressure_ends_s` to engine 0 back at full admission; a
+re-trigger is engine 0 drained or capped again after that (oscillation).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from oomguard.remediator.decision import Context, EngineInput, decide_fleet
+from oomguard.remediator.flags import FlagLimits
+from oomguard.remediator.policy import Observed, PolicyConfig
+from oomguard.remediator.safety import DISRUPTIVE, SafetyConfig, SafetyState
+from oomguard.remediator.webhook import Alert
+from oomguard.thresholds import AlertThresholds
+from oomguard.twin.physics import Physics, Step
+from oomguard.twin.traces import Trace, requests
+
+EXPORTER_POLL_S = 1.0  # the exporter's default interval_seconds
+EXPORTER_SCRAPE_S = 1.0  # Prometheus scrapes the exporters every second (generated config)
+RECONCILE_S = 1.0  # the remediator's default reconcile_seconds
+DT = 0.1  # simulation tick (s)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)  # the alerts' clock origin (only their identity uses it)
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration ("30s", "1m30s") in seconds."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", duration))
+
+
+@dataclass(frozen=True)
+class AlertPath:
+    """How an action alert's level reaches the remediator, and its hysteresis."""
+
+    name: str
+    staleness_s: float  # how old the level is when a rule reads it
+    eval_s: float  # rule evaluation interval
+    deliver_s: float  # a change waits for the next flush of this period (0: at once)
+    pressure_for_s: float
+    critical_for_s: float
+    keep_firing_s: float
+
+
+def alertmanager_path(t: AlertThresholds | None = None) -> AlertPath:
+    """Prometheus rules + Alertmanager, as `oomguard generate` writes them from `t`."""
+    t = t or AlertThresholds()
+    every = seconds(t.rule_interval)
+    return AlertPath(
+        "prometheus+alertmanager",
+        staleness_s=EXPORTER_POLL_S + EXPORTER_SCRAPE_S,
+        eval_s=every,
+        deliver_s=every,  # the remediator route's group_interval is the rule interval
+        pressure_for_s=seconds(t.pressure_for),
+        critical_for_s=seconds(t.critical_for),
+        keep_firing_s=seconds(t.action_keep_firing_for),
+    )
+
+
+def standalone_path() -> AlertPath:
+    """The remediator polling the exporters itself, at StandaloneConfig's defaults."""
+    from oomguard.remediator.config import StandaloneConfig
+
+    d = StandaloneConfig(exporters=["http://exporter/metrics"])
+    return AlertPath(
+        "standalone",
+        staleness_s=EXPORTER_POLL_S,
+        eval_s=d.interval_seconds,
+        deliver_s=0.0,
+        pressure_for_s=d.pressure_for_seconds,
+        critical_for_s=d.critical_for_seconds,
+        keep_firing_s=d.keep_firing_seconds,
+    )
+
+
+@dataclass
+class _Rule:
+    name: str
+    action: str
+    threshold: int
+    hold_s: float
+    pending: float | None = None
+    last_true: float | None = None
+    firing_since: float | None = None
+
+    def evaluate(self, level: int, now: float, keep_s: float) -> None:
+        if level >= self.threshold:
+            self.last_true = now
+            self.pending = now if self.pending is None else self.pending
+            if self.firing_since is None and now - self.pending >= self.hold_s:
+                self.firing_since = now
+        else:
+            self.pending = None
+            if self.firing_since is not None and now - (self.last_true or now) >= keep_s:
+                self.firing_since = None
+
+
+@dataclass
+class Recovery:
+    """The recovery of one trace (trace seconds); the timeline says where the time went."""
+
+    path: str
+    pressure_ends_s: float
+    level_clear_s: float | None = None  # the level last fell below 2 (for good)
+    resolved_s: float | None = None  # the last action alert resolved at its rule
+    delivered_s: float | None = None  # ... and the remediator heard it
+    resumed_s: float | None = None  # the first re-admission stage
+    full_s: float | None = None  # back at full admission
+    recovery_s: float | None = None  # full_s - pressure_ends_s
+    from_level_clear_s: float | None = None  # full admission after the level fell below 2
+    retriggered: bool = False
+    actions: list[str] = field(default_factory=list)  # "t kind [cap]": engine 0's steps
+
+    def record(self) -> dict[str, object]:
+        return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _Engine:
+    startup: int
+    cap: int
+    draining: bool = False
+    changed_at: float = 0.0
+    admitted: int = 0
+    finished: int = 0
+    running: list[float] = field(default_factory=list)  # seconds of work left
+    waiting: list[tuple[int, int]] = field(default_factory=list)  # (prompt, output) tokens
+
+    def observed(self, now: float) -> Observed:
+        return Observed(
+            self.startup,
+            self.cap,
+            self.draining,
+            now - self.changed_at,
+            self.admitted,
+            self.finished,
+            0,
+            len(self.running),
+            len(self.waiting),
+        )
+
+    def set_cap(self, cap: int, now: float) -> None:
+        if cap != self.cap:  # the plugin resets its counters on a change only
+            self.cap, self.changed_at, self.admitted, self.finished = cap, now, 0, 0
+
+
+def _service_s(p: Physics, prompt: int, output: int, batch: int) -> float:
+    """A request's time in the engine: its prefill, then its decode at this batch size."""
+    prefill = p.step_seconds(Step(tokens=prompt, attention=prompt * prompt // 2, context=prompt))
+    ctx = batch * (prompt + output // 2)
+    return prefill + output * p.step_seconds(Step(tokens=batch, attention=ctx, context=ctx))
+
+
+def simulate_recovery(
+    trace: Trace,
+    levels: Sequence[int],
+    dt_levels: float = 1.0,
+    path: AlertPath | None = None,
+    policy: PolicyConfig | None = None,
+    safety: SafetyConfig | None = None,
+    model: str | None = None,
+) -> Recovery:
+    """Replay `levels` (engine 0's pressure level per `dt_levels` trace seconds) through the
+    alerting `path` and the remediator's decision; see the module's docstring."""
+    assert trace.pressure_ends_s is not None, f"{trace.name} has no end of pressure"
+    path = path or alertmanager_path()
+    policy, safety = policy or PolicyConfig(), safety or SafetyConfig()
+    p = Physics.for_model(
+        model or trace.model,
+        gpu=trace.gpu,
+        gpu_memory_utilization=trace.engine.gpu_memory_utilization,
+        max_num_batched_tokens=trace.engine.max_num_batched_tokens,
+    )
+    startup = trace.engine.max_num_seqs
+    eng = _Engine(startup, startup)
+    peer = EngineInput("engine-1", trace.model, (), Observed(startup, startup, False, 1e9, 0, 0, 0))
+    rules = [
+        _Rule("OomguardMemoryPressure", "lower_cap", 2, path.pressure_for_s),
+        _Rule("OomguardMemoryCritical", "drain", 3, path.critical_for_s),
+    ]
+    heard: dict[str, float | None] = {r.name: None for r in rules}  # firing since, as delivered
+    arrivals = [r for k, r in enumerate(requests(trace)) if k % 2 == 0]  # the gateway's share
+    out = Recovery(path.name, trace.pressure_ends_s)
+    state = SafetyState()
+    taken: list[tuple[float, str, int | None]] = []  # engine 0's steps
+    end = min(trace.duration_s, trace.pressure_ends_s + 600.0)
+    next_eval = next_flush = next_pass = 0.0
+    t, a = 0.0, 0
+    was_full, became_full = True, [0.0]
+    last_level_high = None
+    while t <= end:
+        level = levels[min(len(levels) - 1, max(0, int((t - path.staleness_s) / dt_levels)))]
+        if level >= 2:
+            last_level_high = t
+        wake = False
+        if t >= next_eval:
+            next_eval += path.eval_s
+            was_firing = any(r.firing_since is not None for r in rules)
+            for r in rules:
+                r.evaluate(level, t, path.keep_firing_s)
+                if r.firing_since is not None and heard[r.name] is None:
+                    heard[r.name], wake = r.firing_since, True  # a new group: group_wait 0s
+            if was_firing and all(r.firing_since is None for r in rules):
+                out.resolved_s = t
+        if path.deliver_s == 0 or t >= next_flush:
+            next_flush += path.deliver_s or DT
+            was_heard = any(v is not None for v in heard.values())
+            for r in rules:
+                if r.firing_since is None and heard[r.name] is not None:
+                    heard[r.name], wake = None, True
+            if was_heard and all(v is None for v in heard.values()):
+                out.delivered_s = t
+        if wake or t >= next_pass:
+            next_pass = t + RECONCILE_S
+            state = _pass(trace, eng, peer, heard, rules, policy, safety, state, t, taken)
+        # the engine: arrivals (a draining engine answers 503: the gateway goes to the peer)
+        while a < len(arrivals) and arrivals[a].at_s <= t:
+            if not eng.draining:
+                eng.waiting.append((arrivals[a].prompt_tokens, arrivals[a].output_tokens))
+            a += 1
+        while not eng.draining and eng.waiting and len(eng.running) < eng.cap:
+            prompt, output = eng.waiting.pop(0)
+            eng.running.append(_service_s(p, prompt, output, len(eng.running) + 1))
+            eng.admitted += 1
+        left = [x - DT for x in eng.running]
+        eng.finished += sum(1 for x in left if x <= 0)
+        eng.running = [x for x in left if x > 0]
+        full = not eng.draining and eng.cap >= startup
+        if full and not was_full:
+            became_full.append(t)
+        was_full = full
+        if t >= trace.pressure_ends_s and full and out.full_s is None:
+            out.full_s = t
+            out.recovery_s = t - trace.pressure_ends_s
+        t = round(t + DT, 6)
+    if last_level_high is not None:
+        out.level_clear_s = clear = last_level_high + DT
+        back = [at for at in became_full if at >= clear]
+        out.from_level_clear_s = back[0] - clear if back else None
+    lowering = [at for at, kind, _ in taken if kind in ("drain", "lower_cap")]
+    # the first step back up after the last step down before full admission
+    last_down = max((at for at in lowering if out.full_s is None or at <= out.full_s), default=None)
+    if last_down is not None:
+        out.resumed_s = min((at for at, _, _ in taken if at > last_down), default=None)
+    if out.full_s is not None:
+        out.retriggered = any(at > out.full_s for at in lowering)
+    out.actions = [f"{at:.1f} {kind}{'' if cap is None else f' {cap}'}" for at, kind, cap in taken]
+    return out
+
+
+def _pass(
+    trace: Trace,
+    eng: _Engine,
+    peer: EngineInput,
+    heard: dict[str, float | None],
+    rules: list[_Rule],
+    policy: PolicyConfig,
+    safety: SafetyConfig,
+    state: SafetyState,
+    now: float,
+    taken: list[tuple[float, str, int | None]],
+) -> SafetyState:
+    """One remediator pass: the real decision on engine 0 (and its healthy peer), applied."""
+    firing = tuple(
+        Alert(
+            r.name,
+            "firing",
+            {"alertname": r.name, "oomguard_action": r.action},
+            T0 + timedelta(seconds=since),
+            None,
+        )
+        for r in rules
+        if (since := heard[r.name]) is not None
+    )
+    me = EngineInput("engine-0", trace.model, firing, eng.observed(now))
+    ctx = Context(policy, safety, FlagLimits(), state, now)
+    verdict = decide_fleet([me, peer], ctx)[0]
+    for step in verdict.taken:
+        if step.kind == "drain":
+            eng.draining, eng.waiting = True, []  # queued requests go to the peer
+        elif step.kind == "resume":
+            eng.draining = False
+        elif step.cap is not None:
+            eng.set_cap(step.cap, now)
+        if step.kind in DISRUPTIVE:
+            state = state.with_action("engine-0", now, step.kind)
+        taken.append((now, step.kind, step.cap))
+    return state
+
+
+def trace_levels(trace: Trace, dt: float = 1.0) -> list[int]:
+    """Engine 0's pressure level per `dt` over the trace, on its own GPU and gmu, with its GPU
+    events as they are (not scaled): the exporter's evaluator on the twin GPU (twin/matrix.py)."""
+    from oomguard.twin.matrix import model_for, simulate
+
+    gmu = trace.engine.gpu_memory_utilization
+    p = Physics.for_model(model_for(trace.gpu), gpu=trace.gpu, gpu_memory_utilization=gmu)
+    worst = max(sum(trace.gpu_at(t)) for t in range(int(trace.duration_s) + 1))
+    if not worst:
+        return [0] * (int(trace.duration_s / dt) + 1)
+    levels: list[int] = []
+    # simulate scales the events to peak at overshoot x the plan's slack: this overshoot is 1:1
+    overshoot = worst / ((1 - gmu) * p.usable)
+    levels_only = trace.model_copy(update={"pressure_ends_s": None})  # no recovery inside
+    simulate(trace.gpu, gmu, levels_only, dt=dt, overshoot=overshoot, levels=levels)
+    return levels
+
+
+def on_gpu(trace: Trace, gpu: str, gmu: float, model: str) -> Trace:
+    """The trace's engine on another GPU, model and gmu (a matrix cell), its load unchanged."""
+    engine = trace.engine.model_copy(update={"gpu_memory_utilization": gmu})
+    return trace.model_copy(update={"gpu": gpu, "model": model, "engine": engine})

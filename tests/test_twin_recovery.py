@@ -1,0 +1,77 @@
+"""Recovery in simulated time: the alert hysteresis and the remediator's own re-admission."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from oomguard.remediator.policy import PolicyConfig
+from oomguard.thresholds import AlertThresholds
+from oomguard.twin.recovery import (
+    alertmanager_path,
+    seconds,
+    simulate_recovery,
+    standalone_path,
+    trace_levels,
+)
+from oomguard.twin.traces import Trace
+
+
+def test_durations_parse_as_prometheus_writes_them():
+    assert seconds("30s") == 30 and seconds("2m") == 120 and seconds("1m30s") == 90
+    assert seconds("500ms") == 0.5
+
+
+def test_the_alerting_path_is_what_the_generator_writes():
+    shipped = alertmanager_path()
+    t = AlertThresholds()
+    assert shipped.keep_firing_s == seconds(t.action_keep_firing_for)
+    assert shipped.eval_s == shipped.deliver_s == seconds(t.rule_interval)
+    slower = alertmanager_path(t.model_copy(update={"action_keep_firing_for": "2m"}))
+    assert slower.keep_firing_s == 120
+    assert standalone_path().deliver_s == 0  # no Alertmanager hop
+
+
+@pytest.fixture(scope="module")
+def neighbour() -> tuple[Trace, list[int]]:
+    trace = Trace.load("neighbour-growth")
+    return trace, trace_levels(trace)
+
+
+def test_the_level_follows_the_neighbour(neighbour):
+    trace, levels = neighbour
+    assert max(levels) == 3  # 8.6 GiB of neighbour on an H100 at gmu 0.9: critical
+    assert levels[100] == 0 and levels[int(trace.pressure_ends_s) + 5] == 0
+
+
+def test_shipped_defaults_recover_within_a_minute_without_retrigger(neighbour):
+    trace, levels = neighbour
+    for path in (alertmanager_path(), standalone_path()):
+        r = simulate_recovery(trace, levels, path=path)
+        assert r.actions[0].split()[1] == "drain"
+        assert r.level_clear_s is not None and r.resolved_s is not None
+        assert r.level_clear_s < r.resolved_s <= r.delivered_s <= r.full_s  # type: ignore[operator]
+        assert r.recovery_s is not None and r.recovery_s <= 60
+        assert not r.retriggered
+
+
+def test_the_old_hysteresis_and_doubling_took_minutes(neighbour):
+    # the settings of the 2026-11-29 outcome run, which measured 307 s on the real twin
+    trace, levels = neighbour
+    old = replace(alertmanager_path(), keep_firing_s=120.0)
+    doubling = PolicyConfig(readmit_stages="doubling")
+    r = simulate_recovery(trace, levels, path=old, policy=doubling)
+    assert r.recovery_s is not None and r.recovery_s > 200
+    stages = [a for a in r.actions if "raise_cap" in a]
+    assert len(stages) == 8  # 1 -> 2 -> ... -> 256: eight stages of five clean admissions
+
+
+def test_pressure_that_comes_back_after_full_admission_is_a_retrigger(neighbour):
+    trace, levels = neighbour
+    end = int(trace.pressure_ends_s)  # type: ignore[arg-type]
+    flapping = list(levels)
+    flapping[end + 120 : end + 140] = [3] * 20  # the neighbour returns two minutes later
+    r = simulate_recovery(trace, flapping, path=alertmanager_path())
+    assert r.recovery_s is not None and r.recovery_s <= 60
+    assert r.retriggered
