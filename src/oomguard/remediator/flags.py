@@ -3,6 +3,8 @@
 Only a restart gives memory back from vLLM's KV pool. The operator's move on memory that stays
 critical, or on an OOM crashloop: lower `--gpu-memory-utilization` by 0.03-0.05 and
 `--max-num-seqs` by 20 %, and later walk both back toward the original values one step at a time.
+`--max-num-active-seqs` may not exceed `--max-num-seqs` (vLLM refuses to start), so a step down
+clamps it too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from oomguard.errors import ConfigError
 
 GMU = "--gpu-memory-utilization"
 SEQS = "--max-num-seqs"
+ACTIVE = "--max-num-active-seqs"  # bounded by --max-num-seqs
 VLLM_DEFAULT_GMU = 0.92  # vLLM 0.33's default (read back from a running engine)
 
 
@@ -63,12 +66,20 @@ class Flags:
 
 
 def _find(argv: list[str], flag: str) -> tuple[int, str] | None:
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return i, argv[i + 1]
-        if arg.startswith(flag + "="):
-            return i, arg.split("=", 1)[1]
-    return None
+    """Where `flag` is set (the last time: argparse keeps the last) in either spelling vLLM
+    accepts (`--max-num-seqs` or `--max_num_seqs`), and its value."""
+    found = None
+    for spelling in {flag, "--" + flag[2:].replace("-", "_")}:
+        for i, arg in enumerate(argv):
+            if arg == spelling and i + 1 < len(argv):
+                hit = i, argv[i + 1]
+            elif arg.startswith(spelling + "="):
+                hit = i, arg.split("=", 1)[1]
+            else:
+                continue
+            if found is None or hit[0] > found[0]:
+                found = hit
+    return found
 
 
 def read(argv: list[str], default_seqs: int) -> Flags:
@@ -83,20 +94,29 @@ def read(argv: list[str], default_seqs: int) -> Flags:
         raise ConfigError(f"cannot read {GMU}/{SEQS} from the vLLM command line: {exc}") from exc
 
 
+def _set(argv: list[str], flag: str, value: str) -> None:
+    found = _find(argv, flag)
+    if found is None:
+        argv += [flag, value]
+    elif argv[found[0]].startswith("--") and "=" not in argv[found[0]]:
+        argv[found[0] + 1] = value
+    else:
+        argv[found[0]] = f"{argv[found[0]].split('=', 1)[0]}={value}"
+
+
 def apply(argv: list[str], flags: Flags) -> list[str]:
-    """`argv` with both flags set to `flags` (replaced where present, appended otherwise)."""
+    """`argv` with both flags set to `flags` (replaced where present, appended otherwise), and
+    `--max-num-active-seqs` clamped to the new `--max-num-seqs` where it is set above it."""
     out = list(argv)
-    for flag, value in (
-        (GMU, f"{flags.gpu_memory_utilization:g}"),
-        (SEQS, str(flags.max_num_seqs)),
-    ):
-        found = _find(out, flag)
-        if found is None:
-            out += [flag, value]
-        elif out[found[0]] == flag:
-            out[found[0] + 1] = value
-        else:
-            out[found[0]] = f"{flag}={value}"
+    _set(out, GMU, f"{flags.gpu_memory_utilization:g}")
+    _set(out, SEQS, str(flags.max_num_seqs))
+    active = _find(out, ACTIVE)
+    try:
+        too_high = active is not None and int(active[1]) > flags.max_num_seqs
+    except ValueError:
+        too_high = False  # not a number: vLLM reports it, the operator's line is not ours to fix
+    if too_high:
+        _set(out, ACTIVE, str(flags.max_num_seqs))
     return out
 
 
