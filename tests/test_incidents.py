@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -533,3 +534,148 @@ def test_since_takes_durations_and_zoned_times():
     for bad in ("yesterday", "2026-12-01T10:00:00", "-5m", "5 m"):
         with pytest.raises(ValueError):
             inc.parse_since(bad, now=NOW)
+
+
+# -- `oomguard incidents` ----------------------------------------------------------------------
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "oomguard", "incidents", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def two_incidents(directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    observe(
+        directory,
+        monkeypatch,
+        allocated=int(71.2 * GIB),
+        reserved=int(72.0 * GIB),
+        requested=8192 * VOCAB * 4,
+        free=int(1.9 * GIB),
+        steps=[step([new_request("cmpl-long", 8192, 8192, prompt_logprobs=1)])],
+    )
+    old = {**valid_exit(4242), "timestamp": NOW - 86400, "started_at": NOW - 86400 - 600}
+    (directory / "exit-4242-1.json").write_text(json.dumps(old))
+    (directory / "exit-1-1.json").write_text("{broken")
+
+
+def test_the_cli_lists_and_explains_incidents(tmp_path, monkeypatch):
+    two_incidents(tmp_path, monkeypatch)
+    r = cli(str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["TIME", "(UTC)", "INCIDENT", "TARGET", "TYPE", "CONFIDENCE"]
+    assert "5 host_oom" in lines[1] and "likely" in lines[1]  # oldest first
+    assert "2 long_prompt" in lines[2] and "llama/0" in lines[2]
+    assert "fix: One request's transient memory did not fit" in r.stdout
+    assert "prompt_logprobs=1" in r.stdout
+    assert "refused files: 1 not_json" in r.stdout
+
+
+def test_the_cli_json_and_since(tmp_path, monkeypatch):
+    two_incidents(tmp_path, monkeypatch)
+    r = cli(str(tmp_path), "--json", "--since", "2025-11-01T00:00:00+00:00")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [i["type"] for i in data["incidents"]] == ["host_oom", "long_prompt"]
+    spike = data["incidents"][1]
+    assert spike["type_number"] == 2 and spike["figures"]["logits_bytes"] == 8192 * VOCAB * 4
+    assert spike["fix"] and spike["evidence"] and data["invalid_files"] == {"not_json": 1}
+    since = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(NOW - 3600))
+    r = cli(str(tmp_path), "--json", "--since", since)
+    assert [i["type"] for i in json.loads(r.stdout)["incidents"]] == ["long_prompt"]
+
+
+def test_the_cli_default_directory_comes_from_the_environment(tmp_path, monkeypatch):
+    two_incidents(tmp_path, monkeypatch)
+    r = cli("--json", env={"OOMGUARD_INCIDENT_DIR": str(tmp_path)})
+    assert len(json.loads(r.stdout)["incidents"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["/nonexistent/incidents"], ["no such directory"]),
+        (["--since", "yesterday", "."], ["--since", "duration"]),
+        (["--since", "2026-12-01T10:00:00", "."], ["time zone"]),
+        (["--bogus", "."], ["unrecognized arguments: --bogus"]),
+        ([".", "extra"], ["unrecognized arguments: extra"]),
+        (["--dcgm-file", "/nonexistent.prom", "."], ["--dcgm-file"]),
+    ],
+)
+def test_cli_mistakes_are_one_line_and_exit_2(args, words, tmp_path):
+    r = cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    [line] = r.stderr.strip().splitlines()
+    assert line.startswith("oomguard incidents: ")
+    for word in words:
+        assert word in line
+
+
+def test_a_fifo_in_the_directory_does_not_hang_the_cli(tmp_path):
+    os.mkfifo(tmp_path / "oom-12-1.json")
+    r = cli(str(tmp_path), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["invalid_files"] == {"not_regular_file": 1}
+
+
+# -- the exporter's collector ---------------------------------------------------------------------
+def test_the_collector_counts_incidents_by_type(tmp_path, monkeypatch):
+    from oomguard.exporter.collectors.incidents import IncidentCollector
+    from oomguard.exporter.render import FamilyBuilder
+
+    two_incidents(tmp_path, monkeypatch)
+    xids: list[inc.Xid] = []
+    collector = IncidentCollector(str(tmp_path), "gpu-node-01", xid_source=lambda: xids)
+    reading = collector.collect()
+    assert reading.invalid == {"not_json": 1}
+    assert dict(reading.by_type) == {
+        ("llama", "0", "long_prompt"): 1,
+        ("", "", "host_oom"): 1,
+    }
+    out = FamilyBuilder()
+    collector.families(reading, out)
+    [family] = out.families()
+    assert family.spec.name == "oomguard_incidents_total" and family.spec.type == "counter"
+    assert sorted(family.samples) == [
+        (("gpu-node-01", "", "", "host_oom"), 1.0),
+        (("gpu-node-01", "llama", "0", "long_prompt"), 1.0),
+    ]
+    assert collector.collect() is reading  # nothing changed: not re-read
+    # an XID on the node now turns the SIGKILL without an OOM record into type 6
+    xids.append(inc.Xid(NOW - 86400 + 20, "", 79))
+    assert dict(collector.collect().by_type)[("", "", "not_oom")] == 1
+    (tmp_path / "exit-1-1.json").unlink()
+    assert not collector.collect().invalid
+
+
+def test_the_collector_reports_a_missing_directory_as_empty_and_an_unreadable_one_as_failed(
+    tmp_path,
+):
+    from oomguard.errors import CollectorError
+    from oomguard.exporter.collectors.incidents import IncidentCollector
+
+    assert not IncidentCollector(str(tmp_path / "none"), "n").collect().by_type
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CollectorError):
+        IncidentCollector(str(tmp_path / "file"), "n").collect()
+
+
+def test_dcgm_xid_counts_are_served_per_code(tmp_path):
+    from oomguard.exporter.collectors.dcgm import DcgmCollector
+
+    collector = DcgmCollector("gpu-node-07", file=str(DCGM_MIG), clock=lambda: NOW)
+    reading = collector.collect()
+    [(identity, code, count)] = reading.xid_counts
+    assert (identity.uuid, code, count) == ("GPU-5d1f0c3a-7e2b-4a91-b6c4-0e8f2a7d3b61", 79, 1)
+    assert collector.recent_xids == (inc.Xid(NOW, identity.uuid, 79, 1),)
+    hostile = tmp_path / "dcgm.prom"
+    hostile.write_text(
+        DCGM_MIG.read_text().replace('xid="79"} 1', 'xid="../../x"} 1')
+        + 'DCGM_EXP_XID_ERRORS_COUNT{gpu="0",xid="13"} 9223372036854775794\n'
+    )
+    reading = DcgmCollector("n", file=str(hostile)).collect()
+    assert reading.xid_counts == [] and reading.invalid["bad_xid"] == 1
+    assert reading.invalid["blank_sentinel"] >= 1

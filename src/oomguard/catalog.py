@@ -106,6 +106,13 @@ _SPECS: tuple[MetricSpec, ...] = (
         GPU_LABELS,
     ),
     _gauge(
+        "oomguard_gpu_xid_errors",
+        "XID errors of one code the GPU reported in dcgm-exporter's last XID window "
+        "(DCGM_EXP_XID_ERRORS_COUNT; a count per window, not cumulative).",
+        "",
+        (*GPU_LABELS, "xid"),
+    ),
+    _gauge(
         "oomguard_gpu_free_floor_bytes",
         "Free-memory floor of a GPU with no planned vLLM engine: below it the GPU is at "
         "caution (level 1), never higher.",
@@ -306,6 +313,15 @@ _SPECS: tuple[MetricSpec, ...] = (
         "the exit-137 class of OOM.",
         "",
         HOST_LABELS,
+    ),
+    # --- OOM forensics (incident records, src/oomguard/incidents.py) -------------------------
+    _counter(
+        "oomguard_incidents_total",
+        "Incident records in the node's incident directory, by the taxonomy type the "
+        "classifier gave them (startup, long_prompt, under_load, after_hours, host_oom, "
+        "not_oom, unknown). Records are kept; removing them reads as a counter reset.",
+        "",
+        ("Hostname", "target", "engine", "type"),
     ),
     # --- The exporter itself ----------------------------------------------------------------
     _gauge(

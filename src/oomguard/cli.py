@@ -407,6 +407,91 @@ def _run_preflight(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+# -- incidents ----------------------------------------------------------------------------------
+def _one_line_errors(p: argparse.ArgumentParser) -> None:
+    """This subcommand's usage mistakes (unknown flags included) as one line and exit 2."""
+
+    def error(message: str) -> Any:
+        print(f"oomguard {p.prog.split()[-1]}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    parse_known = p.parse_known_args
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = parse_known(args, namespace)
+        if extra:
+            error(f"unrecognized arguments: {' '.join(extra)[:200]}")
+        return parsed, extra
+
+    p.error = error  # type: ignore[method-assign]
+    p.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+def _add_incidents(sub: Any) -> None:
+    p = sub.add_parser(
+        "incidents",
+        help="list and explain OOM incidents, each with its type, evidence and fix",
+        description="Read the incident records the vLLM plugin's OOM observer and `oomguard "
+        "serve` write, join them and classify each incident into the field's taxonomy (1 "
+        "startup, 2 long prompt, 3 under load, 4 after hours, 5 host OOM, 6 not an OOM). "
+        "Refused (malformed, hostile) files are counted, never read twice.",
+    )
+    p.add_argument(
+        "directory",
+        nargs="?",
+        metavar="DIR",
+        help="incident directory (default $OOMGUARD_INCIDENT_DIR, else "
+        "$OOMGUARD_ALLOCATOR_DIR/incidents, else /run/oomguard/allocator/incidents)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument(
+        "--since", metavar="WHEN", help="only incidents since: 90s, 30m, 2h, 7d or an ISO time"
+    )
+    p.add_argument(
+        "--dcgm-file",
+        metavar="FILE",
+        help="a saved dcgm-exporter scrape: its XID counts (DCGM_EXP_XID_ERRORS_COUNT), taken "
+        "as seen at the file's modification time, can make a crash 'not an OOM' (type 6)",
+    )
+    _one_line_errors(p)
+    p.set_defaults(func=_run_incidents)
+
+
+def _run_incidents(args: argparse.Namespace) -> int:
+    import os
+
+    from oomguard.incidents import IncidentDirError, incidents, load, parse_since, render_text
+    from oomguard.incidents import to_json as incidents_json
+
+    try:
+        since = parse_since(args.since) if args.since else None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    xids = []
+    if args.dcgm_file:
+        from oomguard.errors import CollectorError
+        from oomguard.exporter.collectors.dcgm import _read_file, xids_from_text
+        from oomguard.exporter.scrape import DEFAULT_MAX_BYTES
+
+        try:
+            text = _read_file(args.dcgm_file, DEFAULT_MAX_BYTES)
+            xids = xids_from_text(text, os.stat(args.dcgm_file).st_mtime)
+        except (CollectorError, OSError) as exc:
+            raise ConfigError(f"--dcgm-file {args.dcgm_file}: {exc}") from None
+    from oomguard.vllm_plugin.oom import directories
+
+    try:
+        loaded = load(args.directory or directories()[1], missing_ok=False)
+    except IncidentDirError as exc:
+        raise ConfigError(str(exc)) from None
+    found = incidents(loaded, xids)
+    if since is not None:
+        found = [i for i in found if i.timestamp >= since]
+    out = incidents_json(found, loaded.invalid) if args.json else render_text(found, loaded.invalid)
+    print(out.rstrip("\n"))
+    return 0
+
+
 # -- generate -----------------------------------------------------------------------------------
 def _add_generate(sub: Any) -> None:
     p = sub.add_parser(
@@ -665,6 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_remediator(sub)
     _add_serve(sub)
+    _add_incidents(sub)
     return parser
 
 

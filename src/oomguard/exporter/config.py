@@ -77,6 +77,11 @@ class AllocatorConfig(_Strict):
     enabled: bool = True
     directory: str = "/run/oomguard/allocator"
     stale_after_seconds: float = Field(30.0, gt=0)
+    incident_directory: str | None = Field(
+        None,
+        description="OOM incident records (plugin observer, oomguard serve), classified into "
+        "oomguard_incidents_total; default <directory>/incidents.",
+    )
 
 
 class CgroupTarget(_Strict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -11,6 +12,7 @@ from oomguard.exporter.collectors.allocator import AllocatorCollector
 from oomguard.exporter.collectors.base import Collector
 from oomguard.exporter.collectors.cgroup import CgroupCollector
 from oomguard.exporter.collectors.dcgm import DcgmCollector
+from oomguard.exporter.collectors.incidents import IncidentCollector
 from oomguard.exporter.collectors.nvml import NvmlCollector
 from oomguard.exporter.collectors.vllm import VllmCollector
 from oomguard.exporter.config import ExporterConfig
@@ -39,6 +41,15 @@ def build_collectors(config: ExporterConfig, nvml_backend: object = None) -> lis
         collectors.append(
             AllocatorCollector(
                 config.allocator.directory, host, config.allocator.stale_after_seconds
+            )
+        )
+        dcgm = next((c for c in collectors if isinstance(c, DcgmCollector)), None)
+        collectors.append(
+            IncidentCollector(
+                config.allocator.incident_directory
+                or os.path.join(config.allocator.directory, "incidents"),
+                host,
+                xid_source=(lambda: dcgm.recent_xids) if dcgm else None,
             )
         )
     for cg in config.cgroups:

@@ -87,3 +87,4 @@ class GpuReading(Reading):
     processes: list[tuple[GpuIdentity, int, float]] = field(default_factory=list)  # pid, bytes
     pods: list[tuple[GpuIdentity, str, str, str, float]] = field(default_factory=list)
     last_xid: list[tuple[GpuIdentity, float]] = field(default_factory=list)
+    xid_counts: list[tuple[GpuIdentity, int, float]] = field(default_factory=list)  # xid, count

@@ -13,13 +13,19 @@ the numbers honest:
   largest one, since they repeat the device value), and pod series are exported separately,
   never summed;
 - blank sentinels (DCGM's "no value" markers, 2**31-16 and up for 32-bit fields, 2**47 and up
-  for doubles, 2**63-16 and up for 64-bit fields) are treated as missing.
+  for doubles, 2**63-16 and up for 64-bit fields) are treated as missing;
+- XIDs: `DCGM_FI_DEV_XID_ERRORS` is the last code (a code, not a count); dcgm-exporter's XID
+  collector, `DCGM_EXP_XID_ERRORS_COUNT{xid, window_size_in_ms}`, counts each XID over its
+  window: served per XID as oomguard_gpu_xid_errors, and kept (`recent_xids`) for the incident
+  classifier, which calls an incident with an XID and no allocator OOM "not an OOM" (type 6).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from oomguard.errors import CollectorError
@@ -27,6 +33,7 @@ from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
 from oomguard.exporter.render import FamilyBuilder
 from oomguard.exporter.scrape import DEFAULT_MAX_BYTES, Scraper
 from oomguard.exporter.textparse import Sample, is_openmetrics, parse
+from oomguard.incidents import Xid
 
 MIB = 1024 * 1024
 _BLANK_INT32 = 2**31 - 16
@@ -38,7 +45,10 @@ FB_FIELDS = {
     "DCGM_FI_DEV_FB_RESERVED": "reserved",
 }
 XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
-WANTED = (*FB_FIELDS, XID_FIELD)
+XID_COUNT = "DCGM_EXP_XID_ERRORS_COUNT"
+WANTED = (*FB_FIELDS, XID_FIELD, XID_COUNT)
+MAX_XID = 1023  # XID codes are small integers; anything else is not one
+RECENT_XIDS = 256  # kept for the incident classifier
 
 
 def _read_file(path: str, max_bytes: int) -> str:
@@ -68,6 +78,22 @@ def _read_file(path: str, max_bytes: int) -> str:
 def is_blank(value: float) -> bool:
     # Every DCGM blank sentinel is at least 2**31-16; no MiB figure or XID code gets there.
     return value >= _BLANK_INT32
+
+
+def _xid_code(labels: dict[str, str]) -> int | None:
+    code = labels.get("xid", "")
+    return int(code) if code.isdigit() and 0 < int(code) <= MAX_XID else None
+
+
+def xids_from_text(text: str, timestamp: float, openmetrics: bool = False) -> list[Xid]:
+    """The XIDs counted in a dcgm-exporter output's last window (non-zero counts only)."""
+    out = []
+    for s in parse(text, (XID_COUNT,), openmetrics=openmetrics).get(XID_COUNT):
+        code = _xid_code(s.labels)
+        if code is not None and 0 < s.value < _BLANK_INT32:
+            uuid = s.labels.get("UUID") or s.labels.get("uuid", "")
+            out.append(Xid(timestamp, uuid, code, int(s.value)))
+    return out
 
 
 def _identity(labels: dict[str, str], hostname: str) -> GpuIdentity:
@@ -109,6 +135,7 @@ class DcgmCollector:
         url: str | None = None,
         file: str | None = None,
         timeout: float = 2.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if bool(url) == bool(file):
             raise ValueError("dcgm collector needs exactly one of url or file")
@@ -117,6 +144,11 @@ class DcgmCollector:
         self.hostname = hostname
         self.timeout = timeout
         self._scraper = Scraper(url, timeout) if url else None
+        self._clock = clock
+        # the last sighting of each (GPU, XID); `recent_xids` is replaced whole, never mutated,
+        # so the incidents collector's thread reads it safely
+        self._sightings: dict[tuple[str, int], Xid] = {}
+        self.recent_xids: tuple[Xid, ...] = ()
 
     def close(self) -> None:
         if self._scraper is not None:
@@ -169,6 +201,27 @@ class DcgmCollector:
             if identity.key not in seen_xid:  # pod-mapped duplicates repeat the device's value
                 seen_xid.add(identity.key)
                 reading.last_xid.append((identity, s.value))
+        seen_count: set[tuple[tuple[str, str], int]] = set()
+        now = self._clock()
+        for s in parsed.get(XID_COUNT):
+            code = _xid_code(s.labels)
+            if code is None:
+                reading.invalid["bad_xid"] += 1
+                continue
+            if not self._valid(s, reading):
+                continue
+            identity = _identity(s.labels, self.hostname)
+            if (identity.key, code) in seen_count:  # pod-mapped duplicates
+                continue
+            seen_count.add((identity.key, code))
+            reading.xid_counts.append((identity, code, s.value))
+            if s.value > 0:
+                key = (identity.uuid, code)
+                self._sightings.pop(key, None)  # re-inserted last: the dict stays time-ordered
+                self._sightings[key] = Xid(now, identity.uuid, code, int(s.value))
+                while len(self._sightings) > RECENT_XIDS:
+                    del self._sightings[next(iter(self._sightings))]
+                self.recent_xids = tuple(self._sightings.values())
         if not reading.gpus:
             raise CollectorError(
                 "no_data", "no DCGM_FI_DEV_FB_* series in the dcgm-exporter output"
@@ -194,3 +247,5 @@ class DcgmCollector:
             )
         for identity, code in reading.last_xid:
             out.add("oomguard_gpu_last_xid", identity.labels(), code)
+        for identity, code, count in reading.xid_counts:
+            out.add("oomguard_gpu_xid_errors", (*identity.labels(), str(code)), count)
