@@ -331,6 +331,38 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardCudaOomObserved", "12m", {ooms: "_x3 1x15"}))  # the same OOM, long ago
     add(Case("OomguardCudaOomObserved", "8m", {ooms: "2x12"}))  # old OOMs of a live process
 
+    # the classified incident: a ticket whose runbook link opens the section of its type
+    def incident(kind: str) -> str:
+        return sel(
+            "oomguard_incidents_total",
+            {**L.exp, "Hostname": NODE, "target": L.target, "engine": "0", "type": kind},
+        )
+
+    def incident_fired(kind: str) -> list[dict[str, str]]:
+        return [
+            {
+                **L.exp,
+                "Hostname": NODE,
+                "target": L.target,
+                "engine": "0",
+                "type": kind,
+                "severity": "warning",
+                "description": f"An incident of type {kind} was recorded for {L.target} engine 0 "
+                f"on {NODE}: `oomguard incidents` there shows its evidence and fix.",
+                "runbook_url": f"{t.runbook_url_base.rstrip('/')}/OomguardIncidentClassified.md"
+                f"#{kind}",
+            }
+        ]
+
+    spike = incident("long_prompt")
+    add(
+        Case("OomguardIncidentClassified", "5m", {spike: "0 0 1x10"}, incident_fired("long_prompt"))
+    )
+    # the first incident of a new exporter: the series is born at 1
+    killed = incident("host_oom")
+    add(Case("OomguardIncidentClassified", "5m", {killed: "_ _ 1x10"}, incident_fired("host_oom")))
+    add(Case("OomguardIncidentClassified", "30m", {spike: "1x40"}))  # an old incident
+
     tokens = sel("oomguard_vllm_generation_tokens_total", L.engine)
     add(
         Case(

@@ -33,10 +33,12 @@ def rule_tests(t: AlertThresholds) -> dict[str, Any]:
     for case in cases(t):
         exp = []
         for fired in case.firing:
-            labels = {k: v for k, v in fired.items() if k != "description"}
+            labels = {k: v for k, v in fired.items() if k not in ("description", "runbook_url")}
             alert = by_key[(case.alert, labels["severity"])]
             annotations = alert.annotations(t)
             annotations["description"] = fired["description"]
+            if "runbook_url" in fired:  # a templated section link, as promtool expands it
+                annotations["runbook_url"] = fired["runbook_url"]
             exp.append({"exp_labels": labels, "exp_annotations": annotations})
         tests.append(
             {

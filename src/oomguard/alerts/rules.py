@@ -49,6 +49,7 @@ class Alert:
     for_: str = "0s"
     keep_firing_for: str | None = None
     action: str | None = None
+    runbook_anchor: str | None = None  # a section of the runbook (may be templated)
 
     def labels(self) -> dict[str, str]:
         labels = {"severity": self.severity}
@@ -60,7 +61,8 @@ class Alert:
         return {
             "summary": self.summary,
             "description": self.description,
-            "runbook_url": runbook_url(t, self.name),
+            "runbook_url": runbook_url(t, self.name)
+            + (f"#{self.runbook_anchor}" if self.runbook_anchor else ""),
         }
 
 
@@ -247,6 +249,17 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "in the last 5 minutes.",
             keep_firing_for=t.action_keep_firing_for,
             action="restart",
+        ),
+        # the forensics that follow (a ticket): which type of OOM, and the runbook section
+        Alert(
+            "OomguardIncidentClassified",
+            new_or_increased("oomguard_incidents_total", "15m"),
+            "warning",
+            "An OOM incident was recorded and its type named.",
+            "An incident of type {{ $labels.type }} was recorded for {{ $labels.target }} "
+            "engine {{ $labels.engine }} on {{ $labels.Hostname }}: `oomguard incidents` there "
+            "shows its evidence and fix.",
+            runbook_anchor="{{ $labels.type }}",
         ),
         Alert(
             "OomguardModelUnavailable",
