@@ -679,3 +679,19 @@ def test_dcgm_xid_counts_are_served_per_code(tmp_path):
     reading = DcgmCollector("n", file=str(hostile)).collect()
     assert reading.xid_counts == [] and reading.invalid["bad_xid"] == 1
     assert reading.invalid["blank_sentinel"] >= 1
+
+
+# -- on the GPU twin ----------------------------------------------------------------------------
+def test_the_twins_prompt_logprobs_oom_is_classified_as_a_long_prompt_spike(tmp_path):
+    """The twin's simulated CUDA OOM (a 6,000-token prompt asking for prompt_logprobs on an H100
+    with a 6 GiB neighbour, tests/test_vllm_plugin_oom.py) goes through the real observer in a
+    process that dies at once; its record is classified as type 2."""
+    from tests.test_vllm_plugin_oom import require_vllm, run_child
+
+    require_vllm()
+    assert run_child(tmp_path) == 1
+    found = the_incident(tmp_path / "incidents")
+    assert (found.type, found.confidence) == ("long_prompt", "confirmed")
+    assert found.target == "llama" and found.figures["steps"] == 1
+    assert found.figures["requested_bytes"] >= 6000 * VOCAB * 4
+    assert any("cmpl-big" in e and "prompt_logprobs=5" in e for e in found.evidence)
