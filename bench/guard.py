@@ -12,6 +12,7 @@ Usage: python bench/guard.py [--quick]   (writes bench/results/guard.json)
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -62,21 +63,37 @@ def engine_report(engine: int, now: int) -> dict:
     }
 
 
+def _is_plain(r: SimpleNamespace) -> bool:
+    p = r.sampling_params
+    return p.prompt_logprobs is None and not p.logprobs
+
+
 def measure(engines: int, reqs: list[SimpleNamespace], rounds: int) -> dict[str, float]:
+    """Per-decision cost of the mix, and of its plain and its logprobs requests alone, timed in
+    interleaved rounds so that a busy moment of the shared machine hits all three alike."""
     guard = Guard("observe")
     guard.update([engine_report(e, (3 + e) * 2**30) for e in range(engines)])
-    samples = []
+    sets = {
+        "mix": reqs,
+        "plain": [r for r in reqs if _is_plain(r)],
+        "logprobs": [r for r in reqs if not _is_plain(r)],
+    }
+    samples: dict[str, list[float]] = {k: [] for k in sets}
     for _ in range(rounds):
-        start = time.perf_counter_ns()
-        for r in reqs:
-            guard.check(r)
-        samples.append((time.perf_counter_ns() - start) / len(reqs) / 1000)
+        for kind, batch in sets.items():
+            start = time.perf_counter_ns()
+            for r in batch:
+                guard.check(r)
+            samples[kind].append((time.perf_counter_ns() - start) / len(batch) / 1000)
     return {
         "engines": engines,
         "requests_per_round": len(reqs),
+        "plain_share": round(len(sets["plain"]) / len(reqs), 3),
         "rounds": rounds,
-        "us_per_decision_median": round(statistics.median(samples), 2),
-        "us_per_decision_max_round": round(max(samples), 2),
+        "us_per_decision_median": round(statistics.median(samples["mix"]), 2),
+        "us_per_decision_max_round": round(max(samples["mix"]), 2),
+        "us_plain_median": round(statistics.median(samples["plain"]), 2),
+        "us_logprobs_median": round(statistics.median(samples["logprobs"]), 2),
     }
 
 
@@ -104,8 +121,10 @@ def main() -> None:
         target_us=50,
         ns_per_reference_loop_iteration=round(speed, 1),
         results=results,
+        load_average=round(os.getloadavg()[0], 1),
         note="Guard.check per request in the API server (observe mode, with its counter); "
-        "logging of non-admit decisions is off at the default WARNING level of this script.",
+        "logging of non-admit decisions is off at the default WARNING level of this script. "
+        "plain: no logprobs (the hook's shortcut); logprobs: the full estimate and decision.",
     )
     for r in results:
         print(r)

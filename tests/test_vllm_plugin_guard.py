@@ -156,6 +156,49 @@ def reports(now: float, idle: float) -> list[dict]:
     ]
 
 
+@given(
+    prompt=st.integers(0, 40_000),
+    prompt_logprobs=st.sampled_from([None, 0, 1, 5]),
+    logprobs=st.sampled_from([None, 0, 1, 20]),
+    n=st.integers(1, 8),
+    chunked=st.booleans(),
+    kv_margin=st.sampled_from([None, 0.15]),
+    now=st.floats(-2, 20),
+    stale=st.booleans(),
+)
+def test_the_hook_answers_what_decide_answers(
+    prompt, prompt_logprobs, logprobs, n, chunked, kv_margin, now, stale
+):
+    """The hook's shortcut for requests with no transient need changes no decision."""
+    from oomguard.vllm_plugin.admission import Guard
+
+    clock = [100.0]
+    guard = Guard("observe", kv_margin=kv_margin, clock=lambda: clock[0])
+    figures = reports(now, 20)
+    figures[0]["chunked_prefill"] = chunked
+    guard.update(figures)
+    if stale:
+        clock[0] += 60
+    request = engine_request(prompt, prompt_logprobs, n)
+    request.sampling_params.logprobs = logprobs
+    shape = RequestShape(
+        prompt,
+        max_tokens=8,
+        n=n,
+        logprobs=logprobs or 0,
+        prompt_logprobs=prompt_logprobs is not None,
+    )
+    expected = decide(shape, guard.model, guard.engine, guard.fresh(), kv_margin)
+    got = guard.check(request)
+    assert got is not None
+    assert (got.action, got.reason, got.parameter, got.need_bytes) == (
+        expected.action,
+        expected.reason,
+        expected.parameter,
+        expected.need_bytes,
+    )
+
+
 def test_the_hook_per_mode():
     pytest.importorskip("vllm")
     from vllm.exceptions import GracefulHTTPError, VLLMValidationError
