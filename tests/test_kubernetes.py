@@ -15,11 +15,14 @@ import yaml
 from kubernetes import client
 
 from oomguard.engine_env import INITIAL_CAP_ENV
+from oomguard.manifests import DISCOVERY_NAMESPACES
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import KubernetesRef, RemediatorConfig
 from oomguard.remediator.controller import Controller
+from oomguard.remediator.discovery import DiscoveryConfig, PodDiscovery
 from oomguard.remediator.flags import Flags
 from oomguard.remediator.kubernetes import ORIGINAL, KubernetesBackend
+from oomguard.remediator.leader import LeaseElector
 from oomguard.remediator.restart import RestartError
 from oomguard.remediator.webhook import parse
 from tests.kube_standin import K8S_VERSION, KubeStandIn
@@ -138,12 +141,22 @@ def test_the_pieces_fit_together(repo_root):
     config = RemediatorConfig.model_validate(yaml.safe_load(config_map["data"]["remediator.yaml"]))
     role = next(o for o in remediator if o["kind"] == "Role")
     # least privilege: get/patch, on exactly the workloads the remediator may restart
-    assert [r["verbs"] for r in role["rules"]] == [["get", "patch"]]
+    assert role["rules"][0]["verbs"] == ["get", "patch"]
     restartable = {t.restart.kubernetes.name for t in config.targets if t.restart}
     assert set(role["rules"][0]["resourceNames"]) == restartable
-    binding = next(o for o in remediator if o["kind"] == "RoleBinding")
     account = next(o for o in remediator if o["kind"] == "ServiceAccount")
-    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    roles = {
+        (o["metadata"]["namespace"], o["metadata"]["name"])
+        for o in remediator
+        if o["kind"] == "Role"
+    }
+    bindings = [o for o in remediator if o["kind"] == "RoleBinding"]
+    # every Role is bound to the remediator's account, in its own namespace
+    assert {(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in bindings} == roles
+    for b in bindings:
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "oomguard"}
+        ]
     vllm = next(o for o in docs(repo_root, "vllm-example.yaml") if o["kind"] == "Deployment")
     container = vllm["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -160,6 +173,80 @@ def test_the_pieces_fit_together(repo_root):
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
         (text,) = cm["data"].values()
         assert json.loads(text)["uid"]
+
+
+# -- RBAC: what the code calls, granted and no more --------------------------------------------
+WRITES = {
+    "create",
+    "update",
+    "patch",
+    "delete",
+    "deletecollection",
+    "escalate",
+    "bind",
+    "impersonate",
+}
+
+
+def test_the_generated_rbac_lets_discovery_the_lease_and_restarts_work_and_no_more(repo_root):
+    """The remediator's own code (pod discovery, leader election, the restart backend) against
+    the API stand-in that checks every request against exactly the generated Roles."""
+    remediator = docs(repo_root, "remediator.yaml")
+    config_map = next(o for o in remediator if o["kind"] == "ConfigMap")
+    config = RemediatorConfig.model_validate(yaml.safe_load(config_map["data"]["remediator.yaml"]))
+    roles = [o for o in remediator if o["kind"] == "Role"]
+    for r in roles:  # no wildcard, no Secrets; writes only on Leases and named workloads
+        for rule in r["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+            assert "secrets" not in rule["resources"]
+            if WRITES & set(rule["verbs"]):
+                assert rule["resources"] == ["leases"] or rule.get("resourceNames"), rule
+                assert WRITES & set(rule["verbs"]) <= {"create", "update", "patch"}
+    assert config.leader_election is not None
+    target = next(t for t in config.targets if t.restart and t.restart.kubernetes)
+    ref = target.restart.kubernetes
+    standin = KubeStandIn([vllm_deployment(repo_root, ref.name)], roles[0])
+    for r in roles[1:]:
+        standin.allow(r)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "vllm-0",
+            "namespace": ref.namespace,
+            "labels": {"oomguard.io/remediate": "true"},
+        },
+        "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "vllm", "image": "v"}]},
+        "status": {"phase": "Running", "podIP": "10.0.0.1"},
+    }
+    standin.put_pod(pod)
+    cfg = client.Configuration()
+    cfg.host = standin.url
+    cfg.api_key = {"BearerToken": "kube-token"}
+    cfg.api_key_prefix = {"BearerToken": "Bearer"}
+    api = client.ApiClient(cfg)
+    discovery = PodDiscovery(
+        DiscoveryConfig(namespaces=DISCOVERY_NAMESPACES, watch_seconds=1), api, backoff=0.1
+    )
+    discovery.start()
+    try:
+        assert discovery.wait_synced(10)  # list, then watch
+        assert [t.name for t in discovery.targets()] == ["llm:vllm-0"]
+        time.sleep(1.5)  # the watch times out and is resumed
+    finally:
+        discovery.stop()
+    elector = LeaseElector(config.leader_election, "replica-a", api)
+    assert elector.try_once() and elector.try_once()  # create, then get + update (renew)
+    elector.stop()  # gives the Lease up: get + update
+    backend = KubernetesBackend(ref, api)
+    backend.restart(Flags(0.86, 51), 1, "memory stayed critical")  # get, patch
+    # (a 404 is fine: the first get of a Lease nobody created yet)
+    refused = [(r.method, r.path, r.status) for r in standin.requests if r.status in (401, 403)]
+    assert not refused
+    calls = {(r.method, r.path.split("?")[0].rsplit("/", 1)[-1]) for r in standin.requests}
+    assert ("POST", "leases") in calls and ("PUT", "oomguard-remediator") in calls
+    assert ("PATCH", ref.name) in calls and ("GET", "pods") in calls
+    standin.close()
 
 
 # -- the backend against the stand-in -------------------------------------------------------------

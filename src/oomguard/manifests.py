@@ -3,8 +3,9 @@
 deploy/kubernetes/:
   exporter.yaml      DaemonSet on GPU nodes (NVML through the NVIDIA runtime, host PIDs, the
                      allocator hand-off hostPath), its ServiceAccount and PodMonitor
-  remediator.yaml    Deployment, config, audit-log volume, Service, PodMonitor, and the RBAC it
-                     needs in the vLLM namespace: get/patch on the named workloads only
+  remediator.yaml    Deployment, config, audit-log volume, Service, PodMonitor, and the RBAC its
+                     code calls: get/patch on the named workloads and get/list/watch on pods
+                     in the vLLM namespace, its Lease in its own (remediator_rbac)
   vllm-example.yaml  a vLLM Deployment with the plugin: VLLM_PLUGINS, tokens from a Secret,
                      readiness on the plugin's ready route, a PodDisruptionBudget
   monitoring.yaml    PrometheusRule from the generated rules, an AlertmanagerConfig with their
@@ -38,6 +39,7 @@ from oomguard.thresholds import AlertThresholds
 OUT = Path("deploy/kubernetes")
 NS = "oomguard"
 VLLM_NS = "llm"
+DISCOVERY_NAMESPACES = [VLLM_NS]  # pods the remediator may discover (docs/kubernetes.md)
 VLLM_NAME = "vllm-llama-3-8b"
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # vLLM labels its series model_name=<this>
 NODE = "gpu-node-1"  # the example engine's node: alerts name it in `instance` (see PodMonitor)
@@ -217,7 +219,76 @@ def remediator_config() -> dict[str, Any]:
             # the operator names an AlertmanagerConfig's receivers <namespace>/<name>/<receiver>
             "receiver": f"{NS}/oomguard/remediator",
         },
+        # one active replica: a rollout's old and new pod never act at the same time
+        "leader_election": {"namespace": NS},
     }
+
+
+def _rule(
+    group: str, resource: str, verbs: list[str], names: list[str] | None = None
+) -> dict[str, Any]:
+    rule: dict[str, Any] = {"apiGroups": [group], "resources": [resource]}
+    if names is not None:
+        rule["resourceNames"] = sorted(names)
+    return {**rule, "verbs": verbs}
+
+
+def remediator_rbac(name: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+    """Least privilege for what the remediator's code calls (nothing else), from its config:
+
+    - in each engines' namespace: `get`, `patch` on the named workloads the restart backend
+      changes (kubernetes.py), and `get`, `list`, `watch` on pods (discovery.py lists then
+      watches; granted in DISCOVERY_NAMESPACES so turning discovery on needs no RBAC change);
+    - in its own namespace: `create` on leases, `get`, `update` on its Lease by name
+      (leader.py; create cannot be limited to a name in Kubernetes RBAC).
+    """
+    config = remediator_config()
+    workloads: dict[str, dict[str, list[str]]] = {ns: {} for ns in DISCOVERY_NAMESPACES}
+    for target in config["targets"]:
+        ref = (target.get("restart") or {}).get("kubernetes")
+        if ref:
+            resource = {"Deployment": "deployments", "StatefulSet": "statefulsets"}[ref["kind"]]
+            workloads.setdefault(ref["namespace"], {}).setdefault(resource, []).append(ref["name"])
+    out: list[dict[str, Any]] = []
+
+    def role(namespace: str, rules: list[dict[str, Any]]) -> None:
+        out.append(
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": _meta(name, namespace, **labels),
+                "rules": rules,
+            }
+        )
+        out.append(
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": _meta(name, namespace, **labels),
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": NS}],
+            }
+        )
+
+    for namespace, kinds in workloads.items():
+        rules = [_rule("apps", res, ["get", "patch"], names) for res, names in kinds.items()]
+        if namespace in DISCOVERY_NAMESPACES:
+            rules.append(_rule("", "pods", ["get", "list", "watch"]))
+        role(namespace, rules)
+    lease = config.get("leader_election")
+    if lease:
+        lease_name = lease.get("lease_name", "oomguard-remediator")
+        rules = [
+            _rule("coordination.k8s.io", "leases", ["create"]),
+            _rule("coordination.k8s.io", "leases", ["get", "update"], [lease_name]),
+        ]
+        ns = lease["namespace"]
+        mine = [o for o in out if o["kind"] == "Role" and o["metadata"]["namespace"] == ns]
+        if mine:  # one Role per namespace
+            mine[0]["rules"] += rules
+        else:
+            role(ns, rules)
+    return out
 
 
 def remediator(t: AlertThresholds) -> list[dict[str, Any]]:
@@ -245,8 +316,10 @@ def remediator(t: AlertThresholds) -> list[dict[str, Any]]:
             "kind": "Deployment",
             "metadata": _meta(name, **labels),
             "spec": {
-                # one replica: safety counters (cooldown, rate limit) are per replica; it
-                # rebuilds from Alertmanager and the engines when it restarts
+                # one replica: its safety state (the audit log) is on a ReadWriteOnce volume;
+                # a warm standby needs a shared one. It rebuilds from the audit log,
+                # Alertmanager and the engines when it restarts; the Lease keeps a rollout's
+                # old and new pod from acting at once
                 "replicas": 1,
                 "strategy": {"type": "Recreate"},
                 "selector": {"matchLabels": labels},
@@ -260,6 +333,13 @@ def remediator(t: AlertThresholds) -> list[dict[str, Any]]:
                                 "name": "remediator",
                                 "image": IMAGE,
                                 "args": ["remediator", "--config=/etc/oomguard/remediator.yaml"],
+                                # the replica's identity on the Lease
+                                "env": [
+                                    {
+                                        "name": "POD_NAME",
+                                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                    }
+                                ],
                                 "ports": [{"name": "http", "containerPort": 9849}],
                                 "readinessProbe": {
                                     "httpGet": {"path": "/healthz", "port": "http"},
@@ -311,27 +391,8 @@ def remediator(t: AlertThresholds) -> list[dict[str, Any]]:
             },
         },
         _pod_monitor(name, labels, "http", "5s", t.remediator_job),
-        # Least privilege: read and patch the named vLLM workloads, nothing else
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": _meta(name, VLLM_NS, **labels),
-            "rules": [
-                {
-                    "apiGroups": ["apps"],
-                    "resources": ["deployments"],
-                    "resourceNames": [VLLM_NAME],
-                    "verbs": ["get", "patch"],
-                }
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": _meta(name, VLLM_NS, **labels),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": NS}],
-        },
+        # Least privilege: what the code calls, on the objects the config names
+        *remediator_rbac(name, labels),
     ]
 
 
