@@ -91,9 +91,17 @@ MLA_BLOCK_SIZE = 64  # FlashMLA, the MLA backend on Hopper, needs 64-token block
 NON_TORCH_BYTES = 512 * MIB  # cuBLAS/cuDNN workspaces and the allocator's own reserve
 NCCL_BYTES = 640 * MIB  # NCCL and custom all-reduce buffers, only with TP or PP > 1
 CUDA_GRAPH_BYTES = 512 * MIB  # the CUDA graph pool vLLM's profiler estimates
-SAMPLER_COPIES = 3  # FP32 logits, their softmax and the top-k/top-p sort buffer
-# Above this many parameters a MoE model's non-KV memory was measured 6-8 GiB over the estimate
-# (Qwen3-235B-A22B-FP8, gpt-oss-120b; gpt-oss-20b was within 1 %): the output says so.
+# The sampler's dummy run (gpu_model_runner._dummy_sampler_run) holds max_num_seqs x vocab
+# logits on every rank (the logits processor all-gathers the vocabulary shards). vLLM 0.33:
+# the model-dtype logits (2 B), their FP32 copy (4), the softmax (4) and the exponential noise
+# of random_sample (4); top-k/top-p masking is in place (Triton or FlashInfer).
+SAMPLER_BYTES_PER_LOGIT = 14
+# Older vLLM (0.9-0.11 without VLLM_USE_FLASHINFER_SAMPLER=1) sorted every row in PyTorch:
+# model-dtype logits 2 + FP32 copy 4 + int64 iota 8 + sorted values and indices 12 + the radix
+# sort's double buffer 12 (docs/budget.md, "Sampler": a logged profile shows 38.6).
+SORT_SAMPLER_BYTES_PER_LOGIT = 38
+# Above this many parameters a MoE model's non-KV memory is least certain (gpt-oss-120b's
+# profile is still 3 GiB over this estimate): the output says so.
 LARGE_MOE_PARAMS = 100e9
 
 
@@ -690,6 +698,10 @@ class BudgetInputs:
     max_num_batched_tokens: int | None = None  # None: vLLM's default for this GPU
     enforce_eager: bool = False
     async_scheduling: bool = True
+    # vLLM >= 0.21 subtracts its CUDA graph estimate from the pool; older versions captured
+    # the graphs after sizing it (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 does the same).
+    profile_cuda_graphs: bool = True
+    sort_sampler: bool = False  # PyTorch sort-based top-k/top-p (vLLM 0.9/0.10 default)
     context_len: int | None = None  # context for the concurrency figure; default max_model_len
     weights_bytes: int | None = None  # per GPU, from "Model loading took X GiB"
     overhead_bytes: int | None = None  # override activation + non-torch + graphs estimate
@@ -769,20 +781,33 @@ def overhead_per_gpu(
     h = shape.hidden_size
     act_dtype = shape.dtype_bytes
     if shape.experts:
-        inter = shape.expert_intermediate_size * max(shape.experts_per_token, 1)
-        inter += shape.expert_intermediate_size * shape.shared_experts
+        # The fused-MoE kernel's two workspaces, each tokens x top-k x max(N, K) in the
+        # activation dtype, where K is the hidden size (never sharded) and N the expert's
+        # gate/up width on this GPU (vllm/model_executor/layers/fused_moe/experts/triton_moe.py
+        # workspace_shapes; modular_kernel.py _allocate_buffers: no chunking).
+        expert_tp = 1 if inp.enable_expert_parallel else tp
+        n = 2 * shape.expert_intermediate_size / expert_tp
+        topk = max(shape.experts_per_token, 1)
+        per_token = topk * (max(n / 2, h) + max(n, h))
+        per_token += 3 * shape.expert_intermediate_size * shape.shared_experts / tp
+        per_token += 2 * h
+        if shape.dense_layers:  # leading dense layers run the plain MLP
+            per_token = max(per_token, 3 * shape.intermediate_size / tp + 2 * h)
     else:
-        inter = shape.intermediate_size
-    # The forward pass of `batched` tokens: the MLP's gate/up output and activation
-    # (3 x intermediate per token, TP-sharded) and a few hidden-size buffers.
-    activation = batched * act_dtype * (3 * inter / tp + 2 * h)
-    # The sampler's dummy run: FP32 logits for max_num_seqs requests, plus softmax and sort.
-    sampler = seqs * shape.vocab_size / tp * 4 * SAMPLER_COPIES
+        # The MLP's gate/up output and activation (3 x intermediate per token, TP-sharded)
+        # and a few hidden-size buffers.
+        per_token = 3 * shape.intermediate_size / tp + 2 * h
+    activation = batched * act_dtype * per_token
+    # The sampler's dummy run: max_num_seqs rows of the full vocabulary on every rank.
+    per_logit = SORT_SAMPLER_BYTES_PER_LOGIT if inp.sort_sampler else SAMPLER_BYTES_PER_LOGIT
+    sampler = seqs * shape.vocab_size * per_logit
+    graphs = inp.profile_cuda_graphs and not inp.enforce_eager
+    # The profile's peak is the larger of the two: the forward pass's activations are freed
+    # before the sampler's dummy run (gpu_model_runner.profile_run).
     parts = {
-        "activation": int(activation),
-        "sampler": int(sampler),
+        "activation_or_sampler_peak": int(max(activation, sampler)),
         "non_torch": NON_TORCH_BYTES + (NCCL_BYTES if tp * inp.pipeline_parallel_size > 1 else 0),
-        "cuda_graphs": 0 if inp.enforce_eager else CUDA_GRAPH_BYTES,
+        "cuda_graphs": CUDA_GRAPH_BYTES if graphs else 0,
     }
     return parts
 
@@ -893,9 +918,9 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
         )
     if source == "estimate" and shape.experts and shape.parameter_count() > LARGE_MOE_PARAMS:
         notes.append(
-            "large MoE model: vLLM's profiling run took 6-8 GiB more non-KV memory than this "
-            "estimate on logged runs (docs/budget.md); treat the pool as an upper bound and "
-            "read 'Available KV cache memory' from the startup log"
+            "large MoE model: its non-KV memory is the least certain part of this estimate "
+            "(docs/budget.md); treat the pool as an upper bound and read 'Available KV cache "
+            "memory' from the startup log"
         )
     elif source == "estimate":
         notes.append(
