@@ -163,6 +163,8 @@ def test_pool_tokens_within_5_percent_of_vllm_logs(case: dict[str, Any]) -> None
     assert cap.tokens == pytest.approx(case["tokens"], rel=0.05)
     if "concurrency" in case:
         assert cap.max_concurrency == pytest.approx(case["concurrency"], rel=0.05)
+    if "blocks" in case and "tensor_parallel_size" not in case["flags"]:
+        assert cap.num_blocks == pytest.approx(case["blocks"], rel=0.01)
 
 
 @pytest.mark.parametrize("case", NEEDED_CASES, ids=[c["id"] for c in NEEDED_CASES])
