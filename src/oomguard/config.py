@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,7 +14,7 @@ from oomguard.errors import ConfigError
 M = TypeVar("M", bound=BaseModel)
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as exc:

@@ -118,7 +118,8 @@ class AllocatorReport:
     def from_memory_stats(cls, stats: dict[str, Any], **identity: Any) -> AllocatorReport:
         """Build a report from `torch.cuda.memory_stats()` plus identity fields."""
         values = {field: int(stats.get(key, 0)) for field, key in TORCH_STATS_KEYS.items()}
-        return cls(**identity, **values)
+        fields: dict[str, Any] = {**identity, **values}
+        return cls(**fields)
 
     def to_json(self) -> str:
         return json.dumps({"schema": SCHEMA, **asdict(self)}, separators=(",", ":"))

@@ -145,9 +145,15 @@ def _none_or(expr: str, of: str) -> str:
     return f"{expr} or 0 * count({of})"
 
 
-RED_FROM_1 = [{"color": "green", "value": None}, {"color": "red", "value": 1}]
-ORANGE_FROM_1 = [{"color": "green", "value": None}, {"color": "orange", "value": 1}]
-RED_BELOW_1 = [{"color": "red", "value": None}, {"color": "green", "value": 1}]
+RED_FROM_1: list[dict[str, Any]] = [{"color": "green", "value": None}, {"color": "red", "value": 1}]
+ORANGE_FROM_1: list[dict[str, Any]] = [
+    {"color": "green", "value": None},
+    {"color": "orange", "value": 1},
+]
+RED_BELOW_1: list[dict[str, Any]] = [
+    {"color": "red", "value": None},
+    {"color": "green", "value": 1},
+]
 
 
 def fleet(t: AlertThresholds | None = None) -> dict[str, Any]:

@@ -43,7 +43,7 @@ LEVEL_MAPPINGS = [
         },
     }
 ]
-LEVEL_STEPS = [
+LEVEL_STEPS: list[dict[str, Any]] = [
     {"color": "purple", "value": None},
     {"color": "green", "value": 0},
     {"color": "yellow", "value": 1},

@@ -276,9 +276,9 @@ class PressureEvaluator:
         _trim(self._seen_gpus)
         # Seen before, not in this snapshot: its target is down, or it vanished from the output.
         watched = set(blind_targets) | {k[0] for k in fresh_keys}
-        for key in self._seen_engines:
-            if key not in fresh_keys and key[0] in watched:
-                engine_out.append(EnginePressure(key, LEVEL_BLIND))
+        for engine_key in self._seen_engines:
+            if engine_key not in fresh_keys and engine_key[0] in watched:
+                engine_out.append(EnginePressure(engine_key, LEVEL_BLIND))
         self._forget_history(fresh_keys)
         return Evaluation(gpu_out, engine_out)
 
@@ -395,11 +395,14 @@ class PressureEvaluator:
 
     # -- bounded memory ----------------------------------------------------------------------
     def _expire(self, now: float) -> None:
-        for table in (self._held_gpu, self._held_engine):
+        # the tables differ only in their key type, which these loops never look into
+        held: tuple[dict[Any, tuple[float, Level]], ...] = (self._held_gpu, self._held_engine)
+        for table in held:
             for key in [k for k, (until, _) in table.items() if until < now]:
                 del table[key]
         horizon = now - self.t.blind_retention_seconds
-        for seen in (self._seen_gpus, self._seen_engines):
+        seen_tables: tuple[dict[Any, Any], ...] = (self._seen_gpus, self._seen_engines)
+        for seen in seen_tables:
             for key in [k for k, v in seen.items() if _seen_at(v) < horizon]:
                 del seen[key]
             _trim(seen)

@@ -187,7 +187,9 @@ class _FamiliesCollector:
             s = family.spec
             if s.type == "counter":
                 base = s.name[: -len("_total")] if s.name.endswith("_total") else s.name
-                metric: Metric = CounterMetricFamily(base, s.help, labels=s.labels)
+                metric: CounterMetricFamily | GaugeMetricFamily = CounterMetricFamily(
+                    base, s.help, labels=s.labels
+                )
             else:
                 metric = GaugeMetricFamily(s.name, s.help, labels=s.labels)
             for labels, value in family.samples:

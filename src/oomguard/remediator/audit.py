@@ -53,7 +53,7 @@ class AuditLog:
 
     def entries(self) -> list[dict[str, Any]]:
         """Every well-formed entry (a torn last line after a crash is skipped)."""
-        out = []
+        out: list[dict[str, Any]] = []
         if not self.path.exists():
             return out
         for line in self.path.read_text().splitlines():

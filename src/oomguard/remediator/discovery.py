@@ -23,11 +23,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # config.py imports this module's DiscoveryConfig
+    from urllib3 import BaseHTTPResponse
+
     from oomguard.remediator.config import TargetConfig
 
 log = logging.getLogger("oomguard.remediator.discovery")
@@ -36,6 +38,10 @@ PORT_ANNOTATION = "oomguard.io/plugin-port"
 TOKEN_ANNOTATION = "oomguard.io/plugin-token-secret"
 MODEL_ANNOTATION = "oomguard.io/model"
 PodField = Literal["namespace", "pod", "node", "target"]
+
+
+def _default_match() -> dict[str, PodField]:
+    return {"instance": "node"}
 
 
 class DiscoveryConfig(BaseModel):
@@ -60,7 +66,7 @@ class DiscoveryConfig(BaseModel):
         description=f"Pod label giving the model (or the {MODEL_ANNOTATION} annotation).",
     )
     match: dict[str, PodField] = Field(
-        default_factory=lambda: {"instance": "node"},
+        default_factory=_default_match,
         description="Alert label -> pod field that selects the pod. Default: the node, as "
         "the exporter's alerts name it in `instance` (one engine per GPU node; two on a node "
         "make its alerts ambiguous, and they act on neither); {namespace: namespace, pod: pod} "
@@ -83,8 +89,11 @@ def pod_target(pod: Mapping[str, Any], config: DiscoveryConfig) -> TargetConfig 
         return None
     if meta.get("deletionTimestamp") or status.get("phase") != "Running":
         return None
+    pod_ip = status.get("podIP")
+    if not isinstance(pod_ip, str):
+        return None
     try:  # the API server's podIP, and only an IP address: never a host name or a path
-        ip = str(ipaddress.ip_address(status.get("podIP")))
+        ip = str(ipaddress.ip_address(pod_ip))
     except ValueError:
         return None
     annotations = meta.get("annotations") or {}
@@ -190,8 +199,12 @@ class PodDiscovery:
             self.on_change()
 
     def _list(self, namespace: str) -> str:
-        r = self.core.list_namespaced_pod(
-            namespace, label_selector=self.config.label_selector, _preload_content=False
+        # _preload_content=False returns urllib3's raw response, not the annotated V1PodList
+        r = cast(
+            "BaseHTTPResponse",
+            self.core.list_namespaced_pod(
+                namespace, label_selector=self.config.label_selector, _preload_content=False
+            ),
         )
         body = json.loads(r.data)
         self.lists += 1

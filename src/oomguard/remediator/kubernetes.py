@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from oomguard.engine_env import INITIAL_CAP_ENV
 from oomguard.remediator.config import KubernetesRef
 from oomguard.remediator.flags import Flags, apply, read
 from oomguard.remediator.restart import FlagView, RestartError
+
+if TYPE_CHECKING:
+    from urllib3 import BaseHTTPResponse
 
 ORIGINAL = "oomguard.io/original-flags"
 CHANGED_AT = "oomguard.io/flags-changed-at"
@@ -63,7 +66,10 @@ class KubernetesBackend:
         )
         try:
             # raw JSON, not the client's models: what we patch is what the server stored
-            response = read(self.ref.name, self.ref.namespace, _preload_content=False)
+            # (_preload_content=False returns urllib3's response; the annotations name the model)
+            response = cast(
+                "BaseHTTPResponse", read(self.ref.name, self.ref.namespace, _preload_content=False)
+            )
             obj = json.loads(response.data)
         except Exception as exc:
             raise self._failed("GET", exc) from exc

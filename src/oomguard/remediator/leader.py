@@ -20,9 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from urllib3 import BaseHTTPResponse
 
 log = logging.getLogger("oomguard.remediator.leader")
 
@@ -134,7 +137,12 @@ class LeaseElector:
                     "metadata": {"name": c.lease_name, "namespace": c.namespace},
                     "spec": {**self._spec(True, {}), "leaseTransitions": 0},
                 }
-                self.api.create_namespaced_lease(c.namespace, body, _preload_content=False)
+                self.api.create_namespaced_lease(
+                    c.namespace,
+                    # the client takes a plain dict body at run time; its annotations name V1Lease
+                    body,  # type: ignore[arg-type]
+                    _preload_content=False,
+                )
                 self._renewed = self.clock()
             else:
                 spec = lease.get("spec") or {}
@@ -157,7 +165,10 @@ class LeaseElector:
                         "spec": self._spec(holder != self.identity, spec),
                     }
                     self.api.replace_namespaced_lease(
-                        c.lease_name, c.namespace, body, _preload_content=False
+                        c.lease_name,
+                        c.namespace,
+                        body,  # type: ignore[arg-type]  # a dict, as above
+                        _preload_content=False,
                     )
                     self._renewed = self.clock()
                 elif self._renewed is not None:
@@ -175,8 +186,12 @@ class LeaseElector:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            r = self.api.read_namespaced_lease(
-                self.config.lease_name, self.config.namespace, _preload_content=False
+            # _preload_content=False returns urllib3's raw response, not the annotated V1Lease
+            r = cast(
+                "BaseHTTPResponse",
+                self.api.read_namespaced_lease(
+                    self.config.lease_name, self.config.namespace, _preload_content=False
+                ),
             )
         except ApiException as exc:
             if exc.status == 404:
@@ -217,7 +232,10 @@ class LeaseElector:
             spec = {**lease["spec"], "holderIdentity": None, "leaseDurationSeconds": 1}
             body = {**lease, "spec": {k: v for k, v in spec.items() if v is not None}}
             self.api.replace_namespaced_lease(
-                c.lease_name, c.namespace, body, _preload_content=False
+                c.lease_name,
+                c.namespace,
+                body,  # type: ignore[arg-type]  # a dict: the client's annotations name V1Lease
+                _preload_content=False,
             )
         except Exception as exc:  # the standby takes over when the lease expires instead
             log.warning("cannot release the lease %s/%s: %s", c.namespace, c.lease_name, exc)

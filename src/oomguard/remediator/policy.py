@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,19 +89,20 @@ class Observed:
         return self.running == 0 and self.waiting == 0
 
     @classmethod
-    def from_state(cls, state: dict[str, object]) -> Observed:
+    def from_state(cls, state: dict[str, Any]) -> Observed:
+        # decoded JSON from the plugin: a wrong type raises here and observe() reports it
         since = state["since_cap_change"]
         assert isinstance(since, dict)
         return cls(
-            startup_max_num_seqs=int(state["startup_max_num_seqs"]),  # type: ignore[arg-type]
-            admission_cap=int(state["admission_cap"]),  # type: ignore[arg-type]
+            startup_max_num_seqs=int(state["startup_max_num_seqs"]),
+            admission_cap=int(state["admission_cap"]),
             draining=state["mode"] == "draining",
             seconds_since_cap_change=float(since["seconds"]),
             admitted_since_cap_change=int(since["admitted"]),
             finished_since_cap_change=int(since["finished"]),
             preemptions_since_cap_change=int(since["preemptions"]),
-            running=int(state.get("running", 0)),  # type: ignore[call-overload]
-            waiting=int(state.get("waiting", 0)),  # type: ignore[call-overload]
+            running=int(state.get("running", 0)),
+            waiting=int(state.get("waiting", 0)),
         )
 
 

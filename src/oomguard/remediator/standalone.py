@@ -31,6 +31,7 @@ log = logging.getLogger("oomguard.remediator.standalone")
 
 LEVEL = "oomguard_engine_pressure_level"
 BLIND = -1.0  # the exporter's level when it lacks the data to judge an engine
+RuleKey = tuple[str, str, str, str]  # exporter instance, target, engine, alert name
 # (alert, condition on the engine's level, action, severity)
 RULES: tuple[tuple[str, Callable[[float], bool], str, str], ...] = (
     ("OomguardMemoryPressure", lambda level: level >= 2, "lower_cap", "warning"),
@@ -56,8 +57,8 @@ class PressureWatcher:
         self.config = config
         self.clock = clock
         self.client = client or httpx.Client(timeout=2.0)
-        self._rules: dict[tuple[str, ...], _Rule] = {}
-        self._labels: dict[tuple[str, ...], dict[str, str]] = {}
+        self._rules: dict[RuleKey, _Rule] = {}
+        self._labels: dict[RuleKey, dict[str, str]] = {}
         self.errors: dict[str, str] = {}
 
     def _levels(self, url: str) -> dict[tuple[str, str], float]:
@@ -85,7 +86,7 @@ class PressureWatcher:
                 continue
             self.errors.pop(url, None)
             instance = urlsplit(url).netloc
-            seen = set()
+            seen: set[RuleKey] = set()
             for (target, engine), level in levels.items():
                 for name, condition, action, severity in RULES:
                     key = (instance, target, engine, name)
@@ -104,7 +105,7 @@ class PressureWatcher:
                 alerts.extend(self._step(key, False, key[3], now))
         return Webhook("standalone", "standalone", tuple(alerts), 0)
 
-    def _step(self, key: tuple[str, ...], true: bool, name: str, now: float) -> list[Alert]:
+    def _step(self, key: RuleKey, true: bool, name: str, now: float) -> list[Alert]:
         rule = self._rules.setdefault(key, _Rule())
         hold, keep = {
             "OomguardMemoryCritical": (self.config.critical_for_seconds, None),
@@ -130,7 +131,7 @@ class PressureWatcher:
             return [self._alert(key, "firing", rule.started)]
         return []
 
-    def _alert(self, key: tuple[str, ...], status: str, started: datetime) -> Alert:
+    def _alert(self, key: RuleKey, status: str, started: datetime) -> Alert:
         labels = self._labels[key]
         digest = hashlib.sha256(repr(sorted(labels.items())).encode()).hexdigest()[:16]
         ends = datetime.now(UTC) if status == "resolved" else None

@@ -445,16 +445,16 @@ class Demo:
             ):
                 if int(v) >= level:
                     level, reason = int(v), labels.get("reason", "")
-        v = fleet.views[0]
+        view = fleet.views[0]
         self.healthy_rows.append(
             {
                 "t": round(fleet.now(), 1),
-                "free_gib": round(v.gpu_free / GIB, 3),
+                "free_gib": round(view.gpu_free / GIB, 3),
                 "level": level,
                 "reason": reason,
-                "kv": v.kv,
-                "running": v.running,
-                "waiting": v.waiting,
+                "kv": view.kv,
+                "running": view.running,
+                "waiting": view.waiting,
                 "alerts": [a for a in alerts if fleet.names[0] in a or HEALTHY_NODE in a],
             }
         )

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
+from oomguard.contract import PLUGIN_TOKEN_ENV
 from oomguard.paths import deploy_dir
 
 PACKAGE = Path(__file__).resolve().parent.parent
@@ -45,6 +46,7 @@ class Process:
     """A child process with a log file, started in its own session, stopped with its group."""
 
     def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log.open("w")
@@ -67,7 +69,7 @@ class Process:
             if self.proc.poll() is not None:
                 tail = self.tail()
                 self.stop()
-                raise RuntimeError(f"{self.proc.args[0]} exited:\n{tail}")
+                raise RuntimeError(f"{self.argv[0]} exited:\n{tail}")
             try:
                 if httpx.get(url, timeout=2).status_code == 200:
                     return
@@ -114,7 +116,7 @@ def vllm_env(token: str, env: dict[str, str] | None) -> dict[str, str]:
     return {
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_PLUGINS": "oomguard",
-        "OOMGUARD_PLUGIN_TOKEN": token,
+        PLUGIN_TOKEN_ENV: token,
         **(env or {}),
     }
 

@@ -216,9 +216,9 @@ class DcgmCollector:
             seen_count.add((identity.key, code))
             reading.xid_counts.append((identity, code, s.value))
             if s.value > 0:
-                key = (identity.uuid, code)
-                self._sightings.pop(key, None)  # re-inserted last: the dict stays time-ordered
-                self._sightings[key] = Xid(now, identity.uuid, code, int(s.value))
+                sighting = (identity.uuid, code)
+                self._sightings.pop(sighting, None)  # re-inserted last: the dict stays time-ordered
+                self._sightings[sighting] = Xid(now, identity.uuid, code, int(s.value))
                 while len(self._sightings) > RECENT_XIDS:
                     del self._sightings[next(iter(self._sightings))]
                 self.recent_xids = tuple(self._sightings.values())
