@@ -22,6 +22,7 @@ Everything is measured in trace seconds (wall seconds x time compression).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import tempfile
 import threading
@@ -303,7 +304,7 @@ class Fleet:
                 timeout=self.start_timeout,
             )
 
-        self.engines = start_all([lambda i=i: launch(i) for i in range(self.n)])
+        self.engines = start_all([functools.partial(launch, i) for i in range(self.n)])
         self.procs.extend(self.engines)
         # the GPUs hold the engines' memory from now on (trace time 0 until the replay starts)
         self._threads = [
