@@ -365,6 +365,26 @@ def test_sigkill_with_an_unchanged_oom_kill_count_is_not_a_host_oom(tmp_path):
     assert the_incident(directory).type == "unknown"
 
 
+def test_a_startup_refusal_far_above_the_last_log_lines_is_still_found(tmp_path):
+    # vLLM 0.33's shape: the engine core logs the root cause, then the API server's traceback
+    # (about 55 lines here, 119 in all on the twin) ends in "Engine core initialization failed"
+    script = (
+        "print('(EngineCore pid=7) ERROR 12-01 12:33:43 [core.py:1584] ValueError: Free memory "
+        "on device (69.09/79.65 GiB) on startup is less than desired GPU memory utilization "
+        "(0.92, 72.77 GiB).', flush=True)\n"
+        "for i in range(60): print(f'  File \"vllm/v1/engine/utils.py\", line {i}', flush=True)\n"
+        "print('RuntimeError: Engine core initialization failed. See root cause above.', "
+        "flush=True); sys.exit(1)"
+    )
+    directory = supervise(tmp_path, script)
+    [record] = [json.loads(p.read_text()) for p in directory.glob("exit-*.json")]
+    assert not any("less than desired" in line for line in record["log_tail"])
+    assert len(record["exception_lines"]) == 2
+    found = the_incident(directory)
+    assert (found.type, found.confidence) == ("startup", "confirmed")
+    assert any("less than desired GPU memory utilization" in e for e in found.evidence)
+
+
 def test_a_cuda_error_that_is_not_out_of_memory_is_type_6(tmp_path):
     script = (
         "print('RuntimeError: CUDA error: an illegal memory access was encountered', flush=True)"
@@ -695,3 +715,40 @@ def test_the_twins_prompt_logprobs_oom_is_classified_as_a_long_prompt_spike(tmp_
     assert found.target == "llama" and found.figures["steps"] == 1
     assert found.figures["requested_bytes"] >= 6000 * VOCAB * 4
     assert any("cmpl-big" in e and "prompt_logprobs=5" in e for e in found.evidence)
+
+
+def test_a_twin_engine_that_cannot_start_is_classified_as_a_startup_oom(tmp_path):
+    """The real vLLM server on a twin H100 where another process holds 10 GiB: at the default
+    gpu_memory_utilization 0.92 vLLM refuses to start (its own free-memory check, which the twin
+    runs against its neighbour). The supervisor's exit record is classified as type 1."""
+    from oomguard.twin.processes import TINY_MODEL, free_port, vllm_command, vllm_env
+    from tests.test_vllm_plugin_oom import require_vllm
+
+    require_vllm()
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"neighbour_bytes": 10 * GIB}))
+    incidents = tmp_path / "incidents"
+    args = ("--max-num-seqs", "16", "--gpu-memory-utilization", "0.92")
+    sup = Supervisor(
+        vllm_command(free_port(), TINY_MODEL, args),
+        tmp_path / "state",
+        max_crashes=1,
+        env={
+            **vllm_env("t", None),
+            "OOMGUARD_TWIN_GPU": "H100",
+            "OOMGUARD_TWIN_STATE_FILE": str(gpu),
+            "OOMGUARD_ALLOCATOR_DIR": str(tmp_path / "allocator"),
+            "OOMGUARD_INCIDENT_DIR": str(incidents),
+        },
+    )
+    sup.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not list(incidents.glob("exit-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        sup.stop()
+    found = the_incident(incidents)
+    assert (found.type, found.confidence, found.kind.number) == ("startup", "confirmed", 1)
+    assert any("less than desired GPU memory utilization" in e for e in found.evidence)
+    assert found.figures["gpu_memory_utilization"] == 0.92

@@ -249,6 +249,13 @@ class ExitRecord(_Model):
     flags: dict[str, int | float] = Field(default_factory=dict, max_length=32)
     oom_records: list[str] = Field(default_factory=list, max_length=256)
     log_tail: list[str] = Field(default_factory=list, max_length=200)
+    exception_lines: list[str] = Field(default_factory=list, max_length=50)
+
+    @property
+    def lines(self) -> list[str]:
+        """The exceptions the log raised (from further back), then its last lines."""
+        return [*self.exception_lines, *self.log_tail]
+
     cgroup: CgroupKills | None = None
 
 
@@ -488,7 +495,7 @@ def _served(c: _Case, t: Thresholds) -> bool | None:
     c.figures["uptime_seconds"] = round(uptime, 1)
     if any(SERVED_MARKER in line for line in c.exit.log_tail):
         return True
-    if _first_line(c.exit.log_tail, STARTUP_MARKERS):
+    if _first_line(c.exit.lines, STARTUP_MARKERS):
         return False
     return uptime > t.startup_seconds
 
@@ -555,7 +562,7 @@ def _decide(c: _Case, t: Thresholds) -> tuple[str, str]:
         )
     # 6: a CUDA fault that is not an allocator OOM
     if oom is None and ex is not None and ex.reason == "cuda_error":
-        line = _first_line(ex.log_tail, CUDA_ERROR_MARKERS)
+        line = _first_line(ex.lines, CUDA_ERROR_MARKERS)
         c.note(f"the process died of a CUDA error, not out-of-memory: {line}", reason=ex.reason)
         return "not_oom", "confirmed"
     if oom is None and c.xids:
@@ -578,7 +585,7 @@ def _decide(c: _Case, t: Thresholds) -> tuple[str, str]:
         return "host_oom", "likely"
     # 1: never served
     served = _served(c, t)
-    startup_line = _first_line(ex.log_tail, STARTUP_MARKERS) if ex else None
+    startup_line = _first_line(ex.lines, STARTUP_MARKERS) if ex else None
     if served is False and (oom is not None or startup_line or (ex and ex.reason == "cuda_oom")):
         if oom is not None:
             c.note(

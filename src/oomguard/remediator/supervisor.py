@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -85,6 +86,9 @@ CUDA_ERROR_MARKERS = (
     "illegal memory access",
 )
 EXIT_SCHEMA = "oomguard.exit_incident.v1"
+# "ValueError: ..." and "(EngineCore pid=7) ERROR ... [core.py:1584] ValueError: ...": the root
+# cause vLLM logs scrolls out of the last 40 lines behind the API server's own traceback
+EXCEPTION_LINE = re.compile(r"(?:^|\]\s)[\w.]*(?:Error|Exception): ")
 MAX_BODY_BYTES = 16 * 1024
 
 
@@ -337,6 +341,9 @@ class Supervisor:
                     "oom_kills_at_exit": cgroup_oom_kills(self.cgroup_dir),
                 },
                 "log_tail": [line.rstrip()[:500] for line in list(self._tail)[-40:]],
+                "exception_lines": [
+                    line.rstrip()[:500] for line in self._tail if EXCEPTION_LINE.search(line)
+                ][-20:],
             }
             directory.mkdir(parents=True, exist_ok=True)
             path = directory / f"exit-{pid}-{self.generation}.json"
