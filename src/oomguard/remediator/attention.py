@@ -22,6 +22,7 @@ remediator's back. Small fleets (fewer than `read_all_below` engines) are read e
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -73,7 +74,12 @@ def is_quiet(verdict: Verdict) -> bool:
 
 
 class Attention:
-    """The read schedule of one controller: which engines are quiet and when each is next read."""
+    """The read schedule of one controller: which engines are quiet and when each is next read.
+
+    Every pass costs in proportion to the engines that need attention, not to the fleet: the
+    engines read but not quiet are kept in a set, quiet ones in a heap by their next read, and
+    the engines never read in track order, so a pass over 10,000 quiet engines touches only the
+    few whose resync time has come."""
 
     def __init__(
         self,
@@ -83,15 +89,25 @@ class Attention:
         self.config = config or AttentionConfig()
         self._rng = rng or random.Random()
         self._quiet_until: dict[str, float] = {}  # quiet engine -> (monotonic) its next read
+        self._heap: list[tuple[float, str]] = []  # (next read, engine); stale entries skipped
+        self._expired: set[str] = set()  # quiet engines whose resync time has come
+        self._loud: set[str] = set()  # read, and not quiet: read every pass
+        self._never: dict[str, None] = {}  # engines never read, in track order
+        self._acted: dict[str, float] = {}  # engine -> wall time of its last action
         self._last: dict[str, Any] = {}  # engine -> the state (or error) it answered last
         self._models: dict[str, str] = {}
+        self._members: dict[str, list[str]] = {}  # model -> its engines, in track order
         self._order: dict[str, int] = {}
 
     def track(self, models: Mapping[str, str]) -> None:
         """The targets, in decision order, with their models (at start and on discovery)."""
         self._models = dict(models)
         self._order = {name: i for i, name in enumerate(models)}
+        self._members = {}
+        for name, model in models.items():
+            self._members.setdefault(model, []).append(name)
         self.forget(models)
+        self._never = {name: None for name in models if name not in self._last}
 
     def due(
         self,
@@ -103,82 +119,114 @@ class Attention:
         acted_at: Mapping[str, float] | None = None,
         wall: float = 0.0,
     ) -> list[str]:
-        """The engines to read this pass, in the order given. `busy`: engines a restart owns;
-        `acted_at`: wall time of each engine's last action (compared with `wall`)."""
-        ordered = list(names)
-        if len(ordered) < self.config.read_all_below:
-            return ordered
-        busy, acted_at = set(busy), acted_at or {}
-        recent = self.config.recent_action_seconds
+        """The engines to read this pass, in track order. `names`: the tracked targets (all of
+        them are read when fewer than `read_all_below`); `busy`: engines a restart owns;
+        `acted_at`: wall time of each engine's last action, besides those noted through
+        `acted` (compared with `wall`)."""
+        if len(self._order) < self.config.read_all_below:
+            return list(names)
+        self._expire(now)
+        known = self._order
         wants = {n: actions_for(alerts, policy) for n, alerts in firing.items() if alerts}
-        asking = {n for n, actions in wants.items() if actions}
+        asking = {n for n, actions in wants.items() if actions and n in known}
         # an engine that may be taken out of service is decided with every peer of its model
         # known (the disruption budget, the last-ready rule); a cap needs no peers
-        urgent = {self._models.get(n) for n in asking if wants[n] & OUT_OF_SERVICE}
+        urgent = {self._models[n] for n in asking if wants[n] & OUT_OF_SERVICE}
+        out = self._loud | self._expired | {n for n in busy if n in self._last}
+        out |= asking
+        recent = self.config.recent_action_seconds
+        for table in (self._acted, acted_at or {}):
+            out.update(n for n, t in table.items() if wall - t < recent and n in self._last)
+        for model in urgent:
+            out.update(n for n in self._members.get(model, ()) if n not in self._last)
         # an alert on an engine never read goes first: no batch of strangers in its pass
-        batch = 0 if any(n not in self._last for n in asking) else self.config.first_read_batch
-        out = []
-        for name in ordered:
-            until = self._quiet_until.get(name)
-            if name not in self._last:  # never read
-                if name in asking or self._models.get(name) in urgent or batch > 0:
-                    out.append(name)
-                    batch -= name not in asking and self._models.get(name) not in urgent
-                continue
-            if (
-                until is None
-                or now >= until
-                or name in busy
-                or name in asking
-                or wall - acted_at.get(name, float("-inf")) < recent
-            ):
-                out.append(name)
-        return out
+        if not any(n not in self._last for n in asking):
+            batch = self.config.first_read_batch
+            for name in self._never:
+                if batch <= 0:
+                    break
+                if name not in out:
+                    out.add(name)
+                    batch -= 1
+        return self.in_order(out)
+
+    def _expire(self, now: float) -> None:
+        """Move quiet engines whose resync time has come to the expired set (read this pass and
+        every pass until a verdict settles them again)."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            until, name = heapq.heappop(heap)
+            if self._quiet_until.get(name) == until:
+                self._expired.add(name)
 
     def read(self, states: Mapping[str, Any]) -> None:
         """Remember what the engines read this pass answered."""
         self._last.update(states)
+        for name in states:
+            self._never.pop(name, None)
+            if name not in self._quiet_until:
+                self._loud.add(name)
 
     def last(self, name: str) -> Any:
         return self._last.get(name)
 
+    def acted(self, name: str, wall: float) -> None:
+        """The remediator acted on this engine at `wall` (read every pass for a while)."""
+        self._acted[name] = wall
+        if len(self._acted) > 4 * len(self._order) + 64:  # bounded: drop the oldest half
+            keep = sorted(self._acted.items(), key=lambda kv: kv[1])[len(self._acted) // 2 :]
+            self._acted = dict(keep)
+
     def settle(self, verdict: Verdict, now: float) -> None:
         """After a verdict on an engine read this pass: quiet (read again on the resync) or not."""
         name = verdict.target
+        self._expired.discard(name)
         if not is_quiet(verdict):
             self._quiet_until.pop(name, None)
+            self._loud.add(name)
             return
+        self._loud.discard(name)
         period = self.config.quiet_resync_seconds
         if name in self._quiet_until:  # keeps its place in the spread, give or take the jitter
-            self._quiet_until[name] = now + period * (1 - self.config.jitter * self._rng.random())
+            until = now + period * (1 - self.config.jitter * self._rng.random())
         else:  # newly quiet: a random place in the interval, so a fleet's reads spread out
-            self._quiet_until[name] = now + period * self._rng.random()
+            until = now + period * self._rng.random()
+        self._quiet_until[name] = until
+        heapq.heappush(self._heap, (until, name))
+        if len(self._heap) > 2 * len(self._quiet_until) + 64:  # drop stale entries
+            self._heap = [(t, n) for t, n in self._heap if self._quiet_until.get(n) == t]
+            heapq.heapify(self._heap)
 
     def wake(self, name: str) -> None:
         """Read this engine on the next pass (its quiet state may be out of date)."""
         self._quiet_until.pop(name, None)
+        self._expired.discard(name)
+        if name in self._last:
+            self._loud.add(name)
 
     def peers(self, due: Iterable[str]) -> list[str]:
         """Quiet engines, not read this pass, that the decision must still see: one per model
         of a due engine. A quiet engine is ready and takes no step, so one such peer tells the
         disruption budget and the last-ready rule all that every quiet peer would."""
-        due = list(due)
-        models = self._models
-        wanted = {models[n] for n in due}
         due_set = set(due)
-        out: dict[str, str] = {}
-        for name in self._quiet_until:
-            model = models.get(name)
-            if model in wanted and model not in out and name not in due_set:
-                out[model] = name
-        return list(out.values())
+        out = []
+        for model in {self._models[n] for n in due_set if n in self._models}:
+            for name in self._members.get(model, ()):
+                if name in self._quiet_until and name not in due_set:
+                    out.append(name)
+                    break
+        return out
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop engines no longer targeted (discovery removed them)."""
         keep = set(keep)
-        for table in (self._quiet_until, self._last):
+        for table in (self._quiet_until, self._last, self._acted, self._never):
             for name in [n for n in table if n not in keep]:
                 del table[name]
+        self._loud &= keep
+        self._expired &= keep
+        self._heap = [(t, n) for t, n in self._heap if self._quiet_until.get(n) == t]
+        heapq.heapify(self._heap)
 
     def in_order(self, names: Iterable[str]) -> list[str]:
         return sorted(names, key=self._order.__getitem__)

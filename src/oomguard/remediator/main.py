@@ -139,6 +139,7 @@ class Remediator:
         found = [t for t in d.targets() if t.name not in static]
         self.controller.set_targets([*self.config.targets, *found])
         self.controller.metrics.discovered.set(len(found))
+        self.controller.metrics.forget(self.controller.targets)  # pods gone: their series too
 
     def _reconcile(self) -> None:
         """A pass, on the leader only: a standby keeps its alert book warm (webhooks, resync)
@@ -221,6 +222,9 @@ class Remediator:
         if self.discovery is not None:
             self.discovery.stop()
         self.controller.close()
+        close = getattr(self.controller.actuator, "close", None)
+        if close is not None:
+            close()  # the read loop's thread and connections
 
     def serve(self) -> int:
         host, port = self.config.host_port

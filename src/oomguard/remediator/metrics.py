@@ -6,6 +6,9 @@ tool here (the exporter renders its own text only because it serves hundreds of 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from oomguard.catalog import spec
@@ -21,6 +24,8 @@ def _help(name: str) -> str:
 class RemediatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._modes: dict[str, str] = {}  # target -> the mode last published
+        self._targets: dict[str, tuple[int | None, int | None, int]] = {}
         r = self.registry
         # prometheus_client appends `_total` to counters itself
         self.actions = Counter(
@@ -118,8 +123,38 @@ class RemediatorMetrics:
             self.webhooks.labels(outcome)
 
     def set_mode(self, target: str, mode: str) -> None:
+        # on change only: every read engine's mode is published each pass, and six labelled
+        # series per engine cost more than the read itself in a fleet of thousands
+        if self._modes.get(target) == mode:
+            return
+        self._modes[target] = mode
         for m in MODES:
             self.mode.labels(target, m).set(1 if m == mode else 0)
+
+    def set_target(self, target: str, cap: int | None, startup: int | None, stage: int) -> None:
+        """A target's admission cap, startup max_num_seqs and re-admission stage (on change)."""
+        values = (cap, startup, stage)
+        if self._targets.get(target) == values:
+            return
+        self._targets[target] = values
+        if cap is not None:
+            self.cap.labels(target).set(cap)
+        if startup is not None:
+            self.startup.labels(target).set(startup)
+        self.stage.labels(target).set(stage)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the series of targets no longer on the allowlist (discovery removed them)."""
+        keep = set(keep)
+        for target in [t for t in {*self._modes, *self._targets} if t not in keep]:
+            for m in MODES:
+                with contextlib.suppress(KeyError):
+                    self.mode.remove(target, m)
+            for gauge in (self.cap, self.startup, self.stage):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(target)
+            self._modes.pop(target, None)
+            self._targets.pop(target, None)
 
     def observe_pass(self, seconds: float, read: int, targets: int, quiet: int) -> None:
         self.pass_duration.set(seconds)

@@ -1,0 +1,131 @@
+"""A pass reads many engines at once (PluginActuator.states, aiohttp on its own loop): in
+parallel, each engine's answer or its own error, with the same retry rules as a single read."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from oomguard.remediator.actuator import (
+    ActuatorError,
+    DryRunActuator,
+    PluginActuator,
+    Target,
+    read_states,
+)
+from tests.conftest import free_port
+from tests.remediator_helpers import Engines
+
+
+def base(server) -> str:  # type: ignore[no-untyped-def]
+    return server.url.removesuffix("/metrics")
+
+
+@pytest.fixture
+def actuator():  # type: ignore[no-untyped-def]
+    act = PluginActuator(backoff=0.01, timeout=2)
+    yield act
+    act.close()
+
+
+def test_each_engine_gets_its_own_answer_or_its_own_error(local_server, actuator):
+    server = local_server()
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def respond(handler):  # type: ignore[no-untyped-def]
+        who = handler.path.split("/")[1]  # /<who>/oomguard/v1/state
+        with lock:
+            calls[who] = calls.get(who, 0) + 1
+            n = calls[who]
+        assert handler.headers["Authorization"] == f"Bearer token-{who}"
+        if who == "flaky" and n < 3:
+            return 503, b"engine call failed", "text/plain"
+        if who == "refused":
+            return 400, b"bad", "text/plain"
+        if who == "proxy":
+            return 200, b"<html>proxy error</html>", "text/html"
+        if who == "list":
+            return 200, b"[1, 2]", "application/json"
+        return 200, json.dumps({"who": who}).encode(), "application/json"
+
+    server.responder = respond
+    names = ["ok", "flaky", "refused", "proxy", "list"]
+    targets = [Target(n, f"{base(server)}/{n}", f"token-{n}") for n in names]
+    down = Target("down", f"http://127.0.0.1:{free_port()}", "x")
+    got = actuator.states([*targets, down])
+    assert got[0] == {"who": "ok"}
+    assert got[1] == {"who": "flaky"} and calls["flaky"] == 3  # 5xx retried
+    reasons = [g.reason if isinstance(g, ActuatorError) else None for g in got[2:]]
+    assert reasons == ["rejected", "bad_response", "bad_response", "unreachable"]
+    assert calls["refused"] == 1  # 4xx: not retried
+    # the single-read path says the same about the same engine
+    with pytest.raises(ActuatorError) as exc:
+        actuator.state(targets[3])
+    assert exc.value.reason == "bad_response"
+
+
+def test_reads_run_in_parallel_up_to_the_concurrency_limit(local_server):
+    server = local_server()
+    inflight, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow(_handler):  # type: ignore[no-untyped-def]
+        with lock:
+            inflight[0] += 1
+            most[0] = max(most[0], inflight[0])
+        time.sleep(0.2)
+        with lock:
+            inflight[0] -= 1
+        return 200, b'{"mode": "serving"}', "application/json"
+
+    server.responder = slow
+    act = PluginActuator(concurrency=8, timeout=5)
+    try:
+        targets = [Target(f"e{i}", f"{base(server)}/e{i}") for i in range(32)]
+        started = time.monotonic()
+        got = act.states(targets)
+        took = time.monotonic() - started
+    finally:
+        act.close()
+    assert got == [{"mode": "serving"}] * 32
+    assert most[0] <= 8  # bounded
+    assert took < 32 * 0.2 / 2, took  # one at a time would take 6.4 s; 8 at once about 0.8 s
+
+
+def test_a_read_that_hangs_times_out_without_holding_up_the_others(local_server):
+    server = local_server()
+
+    def respond(handler):  # type: ignore[no-untyped-def]
+        if "/hang/" in handler.path:
+            time.sleep(3)
+        return 200, b'{"mode": "serving"}', "application/json"
+
+    server.responder = respond
+    act = PluginActuator(attempts=1, timeout=0.5)
+    try:
+        started = time.monotonic()
+        got = act.states(
+            [Target("hang", f"{base(server)}/hang"), Target("ok", f"{base(server)}/ok")]
+        )
+        took = time.monotonic() - started
+    finally:
+        act.close()
+    assert isinstance(got[0], ActuatorError) and got[0].reason == "timeout"
+    assert got[1] == {"mode": "serving"}
+    assert took < 2.5
+
+
+def test_actuators_without_a_batch_read_are_read_one_by_one():
+    engines = Engines.of("a", "b", "c")
+    engines.down.add("c")
+    targets = [Target("a", "http://a"), Target("b", "http://b"), Target("c", "http://c")]
+    got = read_states(engines, targets)
+    assert [g["admission_cap"] for g in got[:2]] == [100, 100]
+    assert isinstance(got[2], ActuatorError) and got[2].reason == "unreachable"
+    # a dry run reads through the real reader's batch path
+    dry = DryRunActuator(engines)
+    assert read_states(dry, targets[:1])[0]["admission_cap"] == 100
