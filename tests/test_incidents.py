@@ -350,6 +350,17 @@ def test_sigkill_with_a_grown_cgroup_oom_kill_count_is_a_host_oom(tmp_path):
     assert found.figures["cgroup_oom_kills_delta"] == 1 and found.figures["returncode"] == -9
 
 
+def test_a_counted_host_oom_outranks_the_xids_that_follow_a_killed_process():
+    record = inc.ExitRecord.model_validate_json(
+        json.dumps({**valid_exit(), "cgroup": {"oom_kills_at_start": 0, "oom_kills_at_exit": 1}})
+    )
+    found = inc.classify(None, record, [inc.Xid(NOW + 10, "", 43)])
+    assert (found.type, found.confidence) == ("host_oom", "confirmed")
+    # without the kernel's count, the XID decides
+    uncounted = record.model_copy(update={"cgroup": None})
+    assert inc.classify(None, uncounted, [inc.Xid(NOW + 10, "", 43)]).type == "not_oom"
+
+
 def test_sigkill_without_a_cgroup_count_is_a_likely_host_oom(tmp_path):
     directory = supervise(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)", tmp_path / "none")
     found = the_incident(directory)
@@ -752,3 +763,38 @@ def test_a_twin_engine_that_cannot_start_is_classified_as_a_startup_oom(tmp_path
     assert (found.type, found.confidence, found.kind.number) == ("startup", "confirmed", 1)
     assert any("less than desired GPU memory utilization" in e for e in found.evidence)
     assert found.figures["gpu_memory_utilization"] == 0.92
+
+
+def test_the_exporter_process_serves_incidents_by_type_and_xid_counts(tmp_path, monkeypatch):
+    """The real exporter process: incident records under <allocator dir>/incidents and a
+    dcgm-exporter file with an XID window count, read through /metrics by Prometheus' parser."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.stack import start_exporter, stop
+
+    two_incidents(tmp_path / "alloc" / "incidents", monkeypatch)
+    proc, addr = start_exporter(
+        "--interval",
+        "0.2",
+        "--dcgm-file",
+        str(DCGM_MIG),
+        "--allocator-dir",
+        str(tmp_path / "alloc"),
+    )
+    try:
+        got: dict[str, list] = {}
+        deadline = time.monotonic() + 20
+        while "oomguard_incidents" not in got and time.monotonic() < deadline:
+            time.sleep(0.3)
+            text = httpx.get(f"http://{addr}/metrics", timeout=2).text
+            got = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    finally:
+        stop(proc)
+    incidents = {s.labels["type"]: s.value for s in got["oomguard_incidents"]}
+    # the old SIGKILL has no XID near it; the long-prompt OOM has its own type
+    assert incidents == {"long_prompt": 1.0, "host_oom": 1.0}
+    [xid] = got["oomguard_gpu_xid_errors"]
+    assert (xid.labels["xid"], xid.value) == ("79", 1.0)
+    up = {s.labels["collector"]: s.value for s in got["oomguard_exporter_collector_up"]}
+    assert up["incidents"] == 1

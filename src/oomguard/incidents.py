@@ -550,6 +550,14 @@ def _fragmented(oom: OomRecord, t: Thresholds) -> tuple[bool, int]:
     return gap >= t.fragmentation_bytes and no_block, gap
 
 
+def _cgroup_kills(ex: ExitRecord | None) -> int | None:
+    """How many OOM kills the cgroup counted during the child's life; None: not measured."""
+    g = ex.cgroup if ex is not None else None
+    if g is None or g.oom_kills_at_start is None or g.oom_kills_at_exit is None:
+        return None
+    return g.oom_kills_at_exit - g.oom_kills_at_start
+
+
 def _decide(c: _Case, t: Thresholds) -> tuple[str, str]:
     """(type, confidence), noting the evidence on the way."""
     oom, ex = c.oom, c.exit
@@ -560,6 +568,19 @@ def _decide(c: _Case, t: Thresholds) -> tuple[str, str]:
             f"{t.xid_window_seconds:.0f} s of the incident",
             xids=codes,
         )
+    # SIGKILL without an allocator OOM: the exit record of the killed child
+    killed = ex if oom is None and ex is not None and ex.reason == "killed" else None
+    killed = killed if killed is not None and killed.signal == 9 else None
+    kills = _cgroup_kills(killed)
+    # 5, counted by the kernel: that outranks an XID (XID 43/45 follow a killed process)
+    if killed is not None and kills is not None and kills > 0:
+        c.note(
+            f"exit code {killed.returncode}: SIGKILL, no traceback; the cgroup's oom_kill count "
+            f"rose by {kills} during the child's life",
+            returncode=killed.returncode,
+            cgroup_oom_kills_delta=kills,
+        )
+        return "host_oom", "confirmed"
     # 6: a CUDA fault that is not an allocator OOM
     if oom is None and ex is not None and ex.reason == "cuda_error":
         line = _first_line(ex.lines, CUDA_ERROR_MARKERS)
@@ -569,16 +590,13 @@ def _decide(c: _Case, t: Thresholds) -> tuple[str, str]:
         if ex is not None and ex.reason == "cuda_oom":
             c.note("the log reports out-of-memory but no allocator OOM was recorded")
         return "not_oom", "confirmed" if ex is not None else "likely"
-    # 5: killed by the kernel
-    if oom is None and ex is not None and ex.reason == "killed" and ex.signal == 9:
-        c.note(f"exit code {ex.returncode}: SIGKILL, no traceback", returncode=ex.returncode)
-        g = ex.cgroup
-        if g and g.oom_kills_at_start is not None and g.oom_kills_at_exit is not None:
-            grew = g.oom_kills_at_exit - g.oom_kills_at_start
-            c.figures["cgroup_oom_kills_delta"] = grew
-            if grew > 0:
-                c.note(f"the cgroup's oom_kill count rose by {grew} during the child's life")
-                return "host_oom", "confirmed"
+    # 5, not counted
+    if killed is not None:
+        c.note(
+            f"exit code {killed.returncode}: SIGKILL, no traceback", returncode=killed.returncode
+        )
+        if kills is not None:
+            c.figures["cgroup_oom_kills_delta"] = kills
             c.note("the cgroup's oom_kill count did not change: killed by something else")
             return "unknown", ""
         c.note("no cgroup oom_kill count to confirm it: check dmesg -T")
