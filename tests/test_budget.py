@@ -144,11 +144,22 @@ def _flags(case: dict[str, Any]) -> dict[str, Any]:
         "max_num_batched_tokens": f.get("max_num_batched_tokens", 8192),
         "async_scheduling": f.get("async_scheduling", True),
         "kv_bytes": 1 if f.get("kv_cache_dtype", "auto").startswith("fp8") else None,
+        "block_size": f.get("block_size"),  # --block-size where the run set one
     }
 
 
 TOKEN_CASES = [c for c in LOGGED if "tokens" in c]
 NEEDED_CASES = [c for c in LOGGED if "needed_gib" in c]
+
+
+def test_corpus_has_20_real_configs_with_logged_figures() -> None:
+    """The issue's bar: at least 20 distinct real configs with figures vLLM logged, each
+    figure carrying its config file, flags, GPU, vLLM version and where it was logged."""
+    assert len({c["id"] for c in LOGGED}) == len(LOGGED)
+    for c in LOGGED:
+        assert (FIXTURES / f"{c['config']}.json").is_file(), c["id"]
+        assert c["gpu"] and c["vllm"] and c["source"] and "max_model_len" in c["flags"], c["id"]
+    assert len({c["config"] for c in LOGGED}) >= 20
 
 
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=[c["id"] for c in TOKEN_CASES])
