@@ -38,13 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from oomguard.twin.processes import RemediatorProcess  # noqa: E402
-from oomguard.twin.runner import CONFIGS, Fleet, Outcome, remediator_timings  # noqa: E402
+from oomguard.twin.physics import Physics, Step  # noqa: E402
+from oomguard.twin.runner import CONFIGS, Fleet, Outcome  # noqa: E402
 from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
 HORIZON_MARGIN_S = 120.0
-INCIDENT_LEAD_S = 60.0  # the in-flight load starts this long before the incident
+INCIDENT_LEAD_S = 60.0  # the in-flight load starts this long before the GPU trouble
 
 
 def incident_s(trace: Trace) -> float | None:
@@ -55,9 +55,40 @@ def incident_s(trace: Trace) -> float | None:
     return None
 
 
+def trouble_starts_s(trace: Trace) -> float | None:
+    """When the GPU memory starts to go: the last empty GPU event before the first one with
+    anything on it (the events are interpolated, so the ramp starts there)."""
+    first = incident_s(trace)
+    if first is None:
+        return None
+    before = [p.at_s for p in trace.gpu_events if p.at_s < first]
+    return max(before, default=first)
+
+
+# the in-flight load: short prompts, long outputs (decode dominates, so requests stay in flight)
+INFLIGHT_PROMPT = (256, 512)
+INFLIGHT_OUTPUT = (1536, 2048)
+
+
+def inflight_rate(trace: Trace, inflight: int, engines: int = 2) -> float:
+    """Arrivals per second that keep `inflight` requests in each engine (Little's law: rate x
+    time in system), the time in system being the twin's roofline decode at that batch."""
+    physics = Physics.for_model(
+        trace.model,
+        gpu=trace.gpu,
+        gpu_memory_utilization=trace.engine.gpu_memory_utilization,
+        max_num_batched_tokens=trace.engine.max_num_batched_tokens,
+    )
+    output = sum(INFLIGHT_OUTPUT) / 2
+    context = inflight * (sum(INFLIGHT_PROMPT) / 2 + output / 2)  # mean context mid-decode
+    step = physics.step_seconds(Step(tokens=inflight, attention=int(context), context=int(context)))
+    return engines * inflight / (output * step)
+
+
 def with_horizon(trace: Trace, inflight: int = 0) -> Trace:
     """The trace over a fixed horizon that includes a crash's reload; with `inflight`, extra
-    long-output traffic around the incident so each engine holds about that many requests."""
+    long-output traffic from before the GPU trouble starts until the pressure ends, so each
+    engine holds about that many requests at the incident."""
     end_events = max((p.at_s for p in trace.gpu_events), default=0.0)
     trouble_end = max(end_events, trace.pressure_ends_s or 0.0)
     horizon = max(trace.duration_s, trouble_end + trace.reload_s + HORIZON_MARGIN_S)
@@ -65,52 +96,19 @@ def with_horizon(trace: Trace, inflight: int = 0) -> Trace:
         p.model_copy(update={"end_s": horizon}) if p.end_s >= trace.duration_s else p
         for p in trace.phases
     ]
-    start = incident_s(trace)
+    start = trouble_starts_s(trace)
     if inflight and start is not None:
-        # ~20 s of decode per request on the twin's H100 roofline at a batch of ~128: about
-        # 2 x inflight / 20 arrivals per second keep both engines at `inflight` each
         begin = max(0.0, start - INCIDENT_LEAD_S)
         phases.append(
             Phase(
                 start_s=begin,
                 end_s=max(begin + 1, trouble_end),
-                rate_per_s=2 * inflight / 20.0,
-                prompt_tokens=(256, 512),
-                output_tokens=(1536, 2048),
+                rate_per_s=round(inflight_rate(trace, inflight), 3),
+                prompt_tokens=INFLIGHT_PROMPT,
+                output_tokens=INFLIGHT_OUTPUT,
             )
         )
     return trace.model_copy(update={"duration_s": horizon, "phases": phases})
-
-
-def start_remediator(fleet: Fleet) -> None:
-    """oomguard's remediator with its shipped defaults (timings scaled to the trace's clock),
-    able to restart either engine with lower flags through its supervisor."""
-    c, w = fleet.c, fleet.work
-    targets = [
-        {**t, "restart": {"supervisor": {"url": e.api, "token_file": str(w / "stoken")}}}
-        for t, e in zip(fleet.remediator_targets(), fleet.engines, strict=True)
-    ]
-    timings = remediator_timings(c)
-    # the remediator's clock runs in wall time: its restart-after-drain wait too
-    timings["policy"] = {**timings.get("policy", {}), "restart_after_drain_seconds": 600 / c}
-    rem = RemediatorProcess(
-        w / "remediator",
-        {
-            "auth": {"bearer_token_file": str(w / "rtoken")},
-            "targets": targets,
-            **timings,
-            "audit_log": str(fleet.audit),
-            "mode": "standalone",
-            "standalone": {
-                "exporters": [f"http://127.0.0.1:{fleet.exporter_port}/metrics"],
-                "interval_seconds": 0.25,
-                "pressure_for_seconds": 30 / c,
-                "critical_for_seconds": 0,
-                "keep_firing_seconds": 30 / c,
-            },
-        },
-    )
-    fleet.procs.append(rem)
 
 
 def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
@@ -142,11 +140,9 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
 
 
 def run(trace: Trace, config: str) -> tuple[Outcome, dict[str, Any]]:
-    fleet = Fleet(trace, config, own_remediator=False)
+    fleet = Fleet(trace, config)  # oomguard: the fleet's remediator, shipped defaults + restarts
     try:
         fleet.start()
-        if config == "oomguard":
-            start_remediator(fleet)
         fleet.replay()
         o = fleet.outcome()
         return o, engine0(fleet, trace, o)

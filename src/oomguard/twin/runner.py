@@ -9,8 +9,10 @@ the others are its healthy peers. Configurations:
 - `default`: vLLM's flags from the trace, no oomguard (crashes restart with the same flags);
 - `static`: the same with `max_num_seqs` 48, as conservative operators run it;
 - `oomguard`: the exporter reading the twin GPUs, the remediator (standalone mode: pressure
-  levels from the exporter; its timings scaled by the trace's time compression) acting through
-  the plugin, and the supervisor lowering flags after a CUDA OOM. A caller that runs its own
+  levels from the exporter) with its shipped policy, safety and alert-timing defaults, each
+  clock scaled by the trace's time compression (`remediator_config`), acting through the plugin
+  and restarting engines through their supervisor (its restart backend), and the supervisor
+  lowering flags after a CUDA OOM. A caller that runs its own
   remediator (the demo: Prometheus, Alertmanager, one remediator for several fleets) passes
   `own_remediator=False` and gives it `remediator_targets()`.
 
@@ -22,19 +24,25 @@ Everything is measured in trace seconds (wall seconds x time compression).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, TARGET_ENV
+from oomguard.engine_state import parse as parse_state
 from oomguard.exporter.main import Exporter
+from oomguard.remediator.config import StandaloneConfig
+from oomguard.remediator.policy import PolicyConfig
+from oomguard.remediator.safety import SafetyConfig
 from oomguard.twin.gpu import TwinGpu, TwinNvml
 from oomguard.twin.processes import (
     TINY_MODEL,
@@ -51,6 +59,8 @@ TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
 RECOVERY_WATCH_S = 600.0  # trace seconds to keep watching for recovery after the trace
 PATIENCE_S = 300.0  # trace seconds a client keeps retrying a request before giving up
+STREAM_CHUNKS = 32  # chunks per streamed response at most, besides the first token
+MAX_STREAMS = 512  # requests the gateway has open at once (the rest wait their turn)
 
 
 @dataclass
@@ -106,6 +116,10 @@ class Gateway:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},  # chunks may carry several tokens
+            # vLLM sends the first token at once, then one chunk per STREAM_CHUNKS-th of the
+            # output: TTFT and completion times are unchanged, and 64+ streams per engine stay
+            # within what a small machine's event loop can read
+            "stream_interval": max(1, r.output_tokens // STREAM_CHUNKS),
         }
         if r.prompt_logprobs:
             body["prompt_logprobs"] = 1
@@ -119,7 +133,7 @@ class Gateway:
             attempt += 1
             accepted = False  # the engine answered 200: the request is in it
             try:
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                async with self._stream(client, f"{url}/v1/completions", body) as resp:
                     if resp.status_code == 503:
                         await asyncio.sleep(0.05)
                         continue
@@ -156,8 +170,20 @@ class Gateway:
                 await asyncio.sleep(0.05)
         self._end(s, "lost", "no engine took it before the deadline")
 
+    @contextlib.asynccontextmanager
+    async def _stream(
+        self, client: httpx.AsyncClient, url: str, body: dict[str, Any]
+    ) -> AsyncIterator[httpx.Response]:
+        # Requests past the pool's size wait here, not in httpx's pool: httpcore matches every
+        # queued request against every connection on each pool event, so a few thousand queued
+        # requests (64+ long streams per engine) starved the event loop and stalled the replay.
+        async with self._slots, client.stream("POST", url, json=body) as resp:
+            yield resp
+
     async def replay(self, reqs: list[Request], end_s: float) -> None:
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        self._slots = asyncio.Semaphore(MAX_STREAMS)  # bound to this replay's event loop
+        # every connection kept alive: one per stream at most, none reopened per request
+        limits = httpx.Limits(max_connections=MAX_STREAMS, max_keepalive_connections=MAX_STREAMS)
         async with httpx.AsyncClient(timeout=None, limits=limits) as client:
             tasks = []
             for k, r in enumerate(reqs):
@@ -295,8 +321,8 @@ class Fleet:
                     "OOMGUARD_TWIN_MODEL": trace.model,
                     "OOMGUARD_TWIN_STATE_FILE": str(self.states[i]),
                     "OOMGUARD_TWIN_TIME_COMPRESSION": str(c),
-                    "OOMGUARD_ALLOCATOR_DIR": str(w / "allocator"),
-                    "OOMGUARD_TARGET": self.names[i],
+                    ALLOCATOR_DIR_ENV: str(w / "allocator"),
+                    TARGET_ENV: self.names[i],
                 },
                 restart_delay=trace.reload_s / c,
                 max_crashes=1000 if self.config != "oomguard" else 20,
@@ -324,33 +350,32 @@ class Fleet:
         if self.own_remediator:
             rem = RemediatorProcess(
                 w / "remediator",
-                {
-                    "auth": {"bearer_token_file": str(w / "rtoken")},
-                    "targets": self.remediator_targets(),
-                    **remediator_timings(c),
-                    "audit_log": str(self.audit),
-                    "mode": "standalone",
-                    "standalone": {
-                        "exporters": [f"http://127.0.0.1:{self.exporter_port}/metrics"],
-                        "interval_seconds": 0.25,
-                        "pressure_for_seconds": 30 / c,
-                        "critical_for_seconds": 0,
-                        "keep_firing_seconds": 120 / c,
-                    },
-                },
+                remediator_config(
+                    self.remediator_targets(restart=True),
+                    c,
+                    audit=self.audit,
+                    token_file=w / "rtoken",
+                    exporters=[f"http://127.0.0.1:{self.exporter_port}/metrics"],
+                ),
             )
             self.procs.append(rem)
 
-    def remediator_targets(self) -> list[dict[str, Any]]:
-        return [
-            {
+    def remediator_targets(self, restart: bool = False) -> list[dict[str, Any]]:
+        """The engines as the remediator's allowlist; `restart`: with their supervisor as the
+        restart backend (lower memory flags after a crash or critical memory that stays)."""
+        targets: list[dict[str, Any]] = []
+        for name, e in zip(self.names, self.engines, strict=True):
+            target: dict[str, Any] = {
                 "name": name,
                 "url": e.url,
                 "model": self.trace.model,
                 "token_file": str(self.work / "ptoken"),
             }
-            for name, e in zip(self.names, self.engines, strict=True)
-        ]
+            if restart:
+                supervisor = {"url": e.api, "token_file": str(self.work / "stoken")}
+                target["restart"] = {"supervisor": supervisor}
+            targets.append(target)
+        return targets
 
     # -- the replay ----------------------------------------------------------------------------
     def now(self) -> float:
@@ -457,20 +482,20 @@ class Fleet:
                 v.generation, v.ooms = generation[i], exits_seen[i]
                 v.gpu_free, v.neighbour = self._gpu_seen[i]
                 try:
-                    st = httpx.get(f"{e.url}/oomguard/v1/state", timeout=1).json()
-                    total = int(st["preemptions_total"])
+                    st = parse_state(httpx.get(f"{e.url}{API_PREFIX}/state", timeout=1).json())
+                    total = st.preemptions_total
                     key = i * 1000 + generation[i]
                     self._preempt_total += total - self._preempt_seen.get(key, 0)
                     self._preempt_seen[key] = total
                     v.up = True
-                    v.cap, v.startup_cap = st["admission_cap"], st["startup_max_num_seqs"]
+                    v.cap, v.startup_cap = st.admission_cap, st.startup_max_num_seqs
                     full = v.cap >= v.startup_cap
-                    v.mode = "draining" if st["mode"] == "draining" else "serving"
+                    v.mode = "draining" if st.draining else "serving"
                     if v.mode == "serving" and not full:
                         v.mode = "capped"
-                    v.running, v.waiting = int(st["running"]), int(st["waiting"])
-                    v.kv = float(st["kv_cache_usage"])
-                except (httpx.HTTPError, KeyError, ValueError, TypeError):
+                    v.running, v.waiting = st.running or 0, st.waiting or 0
+                    v.kv = st.kv_cache_usage or 0.0
+                except (httpx.HTTPError, ValueError):  # StateError too: a ValueError
                     # slow to answer is not dead: keep what was last seen while vLLM runs
                     last = self.views[i]
                     if alive and last.generation == v.generation and last.mode != "down":
@@ -545,12 +570,55 @@ class Fleet:
 
 
 def remediator_timings(compression: float) -> dict[str, Any]:
-    """The remediator's policy and safety clocks run in wall time: scale the trace-time ones."""
+    """The remediator's shipped policy and safety defaults, each clock scaled to the trace's:
+    the remediator runs in wall time, so at x`compression` every trace-time default is divided
+    by it. Derived from the config models, so the twin runs what an operator gets."""
     c = compression
+    policy, safety = PolicyConfig(), SafetyConfig()
     return {
-        "policy": {"step_seconds": 30 / c},
-        "safety": {"cooldown_seconds": 10 / c, "window_seconds": 3600 / c},
+        "policy": {
+            "step_seconds": policy.step_seconds / c,
+            "restart_after_drain_seconds": policy.restart_after_drain_seconds / c,
+        },
+        "safety": {
+            "cooldown_seconds": safety.cooldown_seconds / c,
+            "window_seconds": safety.window_seconds / c,
+        },
         "reconcile_seconds": 0.25,
+    }
+
+
+def standalone_timings(compression: float, exporters: list[str]) -> dict[str, Any]:
+    """Standalone mode's alert timings (the rules' `for` and action `keep_firing_for`) at their
+    shipped defaults, scaled to the trace's clock; the exporters polled every 0.25 wall s."""
+    c = compression
+    d = StandaloneConfig(exporters=exporters)
+    return {
+        "exporters": exporters,
+        "interval_seconds": 0.25,
+        "pressure_for_seconds": d.pressure_for_seconds / c,
+        "critical_for_seconds": d.critical_for_seconds / c,
+        "keep_firing_seconds": d.keep_firing_seconds / c,
+    }
+
+
+def remediator_config(
+    targets: list[dict[str, Any]],
+    compression: float,
+    *,
+    audit: Path,
+    token_file: Path,
+    exporters: list[str],
+) -> dict[str, Any]:
+    """A standalone remediator with its shipped defaults at the trace's clock (the outcome
+    benchmark and the fleet's own remediator run this one)."""
+    return {
+        "auth": {"bearer_token_file": str(token_file)},
+        "targets": targets,
+        **remediator_timings(compression),
+        "audit_log": str(audit),
+        "mode": "standalone",
+        "standalone": standalone_timings(compression, exporters),
     }
 
 

@@ -1,0 +1,85 @@
+"""The outcome benchmark's fleet runs the remediator an operator gets, and its load is sized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench.outcome import (
+    INFLIGHT_OUTPUT,
+    INFLIGHT_PROMPT,
+    inflight_rate,
+    trouble_starts_s,
+    with_horizon,
+)
+from oomguard.remediator.config import RemediatorConfig, StandaloneConfig
+from oomguard.remediator.policy import PolicyConfig
+from oomguard.remediator.safety import SafetyConfig
+from oomguard.twin.physics import Physics, Step
+from oomguard.twin.runner import Fleet, remediator_config
+from oomguard.twin.traces import Trace
+
+
+def fleet_config(tmp_path: Path, c: float) -> RemediatorConfig:
+    fleet = Fleet(Trace.load("neighbour-growth"), "oomguard", tmp_path)
+    fleet.engines = [  # what remediator_targets reads of a started engine
+        SimpleNamespace(url=f"http://127.0.0.1:800{i}", api=f"http://127.0.0.1:900{i}")
+        for i in range(fleet.n)
+    ]
+    raw = remediator_config(
+        fleet.remediator_targets(restart=True),
+        c,
+        audit=tmp_path / "audit.jsonl",
+        token_file=tmp_path / "rtoken",
+        exporters=["http://127.0.0.1:9848/metrics"],
+    )
+    return RemediatorConfig.model_validate(raw)
+
+
+@pytest.mark.parametrize("c", [1.0, 5.0, 20.0])
+def test_the_twins_remediator_is_the_shipped_one_at_the_traces_clock(tmp_path, c):
+    cfg = fleet_config(tmp_path, c)
+    shipped = StandaloneConfig(exporters=["x"])
+    assert cfg.mode == "standalone" and cfg.standalone is not None
+    # the fleet's own remediator had keep_firing 120 s of trace time, four times the shipped
+    # hysteresis on action alerts: its recovery was not the product's
+    assert cfg.standalone.keep_firing_seconds == pytest.approx(shipped.keep_firing_seconds / c)
+    assert cfg.standalone.pressure_for_seconds == pytest.approx(shipped.pressure_for_seconds / c)
+    assert cfg.standalone.critical_for_seconds == pytest.approx(shipped.critical_for_seconds / c)
+    policy, safety = PolicyConfig(), SafetyConfig()
+    assert cfg.policy.step_seconds == pytest.approx(policy.step_seconds / c)
+    assert cfg.policy.restart_after_drain_seconds == pytest.approx(
+        policy.restart_after_drain_seconds / c
+    )
+    assert cfg.policy.readmit_stages == policy.readmit_stages
+    assert cfg.policy.readmit_successes == policy.readmit_successes
+    assert cfg.safety.cooldown_seconds == pytest.approx(safety.cooldown_seconds / c)
+    assert cfg.safety.max_actions == safety.max_actions
+    # and it can restart either engine through its supervisor, as a node running
+    # `oomguard serve` allows
+    assert all(t.restart is not None and t.restart.supervisor is not None for t in cfg.targets)
+
+
+def test_the_in_flight_load_holds_about_n_requests_per_engine():
+    trace = Trace.load("neighbour-growth")
+    rate = inflight_rate(trace, 64)
+    p = Physics.for_model(trace.model, gpu=trace.gpu, gpu_memory_utilization=0.9)
+    output = sum(INFLIGHT_OUTPUT) / 2
+    ctx = int(64 * (sum(INFLIGHT_PROMPT) / 2 + output / 2))
+    decode_s = output * p.step_seconds(Step(tokens=64, attention=ctx, context=ctx))
+    assert rate / 2 * decode_s == pytest.approx(64)  # Little's law, per engine
+    loaded = with_horizon(trace, 64)
+    extra = loaded.phases[-1]
+    # from a minute before the neighbour starts to grow until the pressure ends
+    assert trouble_starts_s(trace) == 150
+    assert (extra.start_s, extra.end_s) == (90, trace.pressure_ends_s)
+    # the fixed horizon holds a crash's model reload after the trouble
+    assert loaded.duration_s >= (trace.pressure_ends_s or 0) + trace.reload_s
+
+
+def test_no_in_flight_load_without_gpu_trouble():
+    trace = Trace.load("do-no-harm")
+    assert trouble_starts_s(trace) is None
+    assert len(with_horizon(trace, 64).phases) == len(trace.phases)
