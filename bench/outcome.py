@@ -16,9 +16,12 @@ objective), preemptions, p99 TTFT, the requests engine 0 held (running + queued)
 from the end of the pressure to engine 0 back at full admission, with no re-trigger (a second
 drain or lowering of engine 0 after the pressure ended counts as oscillation).
 
-`--inflight N` adds, around the incident, enough long-output traffic for each engine to hold
-about N requests at once (the issue's >= 64); it is heavy for a small machine (the twin's step
-clock is compressed: 64 streams per engine at x15-x20 is thousands of SSE chunks a second).
+`--inflight N` adds, from a minute before the GPU trouble starts until the pressure ends,
+enough long-output traffic (Little's law on the twin's roofline decode) for each engine to hold
+about N requests at once (the issue's >= 64), and checks that every engine did at the incident.
+Streams carry one chunk per 1/32 of the output (the first token at once), but the engines' step
+clock is compressed: on a small machine run it at `--compression 4`, where the engines already
+fall behind their clock (they then hold more than N).
 
 Usage: python bench/outcome.py [--quick] [--trace NAME ...] [--inflight N] [--merge]
 (writes bench/results/outcome.json after every trace). --quick: two traces at twice the time
@@ -112,22 +115,31 @@ def with_horizon(trace: Trace, inflight: int = 0) -> Trace:
 
 
 def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
-    """Engine 0 at the incident, at its peak, and during the recovery."""
+    """Engine 0 at the incident, at its peak, and during the recovery (with its remediator steps
+    in trace time: the recovery's timeline), and what every engine held at the incident."""
     history = [views[0] for views in list(fleet.history)]
     wall0 = time.time() - (time.monotonic() - fleet.t0)  # the audit log's clock at trace 0
+    steps: list[str] = []
     first_action = None
     if fleet.audit.exists():
         for line in fleet.audit.read_text().splitlines():
             e = json.loads(line)
             if e["event"] == "acted" and e["target"] == fleet.names[0]:
-                first_action = (e["time"] - wall0) * fleet.c
-                break
+                at_s = (e["time"] - wall0) * fleet.c
+                first_action = at_s if first_action is None else first_action
+                cap = (e.get("after") or {}).get("cap")
+                steps.append(f"{at_s:.1f} {e['action']}" + (f" {cap}" if cap is not None else ""))
     at = fleet.crash_times[0] if fleet.crash_times else first_action or incident_s(trace)
     held = [v.running + v.waiting for v in history if at is not None and v.t <= at and v.up]
+    before = [views for views in list(fleet.history) if at is not None and views[0].t <= at]
     out: dict[str, Any] = {
         "incident_s": round(at, 1) if at is not None else None,
         "inflight_at_incident": held[-1] if held else None,
+        "inflight_at_incident_per_engine": [v.running + v.waiting for v in before[-1]]
+        if before
+        else None,
         "inflight_peak": max((v.running + v.waiting for v in history), default=0),
+        "engine0_steps": steps,
     }
     end = trace.pressure_ends_s
     if end is not None:
@@ -226,6 +238,12 @@ def main() -> int:
                 print(f"  {config}: not run: {exc}".splitlines()[0], flush=True)
                 failed[f"{name}/{config}"] = str(exc).splitlines()[0]
         checks = judge(trace, outcomes, extra)
+        if args.inflight and incident_s(trace) is not None:
+            for config in outcomes:  # every engine held the load asked for at the incident
+                held = extra[config]["inflight_at_incident_per_engine"] or [0]
+                checks[f"{config}_inflight_at_incident_ge_{args.inflight}"] = (
+                    min(held) >= args.inflight
+                )
         for config, o in outcomes.items():
             x = extra[config]
             print(
