@@ -160,6 +160,7 @@ def test_corpus_has_20_real_configs_with_logged_figures() -> None:
         assert (FIXTURES / f"{c['config']}.json").is_file(), c["id"]
         assert c["gpu"] and c["vllm"] and c["source"] and "max_model_len" in c["flags"], c["id"]
     assert len({c["config"] for c in LOGGED}) >= 20
+    assert len({c["config"] for c in TOKEN_CASES}) >= 20  # "GPU KV cache size" on 20 configs
 
 
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=[c["id"] for c in TOKEN_CASES])
