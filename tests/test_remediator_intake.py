@@ -35,7 +35,7 @@ def raw(*alerts: dict, **fields) -> bytes:
 
 
 def force_prune(c: Controller) -> None:
-    c._pruned = time.monotonic() - 3600  # the next pass prunes the book
+    c.intake.pruned_at = time.monotonic() - 3600  # the next pass prunes the book
 
 
 def test_a_naive_starts_at_is_refused_and_can_never_break_the_passes(tmp_path):

@@ -20,9 +20,14 @@ API_PREFIX = "/oomguard/v1"
 # Environment variables read inside vLLM (plugin, executor) and set by its launchers.
 PLUGIN_TOKEN_ENV = "OOMGUARD_PLUGIN_TOKEN"
 PLUGIN_TOKEN_FILE_ENV = "OOMGUARD_PLUGIN_TOKEN_FILE"
+PLUGIN_ALLOW_UNAUTHENTICATED_ENV = "OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED"  # "1": local only
+PLUGIN_RETRY_AFTER_ENV = "OOMGUARD_PLUGIN_RETRY_AFTER"  # seconds in a drain's 503 Retry-After
 ALLOCATOR_DIR_ENV = "OOMGUARD_ALLOCATOR_DIR"
 INCIDENT_DIR_ENV = "OOMGUARD_INCIDENT_DIR"
 INITIAL_CAP_ENV = "OOMGUARD_INITIAL_ADMISSION_CAP"
+TARGET_ENV = "OOMGUARD_TARGET"  # the target name in hand-off files and incident records
 
 # Where ranks publish allocator statistics for the exporter (src/oomguard/handoff.py: the format).
 HANDOFF_DIR = "/run/oomguard/allocator"
+
+# The plugin's state document (GET {API_PREFIX}/state): oomguard.engine_state.EngineState.

@@ -33,7 +33,13 @@ from typing import Any
 import yaml
 
 from oomguard import __version__, yamlfmt
-from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, HANDOFF_DIR, PLUGIN_TOKEN_FILE_ENV
+from oomguard.contract import (
+    ALLOCATOR_DIR_ENV,
+    API_PREFIX,
+    HANDOFF_DIR,
+    PLUGIN_TOKEN_FILE_ENV,
+    TARGET_ENV,
+)
 from oomguard.thresholds import AlertThresholds
 
 OUT = Path("deploy/kubernetes")
@@ -435,7 +441,7 @@ def vllm_example(t: AlertThresholds) -> list[dict[str, Any]]:
                                         "value": "/etc/oomguard/tokens/plugin-token",
                                     },
                                     {"name": ALLOCATOR_DIR_ENV, "value": HANDOFF},
-                                    {"name": "OOMGUARD_TARGET", "value": VLLM_NAME},
+                                    {"name": TARGET_ENV, "value": VLLM_NAME},
                                     {
                                         # refused with a KV connector (NIXL, Mooncake) unless
                                         # the cumem allocator is on: drop it if you use one

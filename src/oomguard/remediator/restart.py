@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from oomguard.engine_state import parse as parse_state
 from oomguard.remediator.actuator import Actuator, ActuatorError, Target
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.flags import Flags
@@ -159,16 +160,16 @@ class RestartSequence:
         deadline = self.clock() + self.ready_timeout
         while self.clock() <= deadline:
             try:
-                state = self.plugin.state(target)
-                gmu = state.get("gpu_memory_utilization")
-                if int(state["startup_max_num_seqs"]) == flags.max_num_seqs and (
-                    gmu is None or abs(float(gmu) - flags.gpu_memory_utilization) < 1e-6
+                state = parse_state(self.plugin.state(target))
+                gmu = state.gpu_memory_utilization
+                if state.startup_max_num_seqs == flags.max_num_seqs and (
+                    gmu is None or abs(gmu - flags.gpu_memory_utilization) < 1e-6
                 ):
                     note(
                         "wait_ready",
                         "ok",
                         "serving again; staged re-admission follows",
-                        after={"cap": state.get("admission_cap"), "mode": state.get("mode")},
+                        after={"cap": state.admission_cap, "mode": state.mode},
                     )
                     return RestartResult(True, "done", "restarted")
             except (ActuatorError, KeyError, TypeError, ValueError):
@@ -183,11 +184,8 @@ class RestartSequence:
         drops no request. The plugin's `drained` counts running requests only, so a queued
         request is checked for here either way: it would be lost with the process."""
         try:
-            state = self.plugin.state(target)
-            if int(state["waiting"]) != 0:
-                return False
-            return state.get("drained") is True or int(state["running"]) == 0
-        except (ActuatorError, KeyError, TypeError, ValueError):
+            return parse_state(self.plugin.state(target)).idle
+        except (ActuatorError, ValueError):  # unreadable (StateError is a ValueError): not idle
             return False
 
     def _resume(self, target: Target) -> None:

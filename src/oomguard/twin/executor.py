@@ -46,6 +46,7 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import ModelRunnerOutput
 
+from oomguard.contract import ALLOCATOR_DIR_ENV, INCIDENT_DIR_ENV, TARGET_ENV
 from oomguard.vllm_plugin.oom import note_step
 
 log = logging.getLogger("oomguard.twin.executor")
@@ -77,12 +78,12 @@ class GpuTwin:
         )
         self.compression = _setting(twin, "time_compression", "OOMGUARD_TWIN_TIME_COMPRESSION", 1.0)
         self.state_file = _text(twin, "state_file", "OOMGUARD_TWIN_STATE_FILE")
-        self.allocator_dir = _text(twin, "allocator_dir", "OOMGUARD_ALLOCATOR_DIR")
-        self.target = _text(twin, "target", "OOMGUARD_TARGET")
+        self.allocator_dir = _text(twin, "allocator_dir", ALLOCATOR_DIR_ENV)
+        self.target = _text(twin, "target", TARGET_ENV)
         from oomguard.vllm_plugin.oom import OomRecorder, note_flags
 
         note_flags(vllm_config)
-        incident_dir = _text(twin, "incident_dir", "OOMGUARD_INCIDENT_DIR") or (
+        incident_dir = _text(twin, "incident_dir", INCIDENT_DIR_ENV) or (
             str(Path(self.allocator_dir) / "incidents") if self.allocator_dir else ""
         )
         self.oom = OomRecorder(

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oomguard.contract import ALLOCATOR_DIR_ENV, HANDOFF_DIR, TARGET_ENV
 from oomguard.handoff import AllocatorReport, report_path, write_report
 
 log = logging.getLogger("oomguard.vllm_plugin.allocator")
@@ -136,10 +137,10 @@ def install() -> AllocatorPublisher | None:
             return None  # no CUDA: nothing to publish, no thread
         publisher = AllocatorPublisher(
             torch.cuda,
-            os.environ.get("OOMGUARD_ALLOCATOR_DIR", "/run/oomguard/allocator"),
+            os.environ.get(ALLOCATOR_DIR_ENV, HANDOFF_DIR),
             float(os.environ.get("OOMGUARD_ALLOCATOR_INTERVAL", "1")),
             float(os.environ.get("OOMGUARD_ALLOCATOR_GC_INTERVAL", "0")),
-            os.environ.get("OOMGUARD_TARGET", ""),
+            os.environ.get(TARGET_ENV, ""),
         )
         publisher.start()
         return publisher

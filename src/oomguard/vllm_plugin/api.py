@@ -33,9 +33,18 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
+from oomguard.contract import (
+    API_PREFIX,
+    PLUGIN_ALLOW_UNAUTHENTICATED_ENV,
+    PLUGIN_RETRY_AFTER_ENV,
+    PLUGIN_TOKEN_ENV,
+    PLUGIN_TOKEN_FILE_ENV,
+)
+from oomguard.engine_state import EngineState, StateError, parse_core
+
 log = logging.getLogger("oomguard.vllm_plugin.api")
 
-PREFIX = "/oomguard/v1"
+PREFIX = API_PREFIX
 # Every route that puts work on the engine (vLLM 0.33). While draining, a POST to one of these is
 # answered 503 + Retry-After at the door. tests/test_vllm_plugin.py checks that each POST route
 # the real server registers is in exactly one of GATED_PATHS and CONTROL_PATHS, so a vLLM upgrade
@@ -128,13 +137,13 @@ class AdmissionRequest(BaseModel):
 
 
 def configured_token() -> str | None:
-    token = os.environ.get("OOMGUARD_PLUGIN_TOKEN")
-    path = os.environ.get("OOMGUARD_PLUGIN_TOKEN_FILE")
+    token = os.environ.get(PLUGIN_TOKEN_ENV)
+    path = os.environ.get(PLUGIN_TOKEN_FILE_ENV)
     if not token and path:
         try:
             token = Path(path).read_text().strip()
         except OSError:
-            log.warning("oomguard: cannot read OOMGUARD_PLUGIN_TOKEN_FILE %s", path)
+            log.warning("oomguard: cannot read %s %s", PLUGIN_TOKEN_FILE_ENV, path)
             token = None
     return token or None
 
@@ -153,12 +162,12 @@ def authorize(request: Request) -> None:
     """
     token = configured_token()
     if token is None:
-        if os.environ.get("OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED") == "1":
+        if os.environ.get(PLUGIN_ALLOW_UNAUTHENTICATED_ENV) == "1":
             return
         raise HTTPException(
             403,
             "oomguard mutating routes are disabled: no token configured "
-            "(set OOMGUARD_PLUGIN_TOKEN or OOMGUARD_PLUGIN_TOKEN_FILE)",
+            f"(set {PLUGIN_TOKEN_ENV} or {PLUGIN_TOKEN_FILE_ENV})",
         )
     raw = dict(request.scope.get("headers") or []).get(b"authorization", b"")
     scheme, _, given = bytes(raw).partition(b" ")
@@ -193,34 +202,12 @@ async def admission_body(request: Request) -> AdmissionRequest:
 
 
 def aggregate(engines: list[dict[str, Any]]) -> dict[str, Any]:
-    """One view of all engines behind this API server (several with data parallelism)."""
-
-    def total(key: str) -> int:
-        return sum(int(e[key]) for e in engines)
-
-    since = [e["since_cap_change"] for e in engines]
-    draining = any(e["mode"] == "draining" for e in engines)
-    return {
-        "mode": "draining" if draining else "serving",
-        "drained": draining and all(e["drained"] for e in engines),
-        "admission_cap": min(e["admission_cap"] for e in engines),
-        "startup_max_num_seqs": min(e["startup_max_num_seqs"] for e in engines),
-        "gpu_memory_utilization": engines[0].get("gpu_memory_utilization"),
-        "running": total("running"),
-        "waiting": total("waiting"),
-        "kv_cache_usage": max(e["kv_cache_usage"] for e in engines),
-        "admitted_total": total("admitted_total"),
-        "finished_total": total("finished_total"),
-        "preemptions_total": total("preemptions_total"),
-        "shed_total": total("shed_total"),
-        "since_cap_change": {
-            "seconds": min(s["seconds"] for s in since),
-            "admitted": sum(s["admitted"] for s in since),
-            "finished": sum(s["finished"] for s in since),
-            "preemptions": sum(s["preemptions"] for s in since),
-        },
-        "engines": engines,
-    }
+    """One view of all engines behind this API server (several with data parallelism): the
+    state document (oomguard.engine_state.EngineState) every reader of the route parses."""
+    try:
+        return EngineState.of([parse_core(e) for e in engines]).document()
+    except StateError as exc:  # an engine core answered outside the contract: say so
+        raise HTTPException(502, f"engine state: {exc}") from None
 
 
 class OomguardEndpointPlugin:
@@ -231,7 +218,7 @@ class OomguardEndpointPlugin:
 
     def __init__(self) -> None:
         self.engine_client: Any = None
-        self.retry_after = int(os.environ.get("OOMGUARD_PLUGIN_RETRY_AFTER", "10"))
+        self.retry_after = int(os.environ.get(PLUGIN_RETRY_AFTER_ENV, "10"))
         self._draining = False
         self._draining_checked = 0.0
         self.guard: Any = None
@@ -353,13 +340,10 @@ class OomguardEndpointPlugin:
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         self.engine_client = engine_client
         self._start_guard()
-        if (
-            configured_token() is None
-            and os.environ.get("OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED") != "1"
-        ):
+        if configured_token() is None and os.environ.get(PLUGIN_ALLOW_UNAUTHENTICATED_ENV) != "1":
             log.warning(
-                "oomguard: no OOMGUARD_PLUGIN_TOKEN set; admission, drain and resume "
-                "routes will refuse every call"
+                "oomguard: no %s set; admission, drain and resume routes will refuse every call",
+                PLUGIN_TOKEN_ENV,
             )
 
 

@@ -33,7 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.engine_env import INITIAL_CAP_ENV
+from oomguard.contract import INITIAL_CAP_ENV
+from oomguard.engine_state import EngineCoreState, SinceCapChange
 
 log = logging.getLogger("oomguard.vllm_plugin")
 
@@ -199,33 +200,36 @@ def _gpu_memory_utilization(core: Any) -> float | None:
 
 
 def oomguard_state(self: Any) -> dict[str, Any]:
+    """This engine core's state (oomguard.engine_state.EngineCoreState, sent as a dict: the
+    utility call crosses a process boundary)."""
     s = self.scheduler
     c = counters(s)
     running, waiting = s.get_request_counts()
     draining = _paused(self) or bool(getattr(self, "reject_new_requests", False))
     admitted0, finished0, preempted0 = c.at_change
-    return {
-        "engine": int(getattr(self, "engine_index", 0) or 0),
-        "startup_max_num_seqs": ceiling(s),
-        "gpu_memory_utilization": _gpu_memory_utilization(self),
-        "admission_cap": int(s.max_num_active_reqs),
-        "mode": "draining" if draining else "serving",
+    state = EngineCoreState(
+        engine=int(getattr(self, "engine_index", 0) or 0),
+        startup_max_num_seqs=ceiling(s),
+        gpu_memory_utilization=_gpu_memory_utilization(self),
+        admission_cap=int(s.max_num_active_reqs),
+        mode="draining" if draining else "serving",
         # nothing left to lose: a restart now drops no request, running or queued
-        "drained": draining and running == 0 and waiting == 0,
-        "running": int(running),
-        "waiting": int(waiting),
-        "kv_cache_usage": float(s.get_kv_cache_usage()),
-        "admitted_total": c.admitted,
-        "finished_total": c.finished,
-        "preemptions_total": c.preemptions,
-        "shed_total": c.shed,
-        "since_cap_change": {
-            "seconds": round(time.time() - c.cap_changed_at, 3),
-            "admitted": c.admitted - admitted0,
-            "finished": c.finished - finished0,
-            "preemptions": c.preemptions - preempted0,
-        },
-    }
+        drained=draining and running == 0 and waiting == 0,
+        running=int(running),
+        waiting=int(waiting),
+        kv_cache_usage=float(s.get_kv_cache_usage()),
+        admitted_total=c.admitted,
+        finished_total=c.finished,
+        preemptions_total=c.preemptions,
+        shed_total=c.shed,
+        since_cap_change=SinceCapChange(
+            seconds=round(time.time() - c.cap_changed_at, 3),
+            admitted=c.admitted - admitted0,
+            finished=c.finished - finished0,
+            preemptions=c.preemptions - preempted0,
+        ),
+    )
+    return state.model_dump(mode="json")
 
 
 def oomguard_set_admission_cap(self: Any, cap: int) -> dict[str, Any]:

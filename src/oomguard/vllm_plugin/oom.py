@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from oomguard.contract import ALLOCATOR_DIR_ENV, HANDOFF_DIR, INCIDENT_DIR_ENV, TARGET_ENV
 from oomguard.handoff import AllocatorReport, write_report
 
 log = logging.getLogger("oomguard.vllm_plugin.oom")
@@ -301,8 +302,8 @@ def _cuda_details() -> dict[str, Any]:
 
 
 def directories() -> tuple[str, str]:
-    handoff = os.environ.get("OOMGUARD_ALLOCATOR_DIR", "/run/oomguard/allocator")
-    incidents = os.environ.get("OOMGUARD_INCIDENT_DIR") or str(Path(handoff) / "incidents")
+    handoff = os.environ.get(ALLOCATOR_DIR_ENV, HANDOFF_DIR)
+    incidents = os.environ.get(INCIDENT_DIR_ENV) or str(Path(handoff) / "incidents")
     return handoff, incidents
 
 
@@ -323,7 +324,7 @@ def recorder(
             _recorder = OomRecorder(
                 handoff,
                 incidents,
-                os.environ.get("OOMGUARD_TARGET", ""),
+                os.environ.get(TARGET_ENV, ""),
                 stats,
                 identity or _cuda_identity,
                 extra or _cuda_details,

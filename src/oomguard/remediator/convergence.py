@@ -1,0 +1,418 @@
+"""Convergence: one reconcile pass. Read the engines that need attention, decide the fleet
+(decision.decide_fleet: the same call `explain` makes), and carry each verdict out through the
+actuator: every step through the safety limits and into the audit log, restarts handed to
+restarting.Restarts, each target's status and metrics published for the API and dashboards.
+
+Audit entries record changes, not passes: a decision, a hold, a withheld or failed step is
+audited when it differs from the last one noted for that target.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard.engine_state import EngineState, StateError
+from oomguard.engine_state import parse as parse_state
+from oomguard.remediator.actuator import Actuator, ActuatorError, read_states
+from oomguard.remediator.attention import Attention
+from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.config import RemediatorConfig, TargetConfig
+from oomguard.remediator.decision import (
+    Context,
+    EngineInput,
+    Unreadable,
+    Verdict,
+    decide_fleet,
+    needs_flags,
+)
+from oomguard.remediator.fleet import Fleet
+from oomguard.remediator.intake import Intake
+from oomguard.remediator.metrics import RemediatorMetrics
+from oomguard.remediator.policy import Desired, Observed
+from oomguard.remediator.restarting import Restarts
+from oomguard.remediator.safety import DISRUPTIVE, Safety
+from oomguard.remediator.webhook import Alert
+
+log = logging.getLogger("oomguard.remediator")
+
+
+def observed(state: EngineState) -> Observed:
+    """The part of an engine's state the decision reads."""
+    since = state.since_cap_change
+    return Observed(
+        startup_max_num_seqs=state.startup_max_num_seqs,
+        admission_cap=state.admission_cap,
+        draining=state.draining,
+        seconds_since_cap_change=since.seconds,
+        admitted_since_cap_change=since.admitted,
+        finished_since_cap_change=since.finished,
+        preemptions_since_cap_change=since.preemptions,
+        running=state.running or 0,
+        waiting=state.waiting or 0,
+    )
+
+
+def observe(state: EngineState | dict[str, Any] | ActuatorError) -> Observed | Unreadable:
+    """The plugin's state document as the decision reads it, or why it cannot be used."""
+    if isinstance(state, ActuatorError):
+        return Unreadable(state.reason, str(state))
+    try:
+        return observed(parse_state(state))
+    except StateError as exc:
+        return Unreadable("bad_state", f"unexpected state from the plugin: {exc}")
+
+
+def checked(state: object, name: str) -> EngineState | ActuatorError:
+    """What the actuator read, checked against the contract: a malformed state becomes an
+    ActuatorError `bad_state` naming the field (the engine is held), never an exception."""
+    if isinstance(state, ActuatorError):
+        return state
+    try:
+        return parse_state(state)
+    except StateError as exc:
+        return ActuatorError("bad_state", f"{name}: {exc}")
+
+
+@dataclass
+class TargetStatus:
+    name: str
+    url: str
+    model: str
+    mode: str = "unknown"
+    reason: str = "not reconciled yet"
+    observed: dict[str, Any] | None = None
+    desired: dict[str, Any] | None = None
+    alerts: dict[str, int] = field(default_factory=dict)  # firing alert name -> how many
+    error: str | None = None
+    last_action: dict[str, Any] | None = None
+    updated: float | None = None
+
+
+class Convergence:
+    def __init__(
+        self,
+        config: RemediatorConfig,
+        fleet: Fleet,
+        actuator: Actuator,
+        audit: AuditLog,
+        metrics: RemediatorMetrics,
+        safety: Safety,
+        intake: Intake,
+        restarts: Restarts,
+        dry_run: bool,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.actuator = actuator
+        self.audit = audit
+        self.metrics = metrics
+        self.safety = safety
+        self.intake = intake
+        self.restarts = restarts
+        self.dry_run = dry_run
+        self.status = {t.name: TargetStatus(t.name, t.url, t.model) for t in config.targets}
+        self._noted: dict[tuple[str, str], Any] = {}  # (target, topic) -> last audited value
+        self._pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(fleet.targets))))
+        # which engines each pass reads (attention.py); the rest keep their last state
+        self.attention = Attention(config.attention)
+        self.attention.track({t.name: t.model for t in config.targets})
+
+    def retarget(self, old: Mapping[str, TargetConfig]) -> None:
+        """After the allowlist changed: a target whose configuration is unchanged keeps its
+        status; the rest start over."""
+        self.status = {
+            name: self.status[name]
+            if name in self.status and old.get(name) == t
+            else TargetStatus(t.name, t.url, t.model)
+            for name, t in self.fleet.targets.items()
+        }
+        self.attention.track({t.name: t.model for t in self.fleet.targets.values()})
+
+    def inputs(
+        self,
+        firing: Mapping[str, list[Alert]],
+        states: Mapping[str, Any],
+        names: Iterable[str] | None = None,
+    ) -> list[EngineInput]:
+        """What the decision needs for every target in `names` (default: all; the restart
+        backends' flags read only where a restart may be wanted)."""
+        out = []
+        restarts = self.restarts
+        for name in self.fleet.targets if names is None else names:
+            cfg = self.fleet.targets[name]
+            engine = EngineInput(
+                name,
+                cfg.model,
+                tuple(firing.get(name, ())),
+                observe(states[name]),
+                restartable=name in restarts.backends and not self.dry_run,
+                restarted=restarts.answered(name),
+                restarting=name in restarts.running,
+            )
+            if needs_flags(engine, self.config.policy):
+                engine = EngineInput(**{**engine.__dict__, "flags": restarts.flags(name)})
+            out.append(engine)
+        return out
+
+    def context(self) -> Context:
+        c = self.config
+        return Context(c.policy, c.safety, c.flags, self.safety.state(), self.safety.clock())
+
+    def run_pass(self) -> bool:
+        """One pass over the fleet; True when another pass is wanted at once (a quiet engine,
+        decided on its last state, turned out to need a step)."""
+        again = False
+        started = time.monotonic()
+        firing = self.intake.firing_by_target()
+        att = self.attention
+        due = att.due(
+            self.fleet.targets,
+            firing,
+            self.config.policy,
+            started,
+            self.restarts.running,
+            None,
+            time.time(),
+        )
+        # all at once (actuator.read_states): a pass waits for its slowest read, not their sum
+        targets = [self.fleet.target(n) for n in due]
+        read = read_states(self.actuator, targets, self._pool)
+        states = {n: checked(state, n) for n, state in zip(due, read, strict=True)}
+        att.read(states)
+        peers = att.peers(due)  # quiet engines the fleet-wide limits still need to see
+        names = att.in_order([*due, *peers]) if peers else due
+        seen = {**{p: att.last(p) for p in peers}, **states}
+        verdicts = decide_fleet(self.inputs(firing, seen, names), self.context())
+        for verdict in verdicts:
+            name = verdict.target
+            if name not in states:  # a quiet peer, decided on its last state: never acted on
+                if verdict.steps:
+                    att.wake(name)
+                    again = True
+                continue
+            try:
+                self._carry_out(verdict, states[name], firing[name])
+                att.settle(verdict, started)
+                action = self.status[name].last_action
+                if action and isinstance(action.get("time"), float):
+                    att.acted(name, action["time"])  # read every pass for a while
+            except Exception as exc:  # one target's surprise never stops the others
+                att.wake(name)
+                log.exception("reconciling %s failed", name)
+                self._hold(name, "internal", f"{type(exc).__name__}: {exc}", verdict)
+        self.metrics.observe_pass(
+            time.monotonic() - started, len(states), len(self.fleet.targets), att.quiet
+        )
+        return again
+
+    def _carry_out(
+        self, v: Verdict, state: EngineState | ActuatorError, alerts: list[Alert]
+    ) -> None:
+        name = v.target
+        if v.held == "restarting":
+            self.status[name].mode = "restarting"
+            self.metrics.set_mode(name, "restarting")
+            return
+        if v.observed is None or v.desired is None:
+            self._hold(name, v.held or "unknown", v.message, v)
+            return
+        assert isinstance(state, EngineState)  # observed: it was read and parsed
+        if v.held is not None:  # blind: the engine's state is read, nothing is changed
+            self._hold(name, v.held, v.message, v, error=False)
+            self._publish(name, state, v.desired, alerts, mode="held")
+            return
+        self._note(name, "held", None)
+        observed, desired = v.observed, v.desired
+        decision = (desired.phase, desired.cap, desired.draining, desired.reason)
+        prev = self._noted.get((name, "decision"))
+        if self._note(name, "decision", decision) and (
+            v.steps or desired.phase != "serving" or (prev is not None and prev[0] != "serving")
+        ):  # a change worth explaining; not "full admission" for every target at start
+            self.audit.record(
+                "decided",
+                target=name,
+                before=_brief(observed),
+                after={"cap": desired.cap, "draining": desired.draining, "phase": desired.phase},
+                reason=desired.reason,
+                fingerprints=v.fingerprints,
+            )
+        last = state
+        for step in v.steps:
+            if step.withheld is not None:
+                # the decision adds nothing after a withheld step but a fallback (cap, not drain)
+                self._withheld(name, step.kind, step.withheld, v)
+                continue
+            self._note(name, "withheld", None)
+            if step.kind == "restart":
+                entry = self.restarts.start(name, step, list(v.fingerprints), self.safety)
+                self.status[name].last_action = entry
+                self.status[name].mode = "restarting"
+                return
+            result = self._act(
+                name, step.kind, step.cap, observed, desired, list(v.fingerprints), last
+            )
+            if result is None:
+                break
+            last = result
+        self._publish(name, last, desired, alerts)
+
+    def _note(self, target: str, topic: str, value: Any) -> bool:
+        """True when `value` differs from the last one noted (audit changes, not every pass)."""
+        key = (target, topic)
+        if self._noted.get(key) == value:
+            return False
+        self._noted[key] = value
+        return True
+
+    def _hold(self, name: str, reason: str, message: str, v: Verdict, error: bool = True) -> None:
+        st = self.status[name]
+        st.mode, st.reason = "held", f"{reason}: {message}"
+        st.error = message if error else None
+        st.updated = time.time()
+        if error:
+            self.metrics.reconcile_errors.labels(name).inc()
+        self.metrics.set_mode(name, "held")
+        if self._note(name, "held", reason):
+            why = (
+                f"no action while the engine cannot be read: {message}"
+                if error
+                else f"no action while the exporter is blind to the engine: {message}"
+            )
+            self.audit.record(
+                "held", target=name, result=reason, reason=why, fingerprints=v.fingerprints
+            )
+            log.warning("holding %s: %s", name, message)
+
+    def _withheld(self, name: str, kind: str, limit: str, v: Verdict) -> None:
+        if self._note(name, "withheld", (kind, limit)):
+            self.metrics.safety_limited.labels(name, limit).inc()
+            self.audit.record(
+                "withheld",
+                target=name,
+                action=kind,
+                result=limit,
+                reason=f"{kind} withheld by the {limit} limit",
+                fingerprints=v.fingerprints,
+            )
+            log.warning("%s on %s withheld by the %s limit", kind, name, limit)
+
+    def _act(
+        self,
+        name: str,
+        kind: str,
+        cap: int | None,
+        observed: Observed,
+        desired: Desired,
+        fps: list[str],
+        before: EngineState,
+    ) -> EngineState | None:
+        """Take one step; the engine's state after it (`before` when the answer cannot be
+        read), or None when the step failed."""
+        if self.dry_run and not self._note(name, "dry_run", (kind, cap)):
+            return None  # the engine does not change in a dry run: say it once, not every pass
+        target = self.fleet.target(name)
+        try:
+            if kind == "drain":
+                response = self.actuator.drain(target)
+            elif kind == "resume":
+                response = self.actuator.resume(target)
+            else:
+                assert cap is not None
+                response = self.actuator.set_cap(target, cap)
+        except ActuatorError as exc:
+            self.metrics.actions.labels(name, kind, "failed").inc()  # why: the audit log
+            self.metrics.reconcile_errors.labels(name).inc()
+            self.status[name].error = str(exc)
+            if self._note(name, "failed", (kind, cap, exc.reason)):  # once, not every pass
+                self.audit.record(
+                    "failed",
+                    target=name,
+                    action=kind,
+                    before=_brief(observed),
+                    after={"cap": cap} if cap is not None else None,
+                    result=exc.reason,
+                    reason=f"{desired.reason}: {exc}",
+                    fingerprints=fps,
+                )
+                log.error("%s on %s failed (retrying every pass): %s", kind, name, exc)
+            return None
+        self._note(name, "failed", None)
+        try:  # a cap change answers {"admission_cap", ..., "state": {...}}; the others the state
+            raw = response.get("state", response) if isinstance(response, dict) else response
+            state = parse_state(raw)
+        except StateError as exc:  # done, but the answer is unreadable: the next pass reads it
+            log.warning("%s on %s: unreadable answer: %s", kind, name, exc)
+            state = before
+        result = "dry_run" if self.dry_run else "ok"
+        if kind in DISRUPTIVE:
+            self.safety.record(name, kind)
+        self.metrics.actions.labels(name, kind, result).inc()
+        entry = self.audit.record(
+            "acted",
+            target=name,
+            action=kind,
+            before=_brief(observed),
+            after={"cap": state.admission_cap, "mode": state.mode},
+            result=result,
+            reason=desired.reason,
+            fingerprints=fps,
+        )
+        self.status[name].last_action = entry
+        self.status[name].error = None
+        log.info("%s on %s (%s): %s", kind, name, result, desired.reason)
+        return state
+
+    def _publish(
+        self,
+        name: str,
+        state: EngineState,
+        desired: Desired,
+        alerts: list[Alert],
+        mode: str | None = None,
+    ) -> None:
+        st = self.status[name]
+        # the mode the engine is in now (an action may have been withheld, failed or dry run)
+        cap, startup = state.admission_cap, state.startup_max_num_seqs
+        if mode is not None:
+            pass
+        elif state.draining:
+            mode = "draining"
+        elif cap >= startup:
+            mode = "serving"
+        else:
+            mode = desired.phase if desired.phase in ("capped", "readmitting") else "capped"
+        st.mode, st.reason, st.updated = mode, desired.reason, time.time()
+        st.observed = state.model_dump(
+            include={
+                "admission_cap",
+                "startup_max_num_seqs",
+                "mode",
+                "running",
+                "waiting",
+                "kv_cache_usage",
+            }
+        )
+        st.desired = {"cap": desired.cap, "draining": desired.draining, "phase": desired.phase}
+        names: dict[str, int] = {}
+        for a in alerts:
+            names[a.name] = names.get(a.name, 0) + 1
+        st.alerts = names
+        m = self.metrics  # series updated on change only (metrics.py)
+        m.set_mode(name, mode)
+        m.set_target(name, cap, startup, cap if mode == "readmitting" else 0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _brief(observed: Observed) -> dict[str, Any]:
+    return {
+        "cap": observed.admission_cap,
+        "mode": "draining" if observed.draining else "serving",
+        "startup": observed.startup_max_num_seqs,
+    }

@@ -1,0 +1,164 @@
+"""Restarts: which engines a restart sequence owns now, the flags their backends report, and the
+alert episodes a restart already answered.
+
+A restart runs in its own thread (restart.RestartSequence: drain, wait until nothing runs or
+waits, restart with the new flags through the target's backend, wait until ready, staged
+re-admission) so a model reload of minutes never stalls the reconcile loop; while it runs the
+decision holds the engine (`restarting`). Each restart answers its alert episodes once: they are
+remembered here and rebuilt from the audit log after a remediator restart, and given back when
+the sequence fails before the engine was restarted (it may be tried again).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from oomguard.remediator.actuator import Actuator, ActuatorError
+from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.config import RemediatorConfig
+from oomguard.remediator.decision import Step
+from oomguard.remediator.fleet import Fleet
+from oomguard.remediator.metrics import RemediatorMetrics
+from oomguard.remediator.restart import FlagView, RestartBackend, RestartResult, RestartSequence
+from oomguard.remediator.safety import Safety
+
+log = logging.getLogger("oomguard.remediator")
+
+RESTARTED_LIMIT = 64  # restart episodes remembered per target
+FLAGS_FRESH_SECONDS = 30.0  # a backend's flags are read at most this often per target
+
+
+def restarted_from(entries: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
+    """Per target, the alert episodes a restart already answered (from the audit log)."""
+    out: dict[str, set[str]] = {}
+    for entry in entries:
+        if entry.get("event") == "acted" and entry.get("action") == "restart":
+            after = entry.get("after") or {}
+            if not isinstance(after, dict):
+                continue
+            eps = after.get("episodes") or [after.get("episode")]
+            target = entry.get("target")
+            if isinstance(target, str) and isinstance(eps, list):
+                out.setdefault(target, set()).update(e for e in eps if isinstance(e, str))
+    return out
+
+
+class Restarts:
+    """`on_done` asks for a reconcile pass when a sequence ends."""
+
+    def __init__(
+        self,
+        config: RemediatorConfig,
+        fleet: Fleet,
+        actuator: Actuator,
+        audit: AuditLog,
+        metrics: RemediatorMetrics,
+        backends: Mapping[str, RestartBackend] | None,
+        on_done: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.actuator = actuator
+        self.audit = audit
+        self.metrics = metrics
+        self.backends: dict[str, RestartBackend] = dict(backends or {})
+        self.on_done = on_done
+        self.running: dict[str, threading.Thread] = {}  # target -> its restart sequence
+        self._flag_views: dict[str, tuple[float, FlagView]] = {}
+        self._restarted: dict[str, set[str]] = {}
+
+    def restore(self, entries: Iterable[Mapping[str, Any]]) -> None:
+        """The episodes already answered, from the audit log (at start, on taking the lead)."""
+        self._restarted = restarted_from(entries)
+
+    def answered(self, name: str) -> frozenset[str]:
+        return frozenset(self._restarted.get(name, ()))
+
+    def flags(self, name: str) -> FlagView | None:
+        """The backend's flags for `name` (cached briefly), or None when they cannot be read."""
+        cached = self._flag_views.get(name)
+        if cached and time.monotonic() - cached[0] < FLAGS_FRESH_SECONDS:
+            return cached[1]
+        try:
+            view = self.backends[name].flags()
+        except (ActuatorError, KeyError, TypeError, ValueError) as exc:
+            log.warning("cannot read the flags of %s: %s", name, exc)
+            return None
+        self._flag_views[name] = (time.monotonic(), view)
+        return view
+
+    def start(self, name: str, step: Step, fps: list[str], safety: Safety) -> dict[str, Any]:
+        """Audit the restart, count it against the safety limits and start its sequence in a
+        thread; returns the audit entry."""
+        assert step.flags is not None and step.episode is not None
+        flags, reason = step.flags, step.reason
+        view = self._flag_views.get(name)
+        covers = set(step.covers or (step.episode,))
+        done = self._restarted.setdefault(name, set())
+        done.update(covers)
+        while len(done) > RESTARTED_LIMIT:
+            done.pop()
+        safety.record(name, "restart")
+        self.metrics.actions.labels(name, "restart", "started").inc()
+        entry = self.audit.record(
+            "acted",
+            target=name,
+            action="restart",
+            before={
+                "gpu_memory_utilization": view[1].current.gpu_memory_utilization,
+                "max_num_seqs": view[1].current.max_num_seqs,
+            }
+            if view
+            else None,
+            after={
+                "gpu_memory_utilization": flags.gpu_memory_utilization,
+                "max_num_seqs": flags.max_num_seqs,
+                "episode": step.episode,
+                "episodes": sorted(covers),
+            },
+            result="started",
+            reason=reason,
+            fingerprints=fps,
+        )
+        cfg = self.fleet.targets[name].restart
+        assert cfg is not None
+        sequence = RestartSequence(
+            self.actuator,
+            self.backends[name],
+            self.audit,
+            drain_timeout=cfg.drain_timeout_seconds,
+            ready_timeout=cfg.ready_timeout_seconds,
+            readmit_start=self.config.policy.readmit_start,
+        )
+        target = self.fleet.target(name)
+
+        def run() -> None:
+            try:
+                result = sequence.run(target, flags, reason, fps)
+            except Exception as exc:  # never let a sequence thread die silently
+                log.exception("restart of %s failed", name)
+                result = RestartResult(False, "internal", str(exc))
+            self.metrics.actions.labels(name, "restart", "ok" if result.ok else "failed").inc()
+            if not result.ok and result.step in ("drain", "wait_idle", "restart"):
+                self._restarted.get(name, set()).difference_update(covers)  # may be tried again
+            self._flag_views.pop(name, None)
+            log.log(
+                logging.INFO if result.ok else logging.ERROR,
+                "restart of %s: %s (%s)",
+                name,
+                result.message,
+                result.step,
+            )
+            self.running.pop(name, None)
+            self.on_done()
+
+        thread = threading.Thread(target=run, name=f"restart-{name}", daemon=True)
+        self.running[name] = thread
+        self.metrics.set_mode(name, "restarting")
+        log.warning("restarting %s: %s", name, reason)
+        thread.start()
+        return entry
