@@ -6,11 +6,13 @@ Records are written by the real writers: the plugin's out-of-memory observer
 `oomguard serve` supervisor around a stand-in child that dies the way vLLM dies (the same
 stand-ins as tests/test_supervisor_inputs.py). Figures, where they come from:
 - Llama-3-8B has a 128,256-token vocabulary (src/oomguard/twin/models/llama-3-8b/config.json);
-  FP32 logits of 8,192 prompt tokens are 4.2 GB (../shared/REFERENCE.md, "prompt_logprobs").
+  FP32 logits of 8,192 prompt tokens are 4.2 GB (vLLM computes prompt logprobs over the whole
+  vocabulary in FP32: https://github.com/vllm-project/vllm/issues/5907).
 - An H100 80GB has 79.11 GiB of capacity as PyTorch reports it ("GPU 0 has a total capacity of
   79.11 GiB" in vLLM's OOM reports); gpu_memory_utilization 0.92 is vLLM 0.33's default.
 - PyTorch's OOM message names fragmentation as "reserved by PyTorch but unallocated" and points
-  to expandable_segments (REFERENCE.md, taxonomy type 4); the leak and fragmentation thresholds
+  to expandable_segments (https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf);
+  the leak and fragmentation thresholds
   are the OomguardAllocatorLeak / FragmentationGrowing ones (1 GiB and 2 GiB in 2 h).
 """
 
@@ -175,7 +177,7 @@ def test_an_oom_before_the_first_step_is_a_startup_oom(tmp_path, monkeypatch):
 
 # -- type 2: a long prompt asking for prompt_logprobs ----------
 def test_a_prompt_logprobs_request_that_does_not_fit_is_a_long_prompt_spike(tmp_path, monkeypatch):
-    logits = 8192 * VOCAB * 4  # 4.2 GB of FP32 logits (REFERENCE.md)
+    logits = 8192 * VOCAB * 4  # 4.2 GB of FP32 logits (vllm/v1/sample/sampler.py)
     record = observe(
         tmp_path,
         monkeypatch,

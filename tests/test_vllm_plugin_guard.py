@@ -30,7 +30,7 @@ def room(now: float, idle: float, free_kv: int = 20_000) -> Headroom:
 
 
 def test_prompt_logprobs_logits_match_the_field_figure():
-    # 8K prompt tokens x 128K vocabulary x 4 B (FP32) = 4.2 GB (REFERENCE.md)
+    # 8K prompt tokens x 128K vocabulary x 4 B (FP32: vllm/v1/sample/sampler.py) = 4.2 GB
     est = estimate(RequestShape(8192, prompt_logprobs=True), LLAMA3, ENGINE)
     assert est.logits == 8192 * 128_256 * 4 and est.logits == pytest.approx(4.2e9, rel=0.01)
     # chunked prefill bounds the logits by the chunk, not the prompt

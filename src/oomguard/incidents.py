@@ -12,7 +12,10 @@ Two writers put records into one directory (`OOMGUARD_INCIDENT_DIR`, by default
 
 An exit record and the OOM records it names are one incident; OOM records that no exit record
 names (no supervisor: Kubernetes restarts the pod) are incidents of their own, one per process.
-`classify` gives each the field's type (../shared/REFERENCE.md, "The OOM taxonomy"):
+`classify` gives each the type operators sort vLLM OOMs into (startup, runtime and chronic
+OOMs: https://www.besthub.dev/articles/vllm-production-pitfalls-the-ultimate-fix-for-pagedattention-memory-fragmentation-and-oom-b3df5226dbf5;
+host OOM, exit 137: https://www.kubenatives.com/p/production-runbook-vllm-oom-debugging; XIDs
+that are not OOMs: https://docs.nvidia.com/deploy/xid-errors/):
 
   1 startup       OOM before the engine served a step: weights + KV pool do not fit
   2 long_prompt   the failing step had a long prefill or prompt_logprobs/large logprobs/n, and the
@@ -137,7 +140,8 @@ class Thresholds:
     """Every number the classifier decides with, and why it has its default."""
 
     # A prefill chunk of this many tokens makes a large transient: 8,192 tokens x a 128K
-    # vocabulary in FP32 logits is 4.2 GB (REFERENCE.md); activations grow the same way.
+    # vocabulary in FP32 logits is 4.2 GB (vLLM's prompt-logprobs path,
+    # https://github.com/vllm-project/vllm/issues/5907); activations grow the same way.
     long_prefill_tokens: int = 4096
     # top-logprobs at OpenAI's maximum (20) or n/best_of of 4 multiply the sampler's memory.
     large_logprobs: int = 20

@@ -14,7 +14,7 @@ preemption. Everything here is a documented formula over documented parameters (
   the logits of prompt tokens that asked for prompt_logprobs (FP32, every vocabulary entry),
   allocator fragmentation (reserved - allocated) and other processes on the GPU. A step whose peak
   exceeds the device raises a CUDA out-of-memory error, as the real one would.
-- **Activations** are calibrated on the field example in REFERENCE.md for Llama-3-8B: an
+- **Activations** are calibrated on a field report for Llama-3-8B (no public source found): an
   unchunked 30K-token prefill needed 11.2 GB, a 2,048-token chunk 2.1 GB; linear in tokens, the
   per-token part scaled by hidden size for other models.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from oomguard.budget import ModelShape, shape_from_hf_config
 from oomguard.twin.gpu import GPU_MODELS, MIB
 
-# Calibration (REFERENCE.md, Llama-3-8B, hidden 4096): 2,048 tokens -> 2.1 GB, 30,000 -> 11.2 GB
+# Calibration (the field report above; Llama-3-8B, hidden 4096): 2,048 tok 2.1 GB, 30,000 11.2 GB
 _CAL_HIDDEN = 4096
 ACT_PER_TOKEN = (11.2e9 - 2.1e9) / (30_000 - 2_048)  # ~325.6 kB per token
 ACT_BASE = 2.1e9 - 2_048 * ACT_PER_TOKEN  # ~1.43 GB of per-step workspace

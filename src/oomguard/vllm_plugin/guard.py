@@ -34,10 +34,10 @@ from typing import Literal
 Action = Literal["admit", "defer", "reject"]
 MODES = ("off", "observe", "enforce")
 
-LOGIT_BYTES = 4  # vLLM computes (prompt) logprobs in FP32
-# Activation bytes per token per unit of hidden size, calibrated on the field example for
-# Llama-3-8B (hidden 4096): an unchunked 30K-token prefill needed 11.2 GB, a 2,048-token chunk
-# 2.1 GB (../shared/REFERENCE.md): (11.2e9 - 2.1e9) / (30,000 - 2,048) / 4096 ~ 79.5 B.
+LOGIT_BYTES = 4  # vLLM computes (prompt) logprobs in FP32 (vllm/v1/sample/sampler.py)
+# Activation bytes per token per unit of hidden size, calibrated on a field report for
+# Llama-3-8B (hidden 4096; we found no public source to cite): an unchunked 30K-token prefill
+# needed 11.2 GB, a 2,048-token chunk 2.1 GB: (11.2e9 - 2.1e9) / (30,000 - 2,048) / 4096 ~ 79.5 B.
 ACT_BYTES_PER_TOKEN_PER_HIDDEN = (11.2e9 - 2.1e9) / (30_000 - 2_048) / 4096
 
 
