@@ -320,7 +320,7 @@ def supervise(tmp_path: Path, script: str, cgroup: Path | None = None) -> Path:
         [sys.executable, "-c", f"import os, signal, sys, pathlib\n{script}", "--max-num-seqs", "8"],
         tmp_path / "state",
         max_crashes=1,  # no restart: one record to read
-        env={"OOMGUARD_INCIDENT_DIR": str(incidents)},
+        env={"OOMGUARD_INCIDENT_DIR": str(incidents), "OOMGUARD_TARGET": "llama"},
         cgroup_dir=str(cgroup) if cgroup else None,
     )
     sup.start()
@@ -349,6 +349,7 @@ def test_sigkill_with_a_grown_cgroup_oom_kill_count_is_a_host_oom(tmp_path):
     )
     found = the_incident(directory)
     assert (found.type, found.confidence, found.kind.number) == ("host_oom", "confirmed", 5)
+    assert found.target == "llama"  # the engine's name, from the supervisor's environment
     assert found.figures["cgroup_oom_kills_delta"] == 1 and found.figures["returncode"] == -9
 
 

@@ -246,6 +246,7 @@ class ExitRecord(_Model):
     timestamp: float = _Time
     started_at: float = _Time
     pid: int = Field(ge=1, le=2**31 - 1)
+    target: str = Field("", max_length=256)  # the engine's OOMGUARD_TARGET
     generation: int = Field(0, ge=0, le=MAX_COUNT)
     returncode: int = Field(ge=-255, le=255)
     signal: int | None = Field(None, ge=0, le=255)
@@ -731,9 +732,12 @@ def classify(
 ) -> Incident:
     """One incident from its records: the type, the evidence, the figures that decided it."""
     t = thresholds or Thresholds()
-    if oom is None and exit is None:
+    if exit is not None:
+        when = exit.timestamp
+    elif oom is not None:
+        when = oom.timestamp
+    else:
         raise ValueError("an incident needs an OOM record or an exit record")
-    when = exit.timestamp if exit is not None else oom.timestamp  # type: ignore[union-attr]
     uuid = oom.device_uuid if oom is not None else ""
     case = _Case(oom, exit, _matching_xids(xids, when, uuid, t))
     kind, confidence = _decide(case, t)
@@ -741,11 +745,12 @@ def classify(
     if exit is not None:
         ident, pid = f"exit-{exit.pid}-{exit.generation}", exit.pid
     else:
-        ident, pid = oom.name.removesuffix(".json") or f"oom-{oom.pid}", oom.pid  # type: ignore[union-attr]
+        assert oom is not None  # one of the two records is there (checked above)
+        ident, pid = oom.name.removesuffix(".json") or f"oom-{oom.pid}", oom.pid
     return Incident(
         id=ident,
         timestamp=when,
-        target=oom.target if oom is not None else "",
+        target=oom.target if oom is not None else exit.target if exit is not None else "",
         engine=oom.engine if oom is not None else "",
         pid=pid,
         device_uuid=uuid,

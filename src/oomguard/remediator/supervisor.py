@@ -329,6 +329,7 @@ class Supervisor:
                 "timestamp": time.time(),
                 "started_at": since,
                 "pid": pid,
+                "target": {**os.environ, **self.env}.get("OOMGUARD_TARGET", "")[:256],
                 "generation": self.generation,
                 "returncode": code,
                 "signal": -code if code < 0 else (code - 128 if code > 128 else None),
