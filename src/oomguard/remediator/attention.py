@@ -18,6 +18,12 @@ on a slow resync (`quiet_resync_seconds`, each engine at its own jittered time, 
 over the interval instead of arriving together). A quiet engine by definition needs no step, so
 deciding with its last state changes nothing; the resync is what notices a change made behind the
 remediator's back. Small fleets (fewer than `read_all_below` engines) are read every pass.
+
+A webhook that changes an engine's alerts wakes the loop at once. When many engines are under
+attention (more than `focus_above`), that pass is focused: it reads and decides only the engines
+the webhook changed, with every engine of their models that is not quiet (read too: its last
+state may predate an action) and one quiet peer per model, so a new alert is acted on without
+waiting for a hundred other reads. The other engines under attention follow on the next tick.
 """
 
 from __future__ import annotations
@@ -50,6 +56,13 @@ class AttentionConfig(BaseModel):
     )
     jitter: float = Field(
         0.2, ge=0, le=1, description="Share of the resync interval each read is spread over."
+    )
+    focus_above: int = Field(
+        32,
+        ge=0,
+        description="When more engines than this are under attention, the pass a webhook wakes "
+        "reads and decides only the engines whose alerts it changed (their models' other "
+        "engines on their last states); the rest follow on the next tick.",
     )
     first_read_batch: int = Field(
         1000,
@@ -98,6 +111,7 @@ class Attention:
         self._models: dict[str, str] = {}
         self._members: dict[str, list[str]] = {}  # model -> its engines, in track order
         self._order: dict[str, int] = {}
+        self._focus: set[str] = set()  # engines a webhook just changed: the next pass is theirs
 
     def track(self, models: Mapping[str, str]) -> None:
         """The targets, in decision order, with their models (at start and on discovery)."""
@@ -123,6 +137,7 @@ class Attention:
         them are read when fewer than `read_all_below`); `busy`: engines a restart owns;
         `acted_at`: wall time of each engine's last action, besides those noted through
         `acted` (compared with `wall`)."""
+        focus, self._focus = self._focus, set()
         if len(self._order) < self.config.read_all_below:
             return list(names)
         self._expire(now)
@@ -132,6 +147,23 @@ class Attention:
         # an engine that may be taken out of service is decided with every peer of its model
         # known (the disruption budget, the last-ready rule); a cap needs no peers
         urgent = {self._models[n] for n in asking if wants[n] & OUT_OF_SERVICE}
+        # an alert that asks for nothing on a quiet engine costs no read, focused or not
+        focus = {n for n in focus if n in asking or (n in known and n not in self._quiet_until)}
+        if len(self._loud) <= self.config.focus_above:
+            focus = set()  # a full pass is about as quick: no engine waits for a tick
+        if focus:  # a pass for what a webhook changed: the rest waits for the next tick
+            # every engine of their models that is not quiet is read too: its last state may
+            # predate an action (a drain), and the disruption budget must see it as it is now
+            models = {self._models[n] for n in focus}
+            out = set(focus)
+            for model in models:
+                for name in self._members.get(model, ()):
+                    if name in self._last:
+                        if name in self._loud or name in self._expired:
+                            out.add(name)
+                    elif model in urgent:
+                        out.add(name)
+            return self.in_order(out)
         out = self._loud | self._expired | {n for n in busy if n in self._last}
         out |= asking
         recent = self.config.recent_action_seconds
@@ -204,10 +236,21 @@ class Attention:
         if name in self._last:
             self._loud.add(name)
 
+    def focus(self, names: Iterable[str]) -> None:
+        """A webhook changed these engines' alerts: the next pass reads and decides only them
+        (with their models' peers on their last states), so a new alert is acted on without
+        waiting for the reads of every engine under attention; the tick after does the rest."""
+        self._focus.update(names)
+
+    def unfocus(self) -> None:
+        """Forget pending focus (a replica that takes over starts with a full pass)."""
+        self._focus.clear()
+
     def peers(self, due: Iterable[str]) -> list[str]:
         """Quiet engines, not read this pass, that the decision must still see: one per model
         of a due engine. A quiet engine is ready and takes no step, so one such peer tells the
-        disruption budget and the last-ready rule all that every quiet peer would."""
+        disruption budget and the last-ready rule all that every quiet peer would (an engine
+        that is not quiet is always read: its last state may predate an action)."""
         due_set = set(due)
         out = []
         for model in {self._models[n] for n in due_set if n in self._models}:

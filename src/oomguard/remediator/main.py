@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -96,6 +97,8 @@ class Remediator:
         else:
             self._leading.set()  # one replica, as on one box: it leads
         self.scheduler = BackgroundScheduler(timezone=UTC)
+        self._wakes: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # job ids; None: stop
+        self._waker_thread = threading.Thread(target=self._waker, name="waker", daemon=True)
         # A wake-up while a pass runs is folded into that pass (Controller.reconcile); the
         # scheduler's "skipped: maximum number of running instances" notice is expected then.
         logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
@@ -108,14 +111,20 @@ class Remediator:
         )
 
     def _wake(self) -> None:
-        # not started yet, or shutting down: the interval covers it
-        with contextlib.suppress(Exception):
-            self.scheduler.modify_job("reconcile", next_run_time=datetime.now(UTC))
+        self._wakes.put("reconcile")
 
     def _resync_soon(self) -> None:
         # a payload said alerts were left out of it: read Alertmanager now, not at the next tick
-        with contextlib.suppress(Exception):
-            self.scheduler.modify_job("resync", next_run_time=datetime.now(UTC))
+        self._wakes.put("resync")
+
+    def _waker(self) -> None:
+        """Runs jobs now, on request, from its own thread: a job that asks for another (a
+        resync that changed the alerts wants a pass) must never call into the scheduler
+        itself, since a shutdown holds the scheduler's lock while it waits for that job."""
+        while (job := self._wakes.get()) is not None:
+            # not started yet, or shutting down: the interval covers it
+            with contextlib.suppress(Exception):
+                self.scheduler.modify_job(job, next_run_time=datetime.now(UTC))
 
     def _on_leading(self, leading: bool) -> None:
         c = self.controller
@@ -175,6 +184,7 @@ class Remediator:
             self.elector.try_once()  # lead at once when nobody else does
             self.elector.start()
         self._reconcile()  # the engines' own state: a re-admission in progress carries on
+        self._waker_thread.start()
         c.wake = self._wake
         c.resync_soon = self._resync_soon
         s = self.scheduler
@@ -219,6 +229,9 @@ class Remediator:
             self.elector.stop()  # gives the Lease up: a standby takes over at once
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
+        if self._waker_thread.is_alive():
+            self._wakes.put(None)
+            self._waker_thread.join(10)
         if self.discovery is not None:
             self.discovery.stop()
         self.controller.close()
