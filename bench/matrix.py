@@ -38,6 +38,7 @@ from oomguard.twin.matrix import (  # noqa: E402
     GMUS,
     INCIDENT_TRACES,
     Cell,
+    real_trace,
     run,
     scaled_trace,
     simulate,
@@ -92,9 +93,19 @@ def real_cell(gpu: str, name: str) -> dict[str, object]:
     from oomguard.twin.runner import run as run_fleet
 
     base = Trace.load(name)
-    trace = scaled_trace(base, gpu, 0.92)
-    sim = simulate(gpu, 0.92, trace if base.gpu_events else None, duration_s=60)
-    row: dict[str, object] = {"gpu": gpu, "trace": name, "model": trace.model}
+    scaled = scaled_trace(base, gpu, 0.92)
+    sim = simulate(gpu, 0.92, scaled if base.gpu_events else None, duration_s=60)
+    trace, start = real_trace(scaled, sim)
+    row: dict[str, object] = {
+        "gpu": gpu,
+        "trace": name,
+        "model": trace.model,
+        "replayed": {
+            "from_s": round(start, 1),
+            "duration_s": round(trace.duration_s, 1),
+            "time_compression": round(trace.time_compression, 2),
+        },
+    }
     configs = ("oomguard",) if not base.gpu_events else ("default", "oomguard")
     runs: dict[str, dict[str, object]] = {}
     for config in configs:

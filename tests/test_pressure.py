@@ -503,3 +503,31 @@ def test_data_parallel_engines_are_never_placed_together_on_the_only_gpu():
     assert [ep.gpus for ep in out.engines] == [[], []]
     assert out.gpus[0].planned_bytes is None  # no plan guessed: 2 x 0.92 would read critical
     assert {ep.level.level for ep in out.engines} == {0}
+
+
+def test_a_trace_window_keeps_the_memory_curve_and_the_load():
+    base = Trace.load("neighbour-growth")
+    part = base.window(300, 500)
+    assert part.duration_s == 200
+    for t in range(0, 201, 7):
+        assert part.gpu_at(t) == pytest.approx(base.gpu_at(300 + t), abs=2)
+    assert [(p.start_s, p.end_s) for p in part.phases] == [(0, 200)]
+    assert part.pressure_ends_s is None  # 720 s lies outside the window
+    with pytest.raises(ValueError, match="empty window"):
+        base.window(1000, 2000)
+
+
+def test_the_real_twin_replays_the_incident_on_a_clock_that_leaves_a_lead_to_see():
+    """A lead of 34 simulated seconds at x20 is 1.7 s on the wall: a loaded 2-core machine's
+    own delays, not oomguard, decided such a cell. The real run slows the clock instead."""
+    from oomguard.twin.matrix import MIN_WALL_LEAD_S, real_trace, scaled_trace
+
+    for name in ("neighbour-growth", "long-context-burst", "fragmentation-creep"):
+        scaled = scaled_trace(Trace.load(name), "H100", 0.92)
+        cell = simulate("H100", 0.92, scaled)
+        real, start = real_trace(scaled, cell)
+        lead = cell.oom_without_s - cell.first_critical_s
+        assert lead / real.time_compression >= MIN_WALL_LEAD_S - 1e-9
+        # the window starts before the first level 2, with no fragmentation carried into it
+        assert start <= cell.first_pressure_s and scaled.gpu_at(start)[1] == 0
+        assert real.duration_s >= cell.oom_without_s - start

@@ -253,6 +253,31 @@ def _full_chunks(phase: Phase, max_num_batched_tokens: int, max_model_len: int) 
     return phase.model_copy(update={"prompt_tokens": (max(1, chunk - 64), chunk)})
 
 
+# The real twin's clock: the simulated time from level 3 to the OOM must last at least this long
+# on the wall, so that the harness's own delays on a loaded 2-core machine (vLLM steps, exporter
+# polls, the remediator's pass) are not what decides the cell. A real GPU has all of it.
+MIN_WALL_LEAD_S = 6.0
+WINDOW_MARGIN_S = 60.0  # simulated seconds of load before the first level 2 and after the OOM
+
+
+def real_trace(trace: Trace, cell: Cell) -> tuple[Trace, float]:
+    """The scaled trace as the real vLLM twin replays it, and where in the trace it starts: the
+    window around the incident that `cell` (its simulation) found, on a clock slow enough for
+    the lead to be seen."""
+    if cell.oom_without_s is None or cell.first_pressure_s is None:
+        return trace, 0.0
+    # Fragmentation lives in the engine's process (a restart starts it from zero, replaying the
+    # curve from the window's start): the window starts where there is none yet.
+    start = max(0.0, cell.first_pressure_s - WINDOW_MARGIN_S)
+    while start > 0 and trace.gpu_at(start)[1] > 0:
+        start = max(0.0, start - 1.0)
+    windowed = trace.window(start, cell.oom_without_s + WINDOW_MARGIN_S)
+    critical = cell.first_critical_s if cell.first_critical_s is not None else cell.oom_without_s
+    lead = max(1.0, cell.oom_without_s - critical)
+    compression = min(trace.time_compression, lead / MIN_WALL_LEAD_S)
+    return windowed.model_copy(update={"time_compression": compression}), start
+
+
 def run(
     gpus: tuple[str, ...] = tuple(GPU_MODELS),
     gmus: tuple[float, ...] = GMUS,

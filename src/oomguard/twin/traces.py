@@ -59,7 +59,7 @@ class Trace(BaseModel):
     duration_s: float = Field(gt=0)
     time_compression: float = Field(20.0, gt=0)
     reload_s: float = Field(720.0, ge=0, description="Crash to serving again (model reload).")
-    engine: EngineFlags = Field(default_factory=EngineFlags)  # type: ignore[arg-type]
+    engine: EngineFlags = Field(default_factory=EngineFlags)
     phases: list[Phase] = Field(min_length=1)
     gpu_events: list[GpuPoint] = Field(default_factory=list)
     pressure_ends_s: float | None = Field(
@@ -91,6 +91,47 @@ class Trace(BaseModel):
         n = a.neighbour_gib + w * (b.neighbour_gib - a.neighbour_gib)
         f = a.fragmentation_gib + w * (b.fragmentation_gib - a.fragmentation_gib)
         return int(n * GIB), int(f * GIB)
+
+    def window(self, start_s: float, end_s: float) -> Trace:
+        """The part of the trace from `start_s` to `end_s`, as a trace of its own starting at 0:
+        memory events cut at both ends (the values there kept), phases clipped."""
+        start_s, end_s = max(0.0, start_s), min(self.duration_s, end_s)
+        if end_s <= start_s:
+            raise ValueError(f"empty window {start_s}..{end_s} of {self.name}")
+
+        def point(t: float) -> GpuPoint:
+            n, f = self.gpu_at(t)
+            return GpuPoint(at_s=t - start_s, neighbour_gib=n / GIB, fragmentation_gib=f / GIB)
+
+        events: list[GpuPoint] = []
+        if self.gpu_events:
+            inside = [p for p in self.gpu_events if start_s < p.at_s < end_s]
+            events = [
+                point(start_s),
+                *(p.model_copy(update={"at_s": p.at_s - start_s}) for p in inside),
+                point(end_s),
+            ]
+        phases = [
+            ph.model_copy(
+                update={
+                    "start_s": max(ph.start_s, start_s) - start_s,
+                    "end_s": min(ph.end_s, end_s) - start_s,
+                }
+            )
+            for ph in self.phases
+            if ph.end_s > start_s and ph.start_s < end_s
+        ]
+        ends = self.pressure_ends_s
+        return self.model_copy(
+            update={
+                "duration_s": end_s - start_s,
+                "gpu_events": events,
+                "phases": phases,
+                "pressure_ends_s": ends - start_s
+                if ends is not None and start_s < ends < end_s
+                else None,
+            }
+        )
 
 
 @dataclass(frozen=True)
