@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -161,6 +162,8 @@ def real_subset(
 
 
 def main() -> int:
+    # A stopped benchmark stops what it started: SystemExit unwinds through the runner's finally.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--real", action="store_true", help="also run the real vLLM subset")
