@@ -276,3 +276,43 @@ def test_any_sequence_acts_exactly_as_reading_every_engine_every_pass(tmp_path_f
         runs.append((trace, engines.calls))
         c.close()
     assert runs[0] == runs[1]
+
+
+# -- focused passes: what a webhook changed, at once, when many engines need attention -----------
+def test_a_webhook_pass_reads_only_what_it_changed_when_many_engines_need_attention(tmp_path):
+    names = [f"e{i}" for i in range(60)]
+    engines = Counting(Engines.of(*names))
+    # one model per engine (no peers): 40 capped engines are read every pass
+    c = make(tmp_path, engines, policy={"step_seconds": 3600})
+    c = Controller(
+        c.config.model_copy(
+            update={"targets": [t.model_copy(update={"model": t.name}) for t in c.config.targets]}
+        ),
+        engines,
+        AuditLog(c.config.audit_log),
+        RemediatorMetrics(),
+    )
+    c.reconcile()
+    c.receive(parse(payload(*(alert("OomguardMemoryPressure", f"e{i}") for i in range(40)))))
+    assert len(reads_in_a_pass(c, engines)) == 40  # 40 > focus_above: but nothing was loud yet
+    assert len(reads_in_a_pass(c, engines)) == 40  # capped and firing: read every pass
+    c.receive(parse(payload(alert("OomguardMemoryPressure", "e50"))))
+    assert reads_in_a_pass(c, engines) == {"e50": 1}  # focused: the new alert alone
+    assert engines.engines["e50"].cap == 80
+    assert len(reads_in_a_pass(c, engines)) == 41  # the next tick reads everyone again
+    c.close()
+
+
+def test_a_focused_pass_reads_the_models_engines_that_are_not_quiet(tmp_path):
+    # a drains; a drain alert on b then comes in a focused pass (focus_above 0): a's last state
+    # was read before its drain, so a is read again and the budget keeps b from draining too
+    engines = Counting(Engines.of("a", "b", "c"))
+    c = make(tmp_path, engines, attention={**FLEET["attention"], "focus_above": 0})
+    c.reconcile()
+    c.receive(parse(payload(alert("OomguardMemoryCritical", "a"))))
+    c.reconcile()
+    assert engines.engines["a"].draining
+    c.receive(parse(payload(alert("OomguardMemoryCritical", "b"))))
+    assert reads_in_a_pass(c, engines) == {"a": 1, "b": 1}  # not c: quiet, decided on its state
+    assert not engines.engines["b"].draining and engines.engines["b"].cap < 100
+    c.close()
