@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from oomguard.engine_state import parse
 from oomguard.remediator.actuator import ActuatorError, DryRunActuator, PluginActuator, Target
 from oomguard.remediator.policy import Observed
 from tests.conftest import free_port
+from tests.test_engine_state import CORE as STATE
 from tests.vllm_server import TOKEN, VllmServer, require_vllm
 
 
@@ -42,7 +46,7 @@ def test_dry_run_reads_but_never_writes(engine):
     dry.set_cap(engine, 2)
     dry.drain(engine)
     state = PluginActuator().state(engine)
-    assert state["admission_cap"] == 16 and state["mode"] == "serving"
+    assert state.admission_cap == 16 and state.mode == "serving"
     assert dry.intended == [("llama", "set_cap", 2), ("llama", "drain", None)]
 
 
@@ -61,11 +65,11 @@ def test_server_errors_are_retried_and_client_errors_are_not(local_server):
         calls.append(handler.path)
         if len(calls) < 3:
             return 503, b"engine call failed", "text/plain"
-        return 200, b'{"mode": "serving"}', "application/json"
+        return 200, json.dumps(STATE).encode(), "application/json"
 
     server.responder = respond
     target = Target("t", server.url.removesuffix("/metrics"), "x")
-    assert PluginActuator(backoff=0.01).state(target) == {"mode": "serving"}
+    assert PluginActuator(backoff=0.01).state(target) == parse(STATE)
     assert len(calls) == 3 and calls[0] == "/oomguard/v1/state"
 
     calls.clear()
@@ -80,6 +84,13 @@ def test_unreachable_after_the_retries():
     with pytest.raises(ActuatorError) as exc:
         PluginActuator(attempts=2, backoff=0.01, timeout=1).state(target)
     assert exc.value.reason == "unreachable"
+
+
+def test_a_state_outside_the_contract_is_a_bad_state_naming_the_field(local_server):
+    server = local_server(json.dumps({**STATE, "admission_cap": 16.5}))
+    with pytest.raises(ActuatorError) as exc:
+        PluginActuator().state(Target("t", server.url.removesuffix("/metrics")))
+    assert exc.value.reason == "bad_state" and "admission_cap" in str(exc.value)
 
 
 def test_a_non_json_answer_is_a_bad_response(local_server):

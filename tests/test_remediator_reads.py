@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from oomguard.engine_state import parse
 from oomguard.remediator.actuator import (
     ActuatorError,
     DryRunActuator,
@@ -18,6 +19,17 @@ from oomguard.remediator.actuator import (
 )
 from tests.conftest import free_port
 from tests.remediator_helpers import Engines
+
+# a serving engine's state document (the plugin's GET /oomguard/v1/state)
+STATE = {
+    "startup_max_num_seqs": 16,
+    "admission_cap": 16,
+    "mode": "serving",
+    "running": 0,
+    "waiting": 0,
+    "since_cap_change": {"seconds": 60.0, "admitted": 0, "finished": 0, "preemptions": 0},
+}
+SERVING = json.dumps(STATE).encode()
 
 
 def base(server) -> str:  # type: ignore[no-untyped-def]
@@ -50,18 +62,22 @@ def test_each_engine_gets_its_own_answer_or_its_own_error(local_server, actuator
             return 200, b"<html>proxy error</html>", "text/html"
         if who == "list":
             return 200, b"[1, 2]", "application/json"
-        return 200, json.dumps({"who": who}).encode(), "application/json"
+        if who == "garbled":  # JSON, but not a state: refused like any unusable answer
+            return 200, b'{"mode": "serving"}', "application/json"
+        # each engine its own answer: its cap is the length of its name
+        return 200, json.dumps({**STATE, "admission_cap": len(who)}).encode(), "application/json"
 
     server.responder = respond
-    names = ["ok", "flaky", "refused", "proxy", "list"]
+    names = ["ok", "flaky", "refused", "proxy", "list", "garbled"]
     targets = [Target(n, f"{base(server)}/{n}", f"token-{n}") for n in names]
     down = Target("down", f"http://127.0.0.1:{free_port()}", "x")
     got = actuator.states([*targets, down])
-    assert got[0] == {"who": "ok"}
-    assert got[1] == {"who": "flaky"} and calls["flaky"] == 3  # 5xx retried
+    assert got[0] == parse({**STATE, "admission_cap": 2})  # parsed into the state model
+    assert got[1] == parse({**STATE, "admission_cap": 5}) and calls["flaky"] == 3  # 5xx retried
     reasons = [g.reason if isinstance(g, ActuatorError) else None for g in got[2:]]
-    assert reasons == ["rejected", "bad_response", "bad_response", "unreachable"]
-    assert calls["refused"] == 1  # 4xx: not retried
+    assert reasons == ["rejected", "bad_response", "bad_response", "bad_state", "unreachable"]
+    assert "since_cap_change" in str(got[5])  # the missing field is named
+    assert calls["refused"] == 1 and calls["garbled"] == 1  # 4xx and bad states: not retried
     # the single-read path says the same about the same engine
     with pytest.raises(ActuatorError) as exc:
         actuator.state(targets[3])
@@ -80,7 +96,7 @@ def test_reads_run_in_parallel_up_to_the_concurrency_limit(local_server):
         time.sleep(0.2)
         with lock:
             inflight[0] -= 1
-        return 200, b'{"mode": "serving"}', "application/json"
+        return 200, SERVING, "application/json"
 
     server.responder = slow
     act = PluginActuator(concurrency=8, timeout=5)
@@ -91,7 +107,7 @@ def test_reads_run_in_parallel_up_to_the_concurrency_limit(local_server):
         took = time.monotonic() - started
     finally:
         act.close()
-    assert got == [{"mode": "serving"}] * 32
+    assert got == [parse(STATE)] * 32
     assert most[0] <= 8  # bounded
     assert took < 32 * 0.2 / 2, took  # one at a time would take 6.4 s; 8 at once about 0.8 s
 
@@ -102,7 +118,7 @@ def test_a_read_that_hangs_times_out_without_holding_up_the_others(local_server)
     def respond(handler):  # type: ignore[no-untyped-def]
         if "/hang/" in handler.path:
             time.sleep(3)
-        return 200, b'{"mode": "serving"}', "application/json"
+        return 200, SERVING, "application/json"
 
     server.responder = respond
     act = PluginActuator(attempts=1, timeout=0.5)
@@ -115,7 +131,7 @@ def test_a_read_that_hangs_times_out_without_holding_up_the_others(local_server)
     finally:
         act.close()
     assert isinstance(got[0], ActuatorError) and got[0].reason == "timeout"
-    assert got[1] == {"mode": "serving"}
+    assert got[1] == parse(STATE)
     assert took < 2.5
 
 

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import httpx
 
 from oomguard.contract import API_PREFIX
+from oomguard.engine_state import EngineState, StateError
+from oomguard.engine_state import parse as parse_state
 from oomguard.errors import OomguardError
 
 API = API_PREFIX
@@ -50,7 +52,8 @@ class Target:
 
 
 class Actuator(Protocol):
-    def state(self, target: Target) -> dict[str, Any]: ...
+    # the plugin's state (EngineState; a stand-in may answer the document, readers parse both)
+    def state(self, target: Target) -> EngineState | dict[str, Any]: ...
 
     def set_cap(self, target: Target, cap: int) -> dict[str, Any]: ...
 
@@ -81,6 +84,15 @@ def answer(method: str, url: str, status: int, body: bytes) -> dict[str, Any]:
     return data
 
 
+def engine_state(data: dict[str, Any], url: str) -> EngineState:
+    """The plugin's state document, checked against oomguard.engine_state: a malformed one is
+    an ActuatorError `bad_state` naming the field, like any other answer that cannot be used."""
+    try:
+        return parse_state(data)
+    except StateError as exc:
+        raise ActuatorError("bad_state", f"GET {url}: {exc}") from None
+
+
 def state_url(target: Target) -> str:
     return f"{target.url.rstrip('/')}{API}/state"
 
@@ -107,12 +119,16 @@ class StateReader:
         self._thread.start()
         self._session: Any = None  # aiohttp.ClientSession, made on the loop's thread
 
-    def states(self, targets: Sequence[Target]) -> list[dict[str, Any] | ActuatorError]:
+    def states(
+        self, targets: Sequence[Target]
+    ) -> list[EngineState | dict[str, Any] | ActuatorError]:
         if not targets:
             return []
         return asyncio.run_coroutine_threadsafe(self._all(targets), self._loop).result()
 
-    async def _all(self, targets: Sequence[Target]) -> list[dict[str, Any] | ActuatorError]:
+    async def _all(
+        self, targets: Sequence[Target]
+    ) -> list[EngineState | dict[str, Any] | ActuatorError]:
         import aiohttp  # the remediator extra; the plugin and exporter never need it
 
         if self._session is None:
@@ -124,7 +140,9 @@ class StateReader:
         gate = asyncio.Semaphore(self.concurrency)
         return await asyncio.gather(*(self._one(gate, t) for t in targets))
 
-    async def _one(self, gate: asyncio.Semaphore, target: Target) -> dict[str, Any] | ActuatorError:
+    async def _one(
+        self, gate: asyncio.Semaphore, target: Target
+    ) -> EngineState | dict[str, Any] | ActuatorError:
         import aiohttp
 
         url = state_url(target)
@@ -137,7 +155,7 @@ class StateReader:
                     async with self._session.get(
                         url, headers=auth_headers(target), allow_redirects=False
                     ) as r:
-                        return answer("GET", url, r.status, await r.read())
+                        return engine_state(answer("GET", url, r.status, await r.read()), url)
                 except TimeoutError:
                     last = ActuatorError("timeout", f"GET {url}: no answer in {self.timeout}s")
                 except (aiohttp.ClientError, OSError, ValueError) as exc:
@@ -204,10 +222,12 @@ class PluginActuator:
                 last = exc
         raise last
 
-    def state(self, target: Target) -> dict[str, Any]:
-        return self._call(target, "GET", "/state")
+    def state(self, target: Target) -> EngineState:
+        return engine_state(self._call(target, "GET", "/state"), state_url(target))
 
-    def states(self, targets: Sequence[Target]) -> list[dict[str, Any] | ActuatorError]:
+    def states(
+        self, targets: Sequence[Target]
+    ) -> list[EngineState | dict[str, Any] | ActuatorError]:
         """Many engines' states at once (a reconcile pass): each a state or why it failed."""
         with self._reader_lock:
             if self._reader is None:
@@ -240,10 +260,12 @@ class DryRunActuator:
     reader: Actuator
     intended: list[tuple[str, str, Any]] = field(default_factory=list)
 
-    def state(self, target: Target) -> dict[str, Any]:
+    def state(self, target: Target) -> EngineState | dict[str, Any]:
         return self.reader.state(target)
 
-    def states(self, targets: Sequence[Target]) -> list[dict[str, Any] | ActuatorError]:
+    def states(
+        self, targets: Sequence[Target]
+    ) -> list[EngineState | dict[str, Any] | ActuatorError]:
         return read_states(self.reader, targets)
 
     def close(self) -> None:
@@ -253,7 +275,7 @@ class DryRunActuator:
 
     def _intend(self, target: Target, action: str, value: Any = None) -> dict[str, Any]:
         self.intended.append((target.name, action, value))
-        return self.reader.state(target)
+        return {"state": self.reader.state(target)}  # unchanged: the engine was not written
 
     def set_cap(self, target: Target, cap: int) -> dict[str, Any]:
         return self._intend(target, "set_cap", cap)
@@ -267,7 +289,7 @@ class DryRunActuator:
 
 def read_states(
     actuator: Actuator, targets: Sequence[Target], pool: Any = None
-) -> list[dict[str, Any] | ActuatorError]:
+) -> list[EngineState | dict[str, Any] | ActuatorError]:
     """Each target's state or why it could not be read: all at once where the actuator reads
     many in parallel (PluginActuator.states), else one by one (on `pool`, a thread pool, when
     given)."""
@@ -275,7 +297,7 @@ def read_states(
     if many is not None:
         return list(many(targets))
 
-    def one(target: Target) -> dict[str, Any] | ActuatorError:
+    def one(target: Target) -> EngineState | dict[str, Any] | ActuatorError:
         try:
             return actuator.state(target)
         except ActuatorError as exc:

@@ -41,28 +41,12 @@ from oomguard.remediator.webhook import Alert
 log = logging.getLogger("oomguard.remediator")
 
 
-def observed(state: EngineState) -> Observed:
-    """The part of an engine's state the decision reads."""
-    since = state.since_cap_change
-    return Observed(
-        startup_max_num_seqs=state.startup_max_num_seqs,
-        admission_cap=state.admission_cap,
-        draining=state.draining,
-        seconds_since_cap_change=since.seconds,
-        admitted_since_cap_change=since.admitted,
-        finished_since_cap_change=since.finished,
-        preemptions_since_cap_change=since.preemptions,
-        running=state.running or 0,
-        waiting=state.waiting or 0,
-    )
-
-
 def observe(state: EngineState | dict[str, Any] | ActuatorError) -> Observed | Unreadable:
     """The plugin's state document as the decision reads it, or why it cannot be used."""
     if isinstance(state, ActuatorError):
         return Unreadable(state.reason, str(state))
     try:
-        return observed(parse_state(state))
+        return Observed.from_state(state)
     except StateError as exc:
         return Unreadable("bad_state", f"unexpected state from the plugin: {exc}")
 

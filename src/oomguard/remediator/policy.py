@@ -25,11 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from oomguard.contract import ACTION_LABEL, ACTIONS, Action
+from oomguard.engine_state import EngineState
+from oomguard.engine_state import parse as parse_state
 from oomguard.remediator.webhook import Alert
 
 # Alerts that never act, whatever a label or the policy says: KV near 100 % is normal for vLLM.
@@ -89,20 +91,21 @@ class Observed:
         return self.running == 0 and self.waiting == 0
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Observed:
-        # decoded JSON from the plugin: a wrong type raises here and observe() reports it
-        since = state["since_cap_change"]
-        assert isinstance(since, dict)
+    def from_state(cls, state: EngineState | dict[str, Any]) -> Observed:
+        """From the plugin's state (oomguard.engine_state: parsed strictly; a malformed document
+        raises StateError naming the field, and observe() reports it)."""
+        s = parse_state(state)
+        since = s.since_cap_change
         return cls(
-            startup_max_num_seqs=int(state["startup_max_num_seqs"]),
-            admission_cap=int(state["admission_cap"]),
-            draining=state["mode"] == "draining",
-            seconds_since_cap_change=float(since["seconds"]),
-            admitted_since_cap_change=int(since["admitted"]),
-            finished_since_cap_change=int(since["finished"]),
-            preemptions_since_cap_change=int(since["preemptions"]),
-            running=int(state.get("running", 0)),
-            waiting=int(state.get("waiting", 0)),
+            startup_max_num_seqs=s.startup_max_num_seqs,
+            admission_cap=s.admission_cap,
+            draining=s.draining,
+            seconds_since_cap_change=since.seconds,
+            admitted_since_cap_change=since.admitted,
+            finished_since_cap_change=since.finished,
+            preemptions_since_cap_change=since.preemptions,
+            running=s.running or 0,  # unknown counts as nothing, as before (restarts check)
+            waiting=s.waiting or 0,
         )
 
 
@@ -128,7 +131,7 @@ def actions_for(alerts: Iterable[Alert], policy: PolicyConfig) -> set[Action]:
             continue
         action = policy.actions.get(alert.name) or alert.labels.get(ACTION_LABEL)
         if action in ACTIONS:
-            wanted.add(action)  # type: ignore[arg-type]
+            wanted.add(cast(Action, action))  # a label's string, checked against ACTIONS
     return wanted
 
 
