@@ -395,6 +395,8 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fleet.json"))
     args = parser.parse_args()
     big, window, rounds = (1000, 10.0, 5) if args.quick else (10_000, 30.0, 20)
+    previous = _previous(args.out)
+    load_before = list(os.getloadavg())  # the machine is shared: how busy it was
     work = Path(tempfile.mkdtemp(prefix="oomguard-bench-fleet-"))
     fleet = Fleet(big, seconds=900)
     results: dict[str, Any] = {}
@@ -441,8 +443,28 @@ def main() -> int:
     }
     print(json.dumps(results, indent=1))
     print("targets:", json.dumps(targets_met))
-    record.write(args.out, "fleet", args.quick, results=results, targets_met=targets_met)
+    record.write(
+        args.out,
+        "fleet",
+        args.quick,
+        results=results,
+        targets_met=targets_met,
+        load_average={"before": load_before, "after": list(os.getloadavg())},
+        previous=previous,
+    )
     return 0
+
+
+def _previous(path: str) -> dict[str, Any] | None:
+    """The run this one replaces (kept side by side in the record), if any was recorded."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(old, dict) or "results" not in old:
+        return None
+    old.pop("previous", None)  # one run back, not the whole history
+    return {k: old.get(k) for k in ("when", "quick", "results", "targets_met", "load_average")}
 
 
 class _view:
