@@ -1,9 +1,9 @@
 # oomguard: every target sets up what it needs in a project virtualenv (.venv).
 #   make demo      set up, then run the demo (the main job)
-#   make test      set up, then lint, check generated files, and run every test
+#   make test      set up, then lint, type-check, check generated files, and run every test
 #   make bench     set up, then run the benchmarks and record results under bench/results/
 #   make generate  regenerate alert rules, dashboards and configs from the catalog
-#   make check     lint, generated-file drift and the fast tests (no apt, no torch, no vLLM)
+#   make check     lint, types, generated-file drift and the fast tests (no apt, no torch, no vLLM)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -57,20 +57,20 @@ lint: setup
 generate: setup
 	$(BIN)/oomguard generate
 
-test: setup setup-vllm system-deps lint
+test: setup setup-vllm system-deps lint typecheck
 	$(BIN)/oomguard generate --check
 	$(BIN)/python -m pytest -ra
 
 # The quick lane: no apt, no torch, no vLLM, no network. Tests that start processes or need PyPI
 # are marked (pyproject.toml); tests/fast_lane.py makes vLLM and torch count as absent, so the
 # tests that need them skip as on a machine without them.
-check: setup lint
+check: setup lint typecheck
 	$(BIN)/oomguard generate --check
 	$(BIN)/python -m pytest -q -p tests.fast_lane -m 'not slow and not network'
 
-# mypy over an installed copy of the package (needs PyPI for mypy); not yet clean, so not in check
-typecheck:
-	./scripts/typecheck.sh
+# mypy over the package with pyproject.toml's [tool.mypy] settings (part of check and test)
+typecheck: setup
+	$(BIN)/mypy src/oomguard
 
 bench: setup setup-vllm system-deps
 	$(BIN)/python bench/exporter.py

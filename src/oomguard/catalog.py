@@ -46,12 +46,16 @@ class MetricSpec:
     component: Component = "exporter"
 
 
-def _gauge(name: str, help: str, unit: str, labels: tuple[str, ...], **kw: str) -> MetricSpec:
-    return MetricSpec(name, "gauge", help, unit, labels, **kw)  # type: ignore[arg-type]
+def _gauge(
+    name: str, help: str, unit: str, labels: tuple[str, ...], component: Component = "exporter"
+) -> MetricSpec:
+    return MetricSpec(name, "gauge", help, unit, labels, component)
 
 
-def _counter(name: str, help: str, unit: str, labels: tuple[str, ...], **kw: str) -> MetricSpec:
-    return MetricSpec(name, "counter", help, unit, labels, **kw)  # type: ignore[arg-type]
+def _counter(
+    name: str, help: str, unit: str, labels: tuple[str, ...], component: Component = "exporter"
+) -> MetricSpec:
+    return MetricSpec(name, "counter", help, unit, labels, component)
 
 
 _SPECS: tuple[MetricSpec, ...] = (

@@ -205,4 +205,4 @@ OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset
 
 
 def render_openmetrics(families: Iterable[Family]) -> bytes:
-    return openmetrics_latest(_FamiliesCollector(families))  # type: ignore[arg-type]
+    return openmetrics_latest(_FamiliesCollector(families))

@@ -164,10 +164,10 @@ class RemediatorConfig(BaseModel):
     leader_election: LeaderElectionConfig | None = Field(
         None, description="Replicas elect one active remediator on a Lease (Kubernetes)."
     )
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)  # type: ignore[arg-type]
-    safety: SafetyConfig = Field(default_factory=SafetyConfig)  # type: ignore[arg-type]
-    flags: FlagLimits = Field(default_factory=FlagLimits)  # type: ignore[arg-type]
-    attention: AttentionConfig = Field(default_factory=AttentionConfig)  # type: ignore[arg-type]
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)
+    flags: FlagLimits = Field(default_factory=FlagLimits)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
     audit_log: str = "/var/lib/oomguard/remediator-audit.jsonl"
     reconcile_seconds: float = Field(1.0, gt=0, description="Level-triggered pass interval.")
     actuation_timeout_seconds: float = Field(3.0, gt=0)

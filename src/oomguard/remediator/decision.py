@@ -263,14 +263,14 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
         if drains and all(ep in e.restarted for ep in drains):
             wanted.discard("drain")
             wanted.add("lower_cap")
-        desired = decide(wanted, o, ctx.policy)  # type: ignore[arg-type]
+        desired = decide(wanted, o, ctx.policy)
         planned = plan(o, desired)
         if planned and planned[0][0] == "drain":
             why = check(e.name, "drain")
             if why in FALLBACK_LIMITS:
                 # draining would take the model's last capacity: hold it at a lower cap instead
                 steps.append(Step("drain", reason=desired.reason, withheld=why))
-                capped = decide((wanted - {"drain"}) | {"lower_cap"}, o, ctx.policy)  # type: ignore[arg-type]
+                capped = decide((wanted - {"drain"}) | {"lower_cap"}, o, ctx.policy)
                 desired = Desired(False, capped.cap, "capped", f"{why}: capping, not draining")
                 planned = plan(o, desired)
         for kind, cap in planned:

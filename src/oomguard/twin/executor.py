@@ -32,6 +32,7 @@ exception leaves the step.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -386,7 +387,7 @@ class ModelFreeExecutor(Executor):
     def _init_executor(self) -> None:
         self.worker = ModelFreeWorker(self.vllm_config)
 
-    def collective_rpc(  # type: ignore[override]
+    def collective_rpc(
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
@@ -395,12 +396,13 @@ class ModelFreeExecutor(Executor):
         non_block: bool = False,
     ) -> Any:
         # One worker: the result list has one entry. A callable gets the worker as `self`.
-        fn = getattr(self.worker, method) if isinstance(method, str) else None
+        if isinstance(method, str):
+            fn = getattr(self.worker, method)
+        else:
+            fn = functools.partial(method, self.worker)
 
         def call() -> list[Any]:
-            if fn is not None:
-                return [fn(*args, **(kwargs or {}))]
-            return [method(self.worker, *args, **(kwargs or {}))]  # type: ignore[operator]
+            return [fn(*args, **(kwargs or {}))]
 
         return _run(call, non_block)
 
@@ -408,10 +410,10 @@ class ModelFreeExecutor(Executor):
         # vLLM expects one result (not a list) from execute_model / sample_tokens.
         return _run(lambda: getattr(self.worker, method)(arg), non_block)
 
-    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
         return self._single("execute_model", scheduler_output, non_block)
 
-    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
         return self._single("sample_tokens", grammar_output, non_block)
 
     def compile_or_warm_up_model(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from oomguard.budget import ModelShape, shape_from_hf_config
 from oomguard.twin.gpu import GPU_MODELS, MIB
@@ -64,11 +65,11 @@ class Physics:
     mbu: float = 0.8  # achievable share of peak bandwidth
 
     @classmethod
-    def for_model(cls, config: str | Path = "llama-3-8b", **kw: object) -> Physics:
+    def for_model(cls, config: str | Path = "llama-3-8b", **kw: Any) -> Physics:
         path = SIM_MODELS / str(config) / "config.json"  # a twin model by name
         if not path.is_file():
             path = Path(config)
-        return cls(shape_from_hf_config(json.loads(path.read_text())), **kw)  # type: ignore[arg-type]
+        return cls(shape_from_hf_config(json.loads(path.read_text())), **kw)
 
     # -- the device --------------------------------------------------------------------------
     @property

@@ -142,7 +142,7 @@ def start_all(factories: list[Callable[[], P]]) -> list[P]:
         for proc in started:
             proc.stop()
         raise RuntimeError(f"a process did not start: {failed[0]}")
-    return started  # type: ignore[return-value]
+    return started
 
 
 class VllmProcess(Process):
