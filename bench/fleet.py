@@ -333,7 +333,7 @@ def takeover(work: Path, fleet: Fleet, n: int, rounds: int) -> dict[str, Any]:
         )
     )
     os.environ["KUBECONFIG"] = str(kubeconfig)
-    lease = {"lease_seconds": 5, "renew_deadline_seconds": 3, "retry_seconds": 1}
+    lease: dict[str, float] = {"lease_seconds": 5, "renew_deadline_seconds": 3, "retry_seconds": 1}
     out: dict[str, Any] = {"lease": lease, "engines": n, "takeover_to_cap_s": []}
     audit = work / "shared-audit.jsonl"  # the replicas share the audit log (a shared volume)
     procs: list[RemediatorProcess] = []
