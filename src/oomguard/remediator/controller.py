@@ -29,7 +29,7 @@ from oomguard.remediator.attention import Attention
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig, TargetConfig
 from oomguard.remediator.convergence import Convergence, TargetStatus, observe
-from oomguard.remediator.decision import Context, EngineInput, plan
+from oomguard.remediator.decision import plan
 from oomguard.remediator.fleet import Fleet, make_target
 from oomguard.remediator.intake import Intake, Receipt, route, select
 from oomguard.remediator.metrics import RemediatorMetrics
@@ -186,17 +186,6 @@ class Controller:
     def _pass(self) -> None:
         if self.convergence.run_pass():
             self._dirty = True
-
-    def inputs(
-        self,
-        firing: Mapping[str, list[Alert]],
-        states: Mapping[str, Any],
-        names: Iterable[str] | None = None,
-    ) -> list[EngineInput]:
-        return self.convergence.inputs(firing, states, names)
-
-    def context(self) -> Context:
-        return self.convergence.context()
 
     def restore(self) -> None:
         """Rebuild the safety state from the audit log (on taking over as the leader: the
