@@ -685,6 +685,23 @@ def test_the_collector_counts_incidents_by_type(tmp_path, monkeypatch):
     assert not collector.collect().invalid
 
 
+def test_the_collector_parses_each_file_once_while_it_does_not_change(tmp_path, monkeypatch):
+    from oomguard.exporter.collectors.incidents import IncidentCollector
+
+    two_incidents(tmp_path, monkeypatch)
+    parsed: list[str] = []
+    real = inc._parse
+    monkeypatch.setattr(inc, "_parse", lambda name, data: parsed.append(name) or real(name, data))
+    xids: list[inc.Xid] = []
+    collector = IncidentCollector(str(tmp_path), "n", xid_source=lambda: xids)
+    collector.collect()
+    assert len(parsed) == 3  # two records and the broken file
+    xids.append(inc.Xid(NOW, "", 79))  # re-classified, not re-read
+    assert collector.collect().invalid == {"not_json": 1} and len(parsed) == 3
+    (tmp_path / "exit-1-1.json").write_text(json.dumps(valid_exit(1)))  # changed: read again
+    assert not collector.collect().invalid and parsed[3:] == ["exit-1-1.json"]
+
+
 def test_the_collector_reports_a_missing_directory_as_empty_and_an_unreadable_one_as_failed(
     tmp_path,
 ):

@@ -337,11 +337,40 @@ def _parse(name: str, data: bytes) -> OomRecord | ExitRecord:
     return record
 
 
-def load(directory: str | os.PathLike[str], missing_ok: bool = True) -> Loaded:
+# what a file was last time: (inode, size, mtime) -> the record, or the reason it was refused
+ParseCache = dict[str, tuple[tuple[int, int, int], OomRecord | ExitRecord | str]]
+
+
+def _cached_parse(dir_fd: int, name: str, cache: ParseCache | None) -> OomRecord | ExitRecord:
+    """A file parsed once while it does not change (a long-running reader polls every second)."""
+    key: tuple[int, int, int] | None = None
+    if cache is not None:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        hit = cache.get(name)
+        if hit is not None and hit[0] == key:
+            if isinstance(hit[1], str):
+                raise _Refused(hit[1])
+            return hit[1]
+    try:
+        record = _parse(name, _read_file(dir_fd, name))
+    except _Refused as exc:
+        if cache is not None and key is not None:
+            cache[name] = (key, exc.reason)
+        raise
+    if cache is not None and key is not None:
+        cache[name] = (key, record)
+    return record
+
+
+def load(
+    directory: str | os.PathLike[str], missing_ok: bool = True, cache: ParseCache | None = None
+) -> Loaded:
     """Every valid record in the directory; refused files counted by reason, never raised.
 
     A missing directory holds no incidents (no writer ran yet) unless `missing_ok` is False;
-    a directory that cannot be opened or listed raises IncidentDirError.
+    a directory that cannot be opened or listed raises IncidentDirError. With `cache` (kept by
+    the caller between calls) an unchanged file is not read again.
     """
     loaded = Loaded()
     try:
@@ -376,9 +405,12 @@ def load(directory: str | os.PathLike[str], missing_ok: bool = True) -> Loaded:
             raise IncidentDirError(
                 "unreadable_directory", f"cannot list {directory}: {exc.strerror or exc}"
             ) from exc
+        if cache is not None:
+            for gone in set(cache) - set(names):
+                del cache[gone]
         for name in sorted(names):
             try:
-                record = _parse(name, _read_file(dir_fd, name))
+                record = _cached_parse(dir_fd, name, cache)
             except _Refused as exc:
                 loaded.invalid[exc.reason] += 1
                 continue

@@ -10,8 +10,9 @@ stays bounded whatever the files say; `target` and `engine` come from the observ
 XIDs from dcgm-exporter (when the dcgm collector runs) reach the classifier through
 `xid_source`, so a crash with an XID on its GPU and no allocator OOM counts as `not_oom`.
 
-The directory is re-read only when its listing changes (names, sizes, modification times) or
-new XIDs arrive: a poll every second costs one directory scan.
+The directory is re-classified only when its listing changes (names, sizes, modification times)
+or new XIDs arrive, and a file is parsed once while it does not change: a poll every second
+costs one directory scan, and a flood of hostile files is read once, not every second.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
 from oomguard.incidents import (
     IncidentDirError,
+    ParseCache,
     Thresholds,
     Xid,
     incidents,
@@ -73,6 +75,7 @@ class IncidentCollector:
         self.timeout = timeout
         self._key: object = object()
         self._cached = IncidentReading()
+        self._parsed: ParseCache = {}  # each file is parsed once while it does not change
 
     def collect(self) -> IncidentReading:
         xids = tuple(self.xid_source()) if self.xid_source else ()
@@ -83,7 +86,7 @@ class IncidentCollector:
         reading = IncidentReading()
         if listing is not None:
             try:
-                loaded = load(self.directory)
+                loaded = load(self.directory, cache=self._parsed)
             except IncidentDirError as exc:
                 raise CollectorError(exc.reason, str(exc)) from exc
             reading.invalid.update(loaded.invalid)
