@@ -449,10 +449,11 @@ def test_the_real_twins_trace_has_the_simulations_load():
 
     base = Trace.load("fragmentation-creep")
     real = scaled_trace(base, "L40S", 0.92)
-    chunk = real.engine.max_num_batched_tokens
-    for phase in real.phases:
-        assert phase.prompt_tokens[1] <= real.engine.max_model_len - phase.output_tokens[1]
-        assert phase.prompt_tokens[0] >= chunk - 64 - phase.output_tokens[1]
+    for each in (real, scaled_trace(Trace.load("long-context-burst"), "L4", 0.92)):
+        chunk, longest = each.engine.max_num_batched_tokens, each.engine.max_model_len
+        for phase in each.phases:
+            assert phase.prompt_tokens[1] <= min(chunk, longest - phase.output_tokens[1])
+            assert phase.prompt_tokens[0] >= chunk - 64 - phase.output_tokens[1]
     assert real.engine.gpu_memory_utilization == 0.92 and real.gpu == "L40S"
     peak = max(f for _n, f in (real.gpu_at(t) for t in range(int(real.duration_s) + 1)))
     assert peak > 0 and peak != max(f for _n, f in (base.gpu_at(t) for t in range(7201)))

@@ -213,10 +213,11 @@ def scaled_trace(trace: Trace, gpu_name: str, gmu: float, overshoot: float = 1.1
     twin (src/oomguard/twin/runner.py).
 
     Its memory events are scaled as `simulate` scales them, and its load is the simulation's:
-    every prompt a full prefill chunk, so that each prefill step allocates the activation peak
-    vLLM profiled. With the trace's own prompt mix (6-8K tokens against an 8K chunk) whether
-    vLLM alone crashes in the few seconds its incident overshoots depends on which prompts
-    arrive then, and the real run could not agree or disagree with the simulation reliably.
+    every prompt one full prefill chunk, so that each prefill step allocates the activation peak
+    vLLM profiled (the memory a trace's long prompts take is in its memory events). With the
+    trace's own prompt mix (6-8K tokens against an 8K chunk) whether vLLM alone crashes in the
+    few seconds its incident overshoots depends on which prompts arrive then, and the real run
+    could not agree or disagree with the simulation reliably.
     """
     model = model_for(gpu_name)
     p = Physics.for_model(model, gpu=gpu_name, gpu_memory_utilization=gmu)
@@ -247,9 +248,9 @@ def scaled_trace(trace: Trace, gpu_name: str, gmu: float, overshoot: float = 1.1
 
 def _full_chunks(phase: Phase, max_num_batched_tokens: int, max_model_len: int) -> Phase:
     """The phase with prompts as long as one prefill chunk allows (and the outputs still fit)."""
+    # Long prompts too: a 64K prompt's chunks are full, but its KV blocks fill the pool, and an
+    # engine waiting for blocks decodes without prefilling, which the simulation does not model.
     chunk = min(max_num_batched_tokens, max_model_len - phase.output_tokens[1])
-    if phase.prompt_tokens[0] >= chunk:  # long prompts: every chunk but the last is full already
-        return phase
     return phase.model_copy(update={"prompt_tokens": (max(1, chunk - 64), chunk)})
 
 
