@@ -79,6 +79,9 @@ bench: setup setup-vllm system-deps
 	$(BIN)/python bench/detection.py
 	$(BIN)/python bench/outcome.py
 	$(BIN)/python bench/matrix.py
+	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/guard.py
+	$(BIN)/python bench/fleet.py
 
 demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo
