@@ -16,6 +16,7 @@ import json
 import httpx
 import pytest
 
+from oomguard.incidents import incidents, load
 from oomguard.twin.physics import Physics, Step
 from oomguard.twin.processes import PACKAGE, VllmProcess
 from tests.vllm_server import TOKEN, require_vllm
@@ -175,9 +176,13 @@ def test_observe_only_counts_and_the_twin_dies_of_the_logits_peak(tmp_path):
         assert dead.status_code >= 500
         log = server.tail(400)
         assert "CUDA out of memory" in log and "8192 prompt-logprob tokens" in log
-        incidents = list((tmp_path / "allocator-observe" / "incidents").glob("oom-*.json"))
-        [record] = [json.loads(p.read_text()) for p in incidents]
+        incidents_dir = tmp_path / "allocator-observe" / "incidents"
+        [record] = [json.loads(p.read_text()) for p in incidents_dir.glob("oom-*.json")]
         assert record["batch"]["largest"][0]["prompt_tokens"] == 8192
         assert record["batch"]["largest"][0]["params"]["prompt_logprobs"] == 1
+        # forensics (incidents.py): the real server's OOM is a long-prompt spike, type 2
+        [found] = incidents(load(incidents_dir))
+        assert (found.type, found.figures["steps"] > 1) == ("long_prompt", True)
+        assert 8000 * 128_256 * 4 <= found.figures["logits_bytes"] <= 8192 * 128_256 * 4
     finally:
         server.stop()
