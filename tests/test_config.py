@@ -94,3 +94,13 @@ def test_node_name_comes_from_flag_then_config_then_node_name_env(tmp_path, monk
 def test_a_hostname_that_cannot_name_a_node_is_refused(tmp_path, name):
     with pytest.raises(ConfigError, match="hostname"):
         config_from(tmp_path, f"hostname: {name!r}\n".replace("'", '"'))
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:²", "127.0.0.1:٩٠٠٠", "127.0.0.1:", "9848"])
+def test_a_listen_port_must_be_ascii_digits(listen):
+    from pydantic import ValidationError
+
+    from oomguard.exporter.config import ExporterConfig
+
+    with pytest.raises(ValidationError, match="host:port"):
+        ExporterConfig.model_validate({"listen": listen})

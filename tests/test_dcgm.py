@@ -210,3 +210,12 @@ def test_the_dcgm_file_is_read_bounded_and_never_blocks(tmp_path, monkeypatch):
     with pytest.raises(CollectorError) as exc:
         DcgmCollector("h", file=str(tmp_path / "bad.prom")).collect()
     assert exc.value.reason == "parse_error"
+
+
+@pytest.mark.parametrize("code", ["²", "١٣", "13.0", "-13", "", "0", "99999999999999999999"])
+def test_an_xid_label_that_is_not_a_plain_decimal_is_ignored(code):
+    """str.isdigit() accepts "²" and Arabic-Indic digits, which int() refuses or misreads."""
+    from oomguard.exporter.collectors.dcgm import _xid_code
+
+    assert _xid_code({"xid": code}) is None
+    assert _xid_code({"xid": "79"}) == 79

@@ -487,7 +487,8 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     overrides = cfg.get("per_layer_config")
     if isinstance(overrides, dict):  # explicit per-layer shapes win
         for key, o in overrides.items():
-            i = int(key) if str(key).isdigit() else -1
+            # isascii: str.isdigit also accepts "²", which int() refuses
+            i = int(key) if str(key).isascii() and str(key).isdigit() else -1
             if 0 <= i < len(specs) and isinstance(o, dict) and specs[i].kind != "mla":
                 sp = specs[i]
                 heads = _int(o, "num_key_value_heads", default=sp.kv_heads) or sp.kv_heads

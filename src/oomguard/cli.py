@@ -29,7 +29,7 @@ def _key_value(text: str) -> tuple[str, str]:
 def _check_listen(what: str, listen: str) -> None:
     """Bind and release the address now, so a taken port fails before anything starts."""
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ConfigError(f"{what} {listen!r}: expected HOST:PORT with a port up to 65535")
     try:
         family, kind, _, _, address = socket.getaddrinfo(

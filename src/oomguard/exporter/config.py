@@ -117,7 +117,7 @@ class ExporterConfig(_Strict):
     @classmethod
     def _listen(cls, v: str) -> str:
         _host, sep, port = v.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
             raise ValueError("must be host:port, e.g. 0.0.0.0:9848")
         return v
 

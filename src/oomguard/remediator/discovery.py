@@ -101,7 +101,7 @@ def pod_target(pod: Mapping[str, Any], config: DiscoveryConfig) -> TargetConfig 
     port = config.port
     if PORT_ANNOTATION in annotations:
         raw = str(annotations[PORT_ANNOTATION])
-        if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 65535:
             log.warning("pod %s/%s: bad %s %r: not a target", namespace, name, PORT_ANNOTATION, raw)
             return None
         port = int(raw)

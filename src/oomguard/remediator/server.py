@@ -38,7 +38,7 @@ class TooLarge(Exception):
 
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
     chunks, size = [], 0
     async for chunk in request.stream():

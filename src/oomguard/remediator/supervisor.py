@@ -176,7 +176,12 @@ def cgroup_oom_kills(cgroup_dir: str | None) -> int | None:
             continue
         for line in text.splitlines():
             parts = line.split()
-            if len(parts) == 2 and parts[0] == "oom_kill" and parts[1].isdigit():
+            if (
+                len(parts) == 2
+                and parts[0] == "oom_kill"
+                and parts[1].isascii()
+                and parts[1].isdigit()
+            ):
                 return int(parts[1])
     return None
 

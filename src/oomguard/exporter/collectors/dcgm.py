@@ -82,7 +82,7 @@ def is_blank(value: float) -> bool:
 
 def _xid_code(labels: dict[str, str]) -> int | None:
     code = labels.get("xid", "")
-    return int(code) if code.isdigit() and 0 < int(code) <= MAX_XID else None
+    return int(code) if code.isascii() and code.isdigit() and 0 < int(code) <= MAX_XID else None
 
 
 def xids_from_text(text: str, timestamp: float, openmetrics: bool = False) -> list[Xid]:
