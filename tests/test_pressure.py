@@ -521,7 +521,7 @@ def test_a_trace_window_keeps_the_memory_curve_and_the_load():
 def test_the_real_twin_replays_the_incident_on_a_clock_that_leaves_a_lead_to_see():
     """A lead of 34 simulated seconds at x20 is 1.7 s on the wall: a loaded 2-core machine's
     own delays, not oomguard, decided such a cell. The real run slows the clock instead."""
-    from oomguard.twin.matrix import MIN_WALL_LEAD_S, real_trace, scaled_trace
+    from oomguard.twin.matrix import MIN_WALL_LEAD_S, MIN_WALL_TAIL_S, real_trace, scaled_trace
 
     for name in ("neighbour-growth", "long-context-burst", "fragmentation-creep"):
         scaled = scaled_trace(Trace.load(name), "H100", 0.92)
@@ -532,3 +532,5 @@ def test_the_real_twin_replays_the_incident_on_a_clock_that_leaves_a_lead_to_see
         # the window starts before the first level 2, with no fragmentation carried into it
         assert start <= cell.first_pressure_s and scaled.gpu_at(start)[1] == 0
         assert real.duration_s >= cell.oom_without_s - start
+        tail = real.duration_s - (cell.oom_without_s - start)
+        assert tail / real.time_compression >= MIN_WALL_TAIL_S - 1e-9

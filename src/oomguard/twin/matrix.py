@@ -258,6 +258,7 @@ def _full_chunks(phase: Phase, max_num_batched_tokens: int, max_model_len: int) 
 # on the wall, so that the harness's own delays on a loaded 2-core machine (vLLM steps, exporter
 # polls, the remediator's pass) are not what decides the cell. A real GPU has all of it.
 MIN_WALL_LEAD_S = 6.0
+MIN_WALL_TAIL_S = 15.0  # wall seconds of replay after the simulated OOM
 WINDOW_MARGIN_S = 60.0  # simulated seconds of load before the first level 2 and after the OOM
 
 
@@ -272,10 +273,14 @@ def real_trace(trace: Trace, cell: Cell) -> tuple[Trace, float]:
     start = max(0.0, cell.first_pressure_s - WINDOW_MARGIN_S)
     while start > 0 and trace.gpu_at(start)[1] > 0:
         start = max(0.0, start - 1.0)
-    windowed = trace.window(start, cell.oom_without_s + WINDOW_MARGIN_S)
     critical = cell.first_critical_s if cell.first_critical_s is not None else cell.oom_without_s
     lead = max(1.0, cell.oom_without_s - critical)
     compression = min(trace.time_compression, lead / MIN_WALL_LEAD_S)
+    # ... and the replay goes on long enough after the simulated OOM for a crash to be seen
+    end = cell.oom_without_s + max(WINDOW_MARGIN_S, MIN_WALL_TAIL_S * compression)
+    windowed = trace.window(start, end)
+    tail = windowed.duration_s - (cell.oom_without_s - start)
+    compression = min(compression, tail / MIN_WALL_TAIL_S)
     return windowed.model_copy(update={"time_compression": compression}), start
 
 
