@@ -45,6 +45,7 @@ def test_promtool_lint_passes(repo_root):
     assert f"SUCCESS: {len(ALERTS) + len(RECORDED)} rules found" in r.stdout
 
 
+@pytest.mark.slow  # seconds each: in make test, not in the 2-minute check lane
 def test_promtool_unit_tests_pass(repo_root):
     r = subprocess.run(
         ["promtool", "test", "rules", RULE_TESTS.name],

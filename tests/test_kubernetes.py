@@ -188,6 +188,7 @@ WRITES = {
 }
 
 
+@pytest.mark.slow  # seconds each: in make test, not in the 2-minute check lane
 def test_the_generated_rbac_lets_discovery_the_lease_and_restarts_work_and_no_more(repo_root):
     """The remediator's own code (pod discovery, leader election, the restart backend) against
     the API stand-in that checks every request against exactly the generated Roles."""

@@ -349,6 +349,7 @@ def test_engines_of_a_target_that_cannot_be_read_are_blind():
     assert e == {("t", "m", "0"): (0, "ok")}
 
 
+@pytest.mark.slow  # seconds each: in make test, not in the 2-minute check lane
 def test_memory_stays_bounded_when_upstream_invents_engines():
     """500 new engine label sets per poll (hostile /metrics) for 400 polls."""
     ev = PressureEvaluator()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import pytest
 from kubernetes import client
 
 from oomguard.remediator.audit import AuditLog
@@ -67,6 +68,7 @@ def names(d: PodDiscovery) -> list[str]:
     return [t.name for t in d.targets()]
 
 
+@pytest.mark.slow  # seconds each: in make test, not in the 2-minute check lane
 def test_pods_are_listed_once_then_followed_by_watch_with_no_relisting():
     standin = KubeStandIn([], ROLE)
     standin.put_pod(pod("vllm-0", "10.0.0.1"))
@@ -119,6 +121,7 @@ def test_a_compacted_version_is_listed_again_and_nothing_is_lost():
         standin.close()
 
 
+@pytest.mark.slow  # seconds each: in make test, not in the 2-minute check lane
 def test_an_api_outage_keeps_the_targets_and_recovers():
     standin = KubeStandIn([], ROLE)
     standin.put_pod(pod("vllm-0"))
@@ -171,6 +174,7 @@ def test_what_a_pod_may_and_may_not_say_about_itself():
     assert v6.selector() == {"instance": "gpu-node-1"}  # the exporter's alerts name the node
 
 
+@pytest.mark.slow  # seconds each: in make test, not in the 2-minute check lane
 def test_alerts_select_among_discovered_pods_and_never_supply_an_address(tmp_path):
     standin = KubeStandIn([], ROLE)
     for i in range(3):

@@ -41,6 +41,7 @@ def base_config(work, targets: list[dict], **extra) -> dict:
     }
 
 
+@pytest.mark.slow  # seconds each: in make test, not in the 2-minute check lane
 def test_the_pause_switch_survives_kill_9(tmp_path):
     config = base_config(tmp_path, [{"name": "a", "url": f"http://127.0.0.1:{free_port()}"}])
     proc = RemediatorProcess(tmp_path, config)

@@ -284,6 +284,7 @@ field_values = st.one_of(
     ),
     st.sampled_from(["OomguardMemoryCritical", "OomguardMemoryPressure"]),
 )
+@pytest.mark.slow  # seconds each: in make test, not in the 2-minute check lane
 def test_whatever_a_payload_holds_it_is_refused_or_handled_never_raised_in_a_pass(
     tmp_path, overrides, name
 ):
