@@ -104,3 +104,23 @@ def test_a_listen_port_must_be_ascii_digits(listen):
 
     with pytest.raises(ValidationError, match="host:port"):
         ExporterConfig.model_validate({"listen": listen})
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("0", 0),
+        ("9848", 9848),
+        ("007", 7),
+        ("²", None),
+        ("١٣", None),
+        ("", None),
+        ("-1", None),
+        (" 5", None),
+        ("5.0", None),
+    ],
+)
+def test_only_ascii_decimal_digits_are_a_number(text, value):
+    from oomguard.digits import decimal
+
+    assert decimal(text) == value

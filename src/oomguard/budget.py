@@ -28,6 +28,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from oomguard.digits import decimal
 from oomguard.errors import BudgetError
 
 GIB = 1024**3
@@ -487,8 +488,8 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     overrides = cfg.get("per_layer_config")
     if isinstance(overrides, dict):  # explicit per-layer shapes win
         for key, o in overrides.items():
-            # isascii: str.isdigit also accepts "²", which int() refuses
-            i = int(key) if str(key).isascii() and str(key).isdigit() else -1
+            layer = decimal(str(key))
+            i = -1 if layer is None else layer
             if 0 <= i < len(specs) and isinstance(o, dict) and specs[i].kind != "mla":
                 sp = specs[i]
                 heads = _int(o, "num_key_value_heads", default=sp.kv_heads) or sp.kv_heads

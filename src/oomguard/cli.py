@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from oomguard import __version__
+from oomguard.digits import decimal
 from oomguard.errors import BudgetError, ConfigError
 
 
@@ -29,7 +30,8 @@ def _key_value(text: str) -> tuple[str, str]:
 def _check_listen(what: str, listen: str) -> None:
     """Bind and release the address now, so a taken port fails before anything starts."""
     host, sep, port = listen.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+    number = decimal(port)
+    if not sep or number is None or number > 65535:
         raise ConfigError(f"{what} {listen!r}: expected HOST:PORT with a port up to 65535")
     try:
         family, kind, _, _, address = socket.getaddrinfo(

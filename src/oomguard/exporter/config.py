@@ -11,6 +11,7 @@ import socket
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from oomguard.digits import decimal
 from oomguard.thresholds import PressureThresholds
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -117,7 +118,8 @@ class ExporterConfig(_Strict):
     @classmethod
     def _listen(cls, v: str) -> str:
         _host, sep, port = v.rpartition(":")
-        if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        number = decimal(port)
+        if not sep or number is None or not 0 <= number <= 65535:
             raise ValueError("must be host:port, e.g. 0.0.0.0:9848")
         return v
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from oomguard.digits import decimal
+
 if TYPE_CHECKING:  # config.py imports this module's DiscoveryConfig
     from urllib3 import BaseHTTPResponse
 
@@ -101,7 +103,8 @@ def pod_target(pod: Mapping[str, Any], config: DiscoveryConfig) -> TargetConfig 
     port = config.port
     if PORT_ANNOTATION in annotations:
         raw = str(annotations[PORT_ANNOTATION])
-        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 65535:
+        number = decimal(raw)
+        if number is None or not 1 <= number <= 65535:
             log.warning("pod %s/%s: bad %s %r: not a target", namespace, name, PORT_ANNOTATION, raw)
             return None
         port = int(raw)

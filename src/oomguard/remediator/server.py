@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from oomguard.digits import decimal
 from oomguard.remediator.auth import Authenticator
 from oomguard.remediator.config import AuthConfig
 from oomguard.remediator.controller import Controller
@@ -38,7 +39,8 @@ class TooLarge(Exception):
 
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+    size = decimal(declared)
+    if size is not None and size > limit:
         raise TooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
     chunks, size = [], 0
     async for chunk in request.stream():

@@ -59,6 +59,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from oomguard.digits import decimal
 from oomguard.engine_env import INITIAL_CAP_ENV
 from oomguard.errors import ConfigError
 from oomguard.remediator import httpserve
@@ -176,13 +177,9 @@ def cgroup_oom_kills(cgroup_dir: str | None) -> int | None:
             continue
         for line in text.splitlines():
             parts = line.split()
-            if (
-                len(parts) == 2
-                and parts[0] == "oom_kill"
-                and parts[1].isascii()
-                and parts[1].isdigit()
-            ):
-                return int(parts[1])
+            count = decimal(parts[1]) if len(parts) == 2 and parts[0] == "oom_kill" else None
+            if count is not None:
+                return count
     return None
 
 

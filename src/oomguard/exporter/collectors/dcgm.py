@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from oomguard.digits import decimal
 from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
 from oomguard.exporter.render import FamilyBuilder
@@ -82,7 +83,8 @@ def is_blank(value: float) -> bool:
 
 def _xid_code(labels: dict[str, str]) -> int | None:
     code = labels.get("xid", "")
-    return int(code) if code.isascii() and code.isdigit() and 0 < int(code) <= MAX_XID else None
+    value = decimal(code)
+    return value if value is not None and 0 < value <= MAX_XID else None
 
 
 def xids_from_text(text: str, timestamp: float, openmetrics: bool = False) -> list[Xid]:
