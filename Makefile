@@ -87,4 +87,4 @@ demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis demo-report
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .mypy_cache demo-report build dist
