@@ -616,3 +616,57 @@ def test_any_config_is_sized_or_refused_with_a_budget_error(
         compute(s, BudgetInputs(gpu_memory_bytes=80 * GIB, max_model_len=4096))
     except BudgetError as exc:
         assert str(exc) and "\n" not in str(exc)
+
+
+# -- a reader that stops early ----------------------------------------------------------------
+PIPE_COMMANDS = {
+    "budget --json": ["budget", str(FIXTURES / "gpt-oss-120b.json"), "--gpu", "H100", "--json"],
+    "budget table": ["budget", str(FIXTURES / "Qwen3-8B.json"), "--gpu", "L4"],
+    "incidents": ["incidents", "{tmp}"],
+}
+
+
+def _oomguard(argv: list[str], tmp_path: Path) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "oomguard", *(a.replace("{tmp}", str(tmp_path)) for a in argv)]
+
+
+@pytest.mark.parametrize("name", sorted(PIPE_COMMANDS))
+def test_a_closed_pipe_exits_quietly(name: str, tmp_path: Path) -> None:
+    """`oomguard budget ... | head -1`: the reader is gone before the report is written. The
+    command drops the rest without a BrokenPipe traceback and keeps its own exit status. The
+    pipe's read end is closed before the command starts, so every write meets EPIPE."""
+    import os
+    import subprocess
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            _oomguard(PIPE_COMMANDS[name], tmp_path),
+            stdout=write,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr.decode() == "" and done.returncode == 0
+
+
+def test_budget_into_head_prints_its_first_line_and_nothing_else(tmp_path: Path) -> None:
+    import os
+    import shlex
+    import subprocess
+
+    cmd = " ".join(shlex.quote(a) for a in _oomguard(PIPE_COMMANDS["budget --json"], tmp_path))
+    done = subprocess.run(
+        ["sh", "-c", f"{cmd} | head -1"],
+        capture_output=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=120,
+        check=False,
+    )
+    assert done.stdout.decode() == "{\n" and done.stderr.decode() == ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -261,6 +262,19 @@ def _gib(value: float) -> str:
     return f"{value / 1024**3:,.2f} GiB"
 
 
+def _emit(text: str) -> None:
+    """Write a command's report to stdout. A reader that stops early (`| head -1`) closes the
+    pipe: not an error, so the rest is dropped quietly and the command keeps its exit status."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _run_budget(args: argparse.Namespace) -> int:
     from oomguard.budget import (
         BudgetInputs,
@@ -307,7 +321,7 @@ def _run_budget(args: argparse.Namespace) -> int:
         raise BudgetError(str(exc)) from exc
     budget = compute(shape_from_hf_config(config), inputs)
     if args.json:
-        print(json.dumps(budget.to_dict(), indent=2))
+        _emit(json.dumps(budget.to_dict(), indent=2))
         return 0
     rows = [
         ("device memory (CUDA total)", _gib(memory)),
@@ -330,12 +344,10 @@ def _run_budget(args: argparse.Namespace) -> int:
         ),
     ]
     width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    for n in budget.notes:
-        print(f"note: {n}")
-    for w in budget.warnings:
-        print(f"warning: {w}")
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += [f"note: {n}" for n in budget.notes]
+    lines += [f"warning: {w}" for w in budget.warnings]
+    _emit("\n".join(lines))
     return 0
 
 
@@ -405,7 +417,7 @@ def _run_preflight(args: argparse.Namespace) -> int:
     if args.max_concurrency < 1 or (args.target_prompt_len or 1) < 1:
         raise PreflightError("--max-concurrency and --target-prompt-len must be at least 1")
     report = run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    _emit(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return report.exit_code
 
 
@@ -490,7 +502,7 @@ def _run_incidents(args: argparse.Namespace) -> int:
     if since is not None:
         found = [i for i in found if i.timestamp >= since]
     out = incidents_json(found, loaded.invalid) if args.json else render_text(found, loaded.invalid)
-    print(out.rstrip("\n"))
+    _emit(out.rstrip("\n"))
     return 0
 
 
