@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from oomguard.cli import main
+from oomguard.engine_state import EngineCoreState, EngineState, SinceCapChange
 from oomguard.handoff import read_reports
 from oomguard.preflight import (
     GIB,
@@ -243,23 +244,33 @@ def test_preflight_finds_the_twin_limit_without_an_oom(
 
 
 # -- a server's answers are untrusted -----------------------------------------------------------
+# The plugin's state document (src/oomguard/engine_state.py), one engine core serving.
+STATE = EngineState.of(
+    [
+        EngineCoreState(
+            startup_max_num_seqs=64,
+            admission_cap=64,
+            mode="serving",
+            gpu_memory_utilization=0.92,
+            since_cap_change=SinceCapChange(seconds=1.0, admitted=0, finished=0, preemptions=0),
+        )
+    ]
+).document()
+MODELS = {"data": [{"id": "m", "max_model_len": 4096}]}
+
+
 @pytest.mark.parametrize(
     ("models", "state", "message"),
     [
-        ({"data": [{"id": "m", "max_model_len": 10**12}]}, {}, "not plausible"),
-        ({"data": []}, {}, "no model with max_model_len"),
-        ({"data": [{"id": "m", "max_model_len": "x"}]}, {}, "no model with max_model_len"),
-        ({"data": [{"id": "m", "max_model_len": 4096}]}, {"x": 1}, "not the oomguard plugin"),
-        (
-            {"data": [{"id": "m", "max_model_len": 4096}]},
-            {"startup_max_num_seqs": "lots"},
-            "no startup_max_num_seqs",
-        ),
-        (
-            {"data": [{"id": "m", "max_model_len": 4096}]},
-            {"startup_max_num_seqs": 0},
-            "max_num_seqs 0",
-        ),
+        ({"data": [{"id": "m", "max_model_len": 10**12}]}, STATE, "not plausible"),
+        ({"data": []}, STATE, "no model with max_model_len"),
+        ({"data": [{"id": "m", "max_model_len": "x"}]}, STATE, "no model with max_model_len"),
+        (MODELS, {"x": 1}, "not the oomguard plugin's state.*startup_max_num_seqs"),
+        (MODELS, [STATE], "expected a JSON object"),
+        (MODELS, {**STATE, "startup_max_num_seqs": "lots"}, "startup_max_num_seqs"),
+        (MODELS, {**STATE, "startup_max_num_seqs": 64.0}, "startup_max_num_seqs"),
+        (MODELS, {**STATE, "startup_max_num_seqs": 0}, "startup_max_num_seqs"),
+        (MODELS, {**STATE, "gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ],
 )
 def test_implausible_server_answers_stop_before_any_load(
@@ -290,3 +301,31 @@ def test_implausible_server_answers_stop_before_any_load(
     with pytest.raises(PreflightError, match=message):
         asyncio.run(go())
     assert "/v1/completions" not in sent
+
+
+def test_a_valid_plugin_state_is_read_as_the_typed_engine_state(tmp_path: Path) -> None:
+    """The control for the cases above: the plugin's real document passes, so the run goes on
+    to its first (16-token) completion, which this stand-in server refuses."""
+    import asyncio
+
+    from oomguard.preflight import Preflight, Server
+
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        if request.url.path == "/oomguard/v1/state":
+            return httpx.Response(200, json=STATE)
+        return httpx.Response(503)
+
+    settings = Settings("http://127.0.0.1:9", 80 * GIB, GIB, str(tmp_path))
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await Preflight(settings)._run(Server(settings, client))
+
+    with pytest.raises(PreflightError, match="16-token completion"):
+        asyncio.run(go())
+    assert sent == ["/v1/models", "/oomguard/v1/state", "/v1/completions"]

@@ -4,9 +4,9 @@ The prevention checklist says: test with the longest prompt you will accept, at 
 does it against a live vLLM with the oomguard plugin, safely:
 
 1. **Facts**: `max_model_len` (`/v1/models`), `max_num_seqs` and `gpu_memory_utilization`
-   (`/oomguard/v1/state`), the KV pool (`vllm:cache_config_info` on `/metrics`), and the
-   allocator's peak, retries and OOMs from the hand-off directory the ranks publish into
-   (`--allocator-dir`, src/oomguard/handoff.py).
+   (`/oomguard/v1/state`, read as the plugin's typed `EngineState`), the KV pool
+   (`vllm:cache_config_info` on `/metrics`), and the allocator's peak, retries and OOMs from
+   the hand-off directory the ranks publish into (`--allocator-dir`, src/oomguard/handoff.py).
 2. **Longest prompt** (phase A): one request at a time with `prompt_logprobs`, the heaviest
    transient a prompt can ask for (FP32 logits for every prompt token of a prefill chunk). The
    prompt grows by at most 25 % a stage; after each stage the allocator peak is read and the
@@ -37,6 +37,8 @@ from typing import Any
 import httpx
 
 from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX
+from oomguard.engine_state import StateError
+from oomguard.engine_state import parse as parse_state
 from oomguard.errors import ConfigError
 from oomguard.handoff import read_reports
 
@@ -258,17 +260,15 @@ class Preflight:
         if not 2 <= max_len <= MAX_MODEL_LEN_SANE:
             # the prompts preflight builds are this long: refuse a figure no model has
             raise PreflightError(f"/v1/models reports max_model_len {max_len}: not plausible")
-        state = await server.get_json(f"{API_PREFIX}/state")
-        if not isinstance(state, dict) or "startup_max_num_seqs" not in state:
-            raise PreflightError(f"{API_PREFIX}/state is not the oomguard plugin's state")
         try:
-            max_seqs = int(state["startup_max_num_seqs"])
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise PreflightError(f"{API_PREFIX}/state has no startup_max_num_seqs") from exc
-        if max_seqs < 1:
-            raise PreflightError(f"{API_PREFIX}/state reports max_num_seqs {max_seqs}")
-        gmu = state.get("gpu_memory_utilization")
-        gmu = float(gmu) if isinstance(gmu, (int, float)) else None
+            state = parse_state(await server.get_json(f"{API_PREFIX}/state"))
+        except StateError as exc:
+            # the contract's checks: a max_num_seqs below 1 or a non-integer never passes
+            raise PreflightError(
+                f"{API_PREFIX}/state is not the oomguard plugin's state ({exc})"
+            ) from None
+        max_seqs = state.startup_max_num_seqs
+        gmu = state.gpu_memory_utilization
         # One short request first: ranks publish allocator stats as they step.
         warm = Load(1, 16, False)
         if await server.complete(model, 0, warm) != 200:
