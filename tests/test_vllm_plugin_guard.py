@@ -13,6 +13,7 @@ from oomguard.vllm_plugin.guard import (
     Headroom,
     ModelMemory,
     RequestShape,
+    TransientCosts,
     decide,
     estimate,
     max_prompt_for,
@@ -191,11 +192,34 @@ def test_the_hook_answers_what_decide_answers(
     expected = decide(shape, guard.model, guard.engine, guard.fresh(), kv_margin)
     got = guard.check(request)
     assert got is not None
-    assert (got.action, got.reason, got.parameter, got.need_bytes) == (
+    assert (got.action, got.reason, got.parameter, got.need_bytes, got.limit_bytes) == (
         expected.action,
         expected.reason,
         expected.parameter,
         expected.need_bytes,
+        expected.limit_bytes,
+    )
+
+
+@given(
+    prompt=st.integers(0, 200_000),
+    n=st.integers(0, 16),
+    logprobs=st.integers(0, 20),
+    prompt_logprobs=st.booleans(),
+    vocab=st.integers(1, 300_000),
+    hidden=st.integers(1, 16_384),
+    budget=st.integers(16, 65_536),
+    chunked=st.booleans(),
+)
+def test_the_cached_costs_give_the_estimates_transient(
+    prompt, n, logprobs, prompt_logprobs, vocab, hidden, budget, chunked
+):
+    """The hook's per-model constants (computed once) change no estimate."""
+    model, engine = ModelMemory(vocab, hidden), EngineShape(budget, chunked, 16, 1000)
+    req = RequestShape(prompt, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    costs = TransientCosts.of(model, engine)
+    assert costs.transient(prompt, n, bool(logprobs), prompt_logprobs) == (
+        estimate(req, model, engine).transient
     )
 
 

@@ -39,6 +39,7 @@ from oomguard.vllm_plugin.guard import (
     Headroom,
     ModelMemory,
     RequestShape,
+    TransientCosts,
     decide,
 )
 
@@ -76,6 +77,11 @@ class Guard:
         self.engine: EngineShape | None = None
         self.headrooms: list[Headroom] = []
         self.last: Decision | None = None
+        # cached at each update for the per-request fast path (bench/guard.py measures it):
+        # the model's constants, the oldest figure's time, the best idle and tightest now
+        self._costs: TransientCosts | None = None
+        self._oldest = self._newest = float("-inf")
+        self._best_idle = self._tightest_now = 0
         self._counters: dict[tuple[str, str], Any] = {}  # labelled children: no lookup per request
 
     @classmethod
@@ -96,13 +102,16 @@ class Guard:
         now = self.clock()
         headrooms = []
         for r in reports:
-            self.model = ModelMemory(int(r["vocab_size"]), int(r["hidden_size"]))
-            self.engine = EngineShape(
+            model = ModelMemory(int(r["vocab_size"]), int(r["hidden_size"]))
+            engine = EngineShape(
                 int(r["max_num_batched_tokens"]),
                 bool(r["chunked_prefill"]),
                 int(r["block_size"]),
                 int(r["total_kv_blocks"]),
             )
+            if model != self.model or engine != self.engine or self._costs is None:
+                self._costs = TransientCosts.of(model, engine)
+            self.model, self.engine = model, engine
             memory = r.get("memory")
             if not memory:
                 continue  # an engine that cannot measure its memory: no figures, no refusals
@@ -115,18 +124,22 @@ class Guard:
                     now,
                 )
             )
-            engine = str(r.get("engine", 0))
-            HEADROOM.labels(engine, "now").set(int(memory["now"]))
-            HEADROOM.labels(engine, "idle").set(int(memory["idle"]))
+            label = str(r.get("engine", 0))
+            HEADROOM.labels(label, "now").set(int(memory["now"]))
+            HEADROOM.labels(label, "idle").set(int(memory["idle"]))
         self.headrooms = headrooms
+        if headrooms:
+            self._oldest = min(h.measured_at for h in headrooms)
+            self._newest = max(h.measured_at for h in headrooms)
+            self._best_idle = max(h.idle for h in headrooms)
+            self._tightest_now = min(h.now for h in headrooms)
 
     def fresh(self) -> list[Headroom]:
         now = self.clock()
         return [h for h in self.headrooms if now - h.measured_at <= self.stale_after]
 
     def _any_fresh(self) -> bool:
-        now = self.clock()
-        return any(now - h.measured_at <= self.stale_after for h in self.headrooms)
+        return bool(self.headrooms) and self.clock() - self._newest <= self.stale_after
 
     def _needs_nothing_extra(self, params: Any, prompt_tokens: int, engine: EngineShape) -> bool:
         """True when `decide` would find no transient need and no KV budget applies."""
@@ -136,6 +149,31 @@ class Guard:
             and not params.logprobs
             and (engine.chunked_prefill or prompt_tokens <= engine.max_num_batched_tokens)
         )
+
+    def _admits(self, params: Any, prompt_tokens: int) -> Decision | None:
+        """`decide`'s admit for a request that fits every engine now, from the cached figures
+        (all of them fresh) and constants; None when `decide` must look (a refusal, a KV
+        budget, stale figures), so every refusal carries `decide`'s full reasons."""
+        costs = self._costs
+        if (
+            costs is None
+            or self.kv_margin is not None
+            or not self.headrooms
+            or self.clock() - self._oldest > self.stale_after
+        ):
+            return None
+        n = int(params.n or 1)
+        best_of = getattr(params, "best_of", None)
+        if best_of:
+            n = max(n, int(best_of))
+        need = costs.transient(
+            prompt_tokens, n, bool(params.logprobs), params.prompt_logprobs is not None
+        )
+        if need == 0:
+            return ADMIT_PROFILED
+        if need > self._tightest_now or need > self._best_idle:
+            return None
+        return Decision("admit", "fits", need_bytes=need, limit_bytes=self._tightest_now)
 
     async def run(self, fetch: Callable[[], Awaitable[list[dict[str, Any]]]]) -> None:
         """Refresh the figures forever (a background task of the API server)."""
@@ -160,6 +198,8 @@ class Guard:
             # The common request (no logprobs, fits the profiled step): what `decide` answers
             # without building its estimate, which is most of a decision's cost (bench/guard.py).
             decision = ADMIT_PROFILED if self._any_fresh() else ADMIT_BLIND
+        elif (fast := self._admits(params, prompt_tokens)) is not None:
+            decision = fast
         else:
             shape = RequestShape(
                 prompt_tokens=prompt_tokens,

@@ -136,6 +136,39 @@ def estimate(
     return Estimate(logits, activation, sampling, math.ceil(blocks * (1 + kv_margin)))
 
 
+@dataclass(frozen=True)
+class TransientCosts:
+    """`estimate`'s transient part with its per-model constants computed once (the API server's
+    hook pays a few integer operations per request, not the estimate's objects)."""
+
+    logit_row: int  # bytes of one FP32 logits row: vocab x 4
+    act_per_token: float  # activation bytes per token beyond the profiled step
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+
+    @classmethod
+    def of(cls, model: ModelMemory, engine: EngineShape) -> TransientCosts:
+        return cls(
+            model.vocab_size * LOGIT_BYTES,
+            ACT_BYTES_PER_TOKEN_PER_HIDDEN * model.hidden_size,
+            engine.max_num_batched_tokens,
+            engine.chunked_prefill,
+        )
+
+    def transient(
+        self, prompt_tokens: int, sequences: int, logprobs: bool, prompt_logprobs: bool
+    ) -> int:
+        """`estimate(...).transient` for the same request (bytes)."""
+        budget = self.max_num_batched_tokens
+        chunk = min(prompt_tokens, budget) if self.chunked_prefill else prompt_tokens
+        need = chunk * self.logit_row if prompt_logprobs else 0
+        if chunk > budget:
+            need += int(self.act_per_token * (chunk - budget))
+        if logprobs:
+            need += max(1, sequences) * self.logit_row
+        return need
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
