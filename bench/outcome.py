@@ -16,12 +16,17 @@ objective), preemptions, p99 TTFT, the requests engine 0 held (running + queued)
 from the end of the pressure to engine 0 back at full admission, with no re-trigger (a second
 drain or lowering of engine 0 after the pressure ended counts as oscillation).
 
-`--inflight N` adds, from a minute before the GPU trouble starts until the pressure ends,
-enough long-output traffic (Little's law on the twin's roofline decode) for each engine to hold
-about N requests at once (the issue's >= 64), and checks that every engine did at the incident.
-Streams carry one chunk per 1/32 of the output (the first token at once), but the engines' step
-clock is compressed: on a small machine run it at `--compression 4`, where the engines already
-fall behind their clock (they then hold more than N).
+`--inflight N` adds, from a minute before the trouble starts (the GPU trouble, or the phase of
+requests that brings the pressure) until the pressure ends, N closed-loop users per engine
+(long outputs; each user sends its next request as soon as the last ends), so each engine holds
+N requests at the incident whatever the machine's speed (the issue's >= 64), and checks that
+every engine did. An open-loop rate sized by Little's law on the twin's roofline cannot promise
+that here: on a 2-core machine vLLM's own CPU time per step with 64 sequences is longer than the
+twin's compressed step at any compression that fits a 10-minute run, so the engines fall behind
+their clock and their queues grow without bound (250 per engine at x4), or, on a busy machine,
+the gateway falls behind and sends less. How far the engines fell behind is measured and
+recorded (`inflight_decode_slowdown`: the in-flight requests' decode time against the twin's
+roofline at that batch; 1.0 is keeping up).
 
 Usage: python bench/outcome.py [--quick] [--trace NAME ...] [--inflight N] [--merge]
 (writes bench/results/outcome.json after every trace). --quick: two traces at twice the time
@@ -32,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from oomguard.twin.physics import Physics, Step  # noqa: E402
-from oomguard.twin.runner import CONFIGS, Fleet, Outcome  # noqa: E402
+from oomguard.twin.runner import CONFIGS, ClosedLoop, Fleet, Outcome  # noqa: E402
 from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
@@ -58,12 +65,22 @@ def incident_s(trace: Trace) -> float | None:
     return None
 
 
+def pressure_phase_s(trace: Trace) -> float | None:
+    """Request-driven trouble (prompt_logprobs, huge prefills): when the phase of requests that
+    ends with the pressure starts."""
+    end = trace.pressure_ends_s
+    if end is None:
+        return None
+    return min((p.start_s for p in trace.phases if 0 < p.start_s < end >= p.end_s), default=None)
+
+
 def trouble_starts_s(trace: Trace) -> float | None:
-    """When the GPU memory starts to go: the last empty GPU event before the first one with
-    anything on it (the events are interpolated, so the ramp starts there)."""
+    """When the trouble starts: the last empty GPU event before the first one with anything on
+    it (the events are interpolated, so the ramp starts there), or, without GPU trouble, the
+    start of the phase of requests that brings the pressure."""
     first = incident_s(trace)
     if first is None:
-        return None
+        return pressure_phase_s(trace)
     before = [p.at_s for p in trace.gpu_events if p.at_s < first]
     return max(before, default=first)
 
@@ -75,7 +92,15 @@ INFLIGHT_OUTPUT = (1536, 2048)
 
 def inflight_rate(trace: Trace, inflight: int, engines: int = 2) -> float:
     """Arrivals per second that keep `inflight` requests in each engine (Little's law: rate x
-    time in system), the time in system being the twin's roofline decode at that batch."""
+    time in system), the time in system being the twin's roofline decode at that batch. Holds
+    only where the engines keep their clock (the simulation in bench/recovery.py); the real twin
+    gets closed-loop users (`inflight_load`)."""
+    return engines * inflight / decode_seconds(trace, inflight)
+
+
+def decode_seconds(trace: Trace, inflight: int) -> float:
+    """The twin's roofline time (trace seconds) to decode one in-flight request's output with
+    `inflight` such requests in the engine, mid-decode (what the engine takes if it keeps up)."""
     physics = Physics.for_model(
         trace.model,
         gpu=trace.gpu,
@@ -83,17 +108,39 @@ def inflight_rate(trace: Trace, inflight: int, engines: int = 2) -> float:
         max_num_batched_tokens=trace.engine.max_num_batched_tokens,
     )
     output = sum(INFLIGHT_OUTPUT) / 2
-    context = inflight * (sum(INFLIGHT_PROMPT) / 2 + output / 2)  # mean context mid-decode
-    step = physics.step_seconds(Step(tokens=inflight, attention=int(context), context=int(context)))
-    return engines * inflight / (output * step)
+    context = int(inflight * (sum(INFLIGHT_PROMPT) / 2 + output / 2))
+    return output * physics.step_seconds(Step(tokens=inflight, attention=context, context=context))
+
+
+def trouble_end_s(trace: Trace) -> float:
+    end_events = max((p.at_s for p in trace.gpu_events), default=0.0)
+    return max(end_events, trace.pressure_ends_s or 0.0)
+
+
+def inflight_load(trace: Trace, inflight: int, engines: int = 2) -> ClosedLoop | None:
+    """`inflight` closed-loop users per engine, from INCIDENT_LEAD_S before the trouble starts
+    until it ends (None for a trace without trouble: do-no-harm)."""
+    start = trouble_starts_s(trace)
+    if not inflight or start is None:
+        return None
+    begin = max(0.0, start - INCIDENT_LEAD_S)
+    return ClosedLoop(
+        users=inflight * engines,
+        start_s=begin,
+        end_s=max(begin + 1, trouble_end_s(trace)),
+        prompt_tokens=INFLIGHT_PROMPT,
+        output_tokens=INFLIGHT_OUTPUT,
+        ramp_s=min(10.0, INCIDENT_LEAD_S / 2),
+        seed=trace.seed,
+    )
 
 
 def with_horizon(trace: Trace, inflight: int = 0) -> Trace:
-    """The trace over a fixed horizon that includes a crash's reload; with `inflight`, extra
-    long-output traffic from before the GPU trouble starts until the pressure ends, so each
-    engine holds about that many requests at the incident."""
-    end_events = max((p.at_s for p in trace.gpu_events), default=0.0)
-    trouble_end = max(end_events, trace.pressure_ends_s or 0.0)
+    """The trace over a fixed horizon that includes a crash's reload; with `inflight` (the
+    simulation's open-loop form of `inflight_load`), extra long-output traffic from before the
+    trouble starts until it ends, so each engine holds about that many requests at the
+    incident if it keeps its clock."""
+    trouble_end = trouble_end_s(trace)
     horizon = max(trace.duration_s, trouble_end + trace.reload_s + HORIZON_MARGIN_S)
     phases = [
         p.model_copy(update={"end_s": horizon}) if p.end_s >= trace.duration_s else p
@@ -129,7 +176,9 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
                 first_action = at_s if first_action is None else first_action
                 cap = (e.get("after") or {}).get("cap")
                 steps.append(f"{at_s:.1f} {e['action']}" + (f" {cap}" if cap is not None else ""))
-    at = fleet.crash_times[0] if fleet.crash_times else first_action or incident_s(trace)
+    at = fleet.crash_times[0] if fleet.crash_times else first_action
+    if at is None:  # neither a crash nor an action: the trouble itself
+        at = incident_s(trace) if incident_s(trace) is not None else pressure_phase_s(trace)
     held = [v.running + v.waiting for v in history if at is not None and v.t <= at and v.up]
     before = [views for views in list(fleet.history) if at is not None and views[0].t <= at]
     out: dict[str, Any] = {
@@ -140,6 +189,7 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
         else None,
         "inflight_peak": max((v.running + v.waiting for v in history), default=0),
         "engine0_steps": steps,
+        "inflight_decode_slowdown": slowdown(fleet, trace),
     }
     end = trace.pressure_ends_s
     if end is not None:
@@ -151,8 +201,30 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
     return out
 
 
-def run(trace: Trace, config: str) -> tuple[Outcome, dict[str, Any]]:
-    fleet = Fleet(trace, config)  # oomguard: the fleet's remediator, shipped defaults + restarts
+def slowdown(fleet: Fleet, trace: Trace) -> float | None:
+    """How far the engines fell behind their clock under the in-flight load: the closed-loop
+    users' served requests' decode time (first to last token, trace seconds) against the
+    twin's roofline at that batch (median; 1.0: the engines kept up, 5.0: five times slower)."""
+    load = fleet.load
+    if load is None:
+        return None
+    per_engine = load.users // fleet.n
+    ideal = decode_seconds(trace, per_engine) / (sum(INFLIGHT_OUTPUT) / 2)  # per token
+    ratios = sorted(
+        (s.done_s - s.first_token_s) / (ideal * max(1, s.tokens - 1))
+        for s in fleet.sent
+        if s.user is not None
+        and s.status == "ok"
+        and s.first_token_s is not None
+        and s.done_s is not None
+        and s.tokens > 1
+    )
+    return round(ratios[len(ratios) // 2], 2) if ratios else None
+
+
+def run(trace: Trace, config: str, load: ClosedLoop | None) -> tuple[Outcome, dict[str, Any]]:
+    # oomguard: the fleet's remediator, shipped defaults + restarts
+    fleet = Fleet(trace, config, load=load)
     try:
         fleet.start()
         fleet.replay()
@@ -213,55 +285,107 @@ def main() -> int:
     parser.add_argument(
         "--merge",
         action="store_true",
-        help="keep the other traces already recorded in --out (re-run some traces only)",
+        help="keep the other traces (and, with --config, the other configurations of this "
+        "trace) already recorded in --out",
     )
+    parser.add_argument("--conditions", help="how the run went (recorded as is)")
     args = parser.parse_args()
     chosen = args.trace or (list(QUICK) if args.quick else names())
-    traces: dict[str, object] = {}
-    failed: dict[str, str] = {}
+    recorded: dict[str, Any] = {}
     if args.merge and Path(args.out).exists():
-        traces = json.loads(Path(args.out).read_text()).get("traces", {})
+        recorded = json.loads(Path(args.out).read_text())
+    traces: dict[str, Any] = recorded.get("traces", {})
+    failed: dict[str, str] = recorded.get("not_run", {})
+    conditions = args.conditions or recorded.get("conditions")
     for name in chosen:
         trace = Trace.load(name)
         if args.quick:
             trace = trace.model_copy(update={"time_compression": trace.time_compression * 2})
         if args.compression:
             trace = trace.model_copy(update={"time_compression": args.compression})
-        trace = with_horizon(trace, args.inflight)
+        load = inflight_load(trace, args.inflight)
+        trace = with_horizon(trace)
         print(f"{name}: {trace.description} (horizon {trace.duration_s:.0f} s)", flush=True)
-        outcomes: dict[str, Outcome] = {}
-        extra: dict[str, dict[str, Any]] = {}
+        if load is not None:
+            print(f"  in-flight load: {load}", flush=True)
+        outcomes, extra = kept(traces.get(name), trace, args.config, args.inflight)
+        load_before = [round(x, 2) for x in os.getloadavg()]
         for config in args.config or CONFIGS:
+            failed.pop(f"{name}/{config}", None)
             try:
-                outcomes[config], extra[config] = run(trace, config)
+                outcomes[config], extra[config] = run(trace, config, load)
             except RuntimeError as exc:  # an engine that did not start on a loaded machine
                 print(f"  {config}: not run: {exc}".splitlines()[0], flush=True)
                 failed[f"{name}/{config}"] = str(exc).splitlines()[0]
+                outcomes.pop(config, None)
+                extra.pop(config, None)
         checks = judge(trace, outcomes, extra)
-        if args.inflight and incident_s(trace) is not None:
+        if load is not None:
             for config in outcomes:  # every engine held the load asked for at the incident
                 held = extra[config]["inflight_at_incident_per_engine"] or [0]
                 checks[f"{config}_inflight_at_incident_ge_{args.inflight}"] = (
                     min(held) >= args.inflight
                 )
         for config, o in outcomes.items():
-            x = extra[config]
-            print(
-                f"  {config:9s} crashes {o.crashes}  lost {o.lost}/{o.requests}  goodput "
-                f"{o.goodput_tokens_per_s:8.1f} tok/s  p99 TTFT {o.ttft_p99_s}  preemptions "
-                f"{o.preemptions}  in flight at incident {x['inflight_at_incident']} (peak "
-                f"{x['inflight_peak']})  recovery {o.recovery_s}  actions {len(o.actions)}",
-                flush=True,
-            )
+            print("  " + summary(o, extra[config]), flush=True)
         print(f"  targets: {json.dumps(checks)}", flush=True)
         traces[name] = {
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "inflight": args.inflight,
+            "time_compression": trace.time_compression,
+            "load_average_before": load_before,
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "trace": trace.model_dump(),
+            "closed_loop": asdict(load) if load is not None else None,
             "outcomes": {c: {**o.__dict__, **extra[c]} for c, o in outcomes.items()},
             "targets": checks,
         }
-        record.write(args.out, "outcome", args.quick, traces=traces, not_run=failed)
+        record.write(
+            args.out,
+            "outcome",
+            args.quick,
+            conditions=conditions,
+            horizon=HORIZON,
+            traces=traces,
+            not_run=failed,
+        )
     return 0
+
+
+HORIZON = (
+    "each trace extended to the end of its trouble + reload_s (720 s) + 120 s, the same for all "
+    "configurations; goodput = good output tokens / horizon"
+)
+
+
+def summary(o: Outcome, x: dict[str, Any]) -> str:
+    """One line per configuration: what the crash cost and how long recovery took."""
+    return (
+        f"{o.config:9s} crashes {o.crashes}  lost {o.lost}/{o.requests}  goodput "
+        f"{o.goodput_tokens_per_s:8.1f} tok/s  p99 TTFT {o.ttft_p99_s}  preemptions "
+        f"{o.preemptions}  in flight at incident {x.get('inflight_at_incident_per_engine')} "
+        f"(engine 0 peak {x.get('inflight_peak')})  slowdown {x.get('inflight_decode_slowdown')}"
+        f"  recovery {o.recovery_s}  actions {len(o.actions)}"
+    )
+
+
+def kept(
+    recorded: dict[str, Any] | None, trace: Trace, configs: list[str] | None, inflight: int
+) -> tuple[dict[str, Outcome], dict[str, dict[str, Any]]]:
+    """With --config, the other configurations already recorded for this trace, when they ran
+    the same trace (horizon, clock) and load: a trace's three runs may be split across runs."""
+    outcomes: dict[str, Outcome] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    if not configs or not recorded or recorded.get("inflight", 0) != inflight:
+        return outcomes, extra
+    if recorded.get("trace") != json.loads(json.dumps(trace.model_dump())):
+        return outcomes, extra
+    names_ = {f.name for f in fields(Outcome)}
+    for config, row in recorded.get("outcomes", {}).items():
+        if config not in configs:
+            outcomes[config] = Outcome(**{k: v for k, v in row.items() if k in names_})
+            extra[config] = {k: v for k, v in row.items() if k not in names_}
+    return outcomes, extra
 
 
 if __name__ == "__main__":

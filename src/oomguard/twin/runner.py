@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import random
 import tempfile
 import threading
 import time
@@ -81,6 +82,23 @@ class Outcome:
     wall_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class ClosedLoop:
+    """Users who each keep one request in flight, sending the next as soon as the last ends
+    (a benchmark's fixed concurrency): the fleet holds `users` requests from `start_s` to
+    `end_s` (trace seconds) however fast or slow the engines run. An open-loop arrival rate
+    cannot promise that on a machine whose engines fall behind their compressed clock (their
+    queues grow without bound) or run ahead of it. Users start spread over `ramp_s`."""
+
+    users: int
+    start_s: float
+    end_s: float
+    prompt_tokens: tuple[int, int]
+    output_tokens: tuple[int, int]
+    ramp_s: float = 10.0
+    seed: int = 0
+
+
 @dataclass
 class _Sent:
     request: Request
@@ -90,6 +108,7 @@ class _Sent:
     status: str = "pending"  # ok | lost | pending
     why: str = ""  # for a lost request: what the client saw
     engine: int = -1  # the engine it was last sent to
+    user: int | None = None  # the closed-loop user that sent it (None: a trace request)
 
 
 class Gateway:
@@ -180,12 +199,47 @@ class Gateway:
         async with self._slots, client.stream("POST", url, json=body) as resp:
             yield resp
 
-    async def replay(self, reqs: list[Request], end_s: float) -> None:
+    async def _user(
+        self, client: httpx.AsyncClient, u: int, load: ClosedLoop, deadline: float, k0: int
+    ) -> None:
+        """One closed-loop user: a request, and the next when it ends, until `load.end_s`."""
+        rnd = random.Random(load.seed * 1_000_003 + u)
+        start = load.start_s + load.ramp_s * u / max(1, load.users)
+        delay = start / self.compression - (time.monotonic() - self.t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        i = 0
+        while self.now() < load.end_s:
+            r = Request(
+                round(self.now(), 3),
+                rnd.randint(*load.prompt_tokens),
+                rnd.randint(*load.output_tokens),
+                False,
+            )
+            s = _Sent(r, user=u)
+            self.sent.append(s)
+            # k: a prompt of its own (no prefix-cache hits), first sent to engine u mod n
+            await self._one(client, s, k0 + i * load.users + u, deadline)
+            i += 1
+            if s.status == "lost":
+                await asyncio.sleep(0.05)  # a user who saw an error retries, not in a hot loop
+
+    async def replay(
+        self, reqs: list[Request], end_s: float, load: ClosedLoop | None = None
+    ) -> None:
         self._slots = asyncio.Semaphore(MAX_STREAMS)  # bound to this replay's event loop
         # every connection kept alive: one per stream at most, none reopened per request
         limits = httpx.Limits(max_connections=MAX_STREAMS, max_keepalive_connections=MAX_STREAMS)
         async with httpx.AsyncClient(timeout=None, limits=limits) as client:
             tasks = []
+            if load is not None:
+                # users' k start past the trace's (rounded to a multiple of the users, so
+                # user u's requests go first to engine u mod the engines)
+                k0 = -(-(len(reqs) + 1) // load.users) * load.users
+                tasks = [
+                    asyncio.create_task(self._user(client, u, load, end_s, k0))
+                    for u in range(load.users)
+                ]
             for k, r in enumerate(reqs):
                 delay = r.at_s / self.compression - (time.monotonic() - self.t0)
                 if delay > 0:
@@ -248,13 +302,14 @@ class Fleet:
         audit: Path | None = None,
         recovery_watch_s: float = RECOVERY_WATCH_S,
         start_timeout: float = 180.0,
+        load: ClosedLoop | None = None,
     ) -> None:
         """`period`: wall seconds between the GPU driver's passes (GPU state, engine reads);
         `served_name`: vLLM's --served-model-name (the `model_name` label of its metrics);
         `audit`: the remediator's audit log when the caller runs the remediator;
         `recovery_watch_s`: trace seconds to keep watching for engine 0's recovery after the
         trace (a crashed engine reloads for the trace's `reload_s`); `start_timeout`: wall
-        seconds each vLLM may take to load."""
+        seconds each vLLM may take to load; `load`: closed-loop users on top of the trace."""
         assert config in CONFIGS, config
         self.trace, self.config, self.log = trace, config, log
         self.work = workdir or Path(tempfile.mkdtemp(prefix=f"oomguard-{trace.name}-{config}-"))
@@ -279,6 +334,7 @@ class Fleet:
         self.served_name = served_name
         self.recovery_watch_s = recovery_watch_s
         self.start_timeout = start_timeout
+        self.load = load
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._gmu = [trace.engine.gpu_memory_utilization] * engines
@@ -397,7 +453,7 @@ class Fleet:
             f"  {trace.name}/{self.config}: {len(reqs)} requests over {trace.duration_s:.0f} s "
             f"(x{c:g}: {trace.duration_s / c:.0f} s wall)"
         )
-        asyncio.run(gateway.replay(reqs, trace.duration_s + 120))
+        asyncio.run(gateway.replay(reqs, trace.duration_s + 120, self.load))
         self.sent = list(gateway.sent)  # the trace's requests (the recovery watch adds its own)
         if trace.pressure_ends_s is not None:
             # keep watching (with light traffic, so staged re-admission can proceed) until

@@ -1,0 +1,211 @@
+"""The outcome benchmark's in-flight load is closed-loop: it holds N requests per engine whether
+the engines keep their compressed clock or not (an open-loop rate did not: 0-8 in flight on a busy
+machine, 250 per engine at x4), and a trace's three runs may be recorded in separate runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from bench.outcome import (
+    INCIDENT_LEAD_S,
+    decode_seconds,
+    inflight_load,
+    kept,
+    slowdown,
+    trouble_starts_s,
+    with_horizon,
+)
+from oomguard.twin.runner import ClosedLoop, Gateway, Outcome, _Sent
+from oomguard.twin.traces import Request, Trace
+from tests.conftest import free_port
+
+
+@dataclass
+class Engine:
+    """An OpenAI-style streaming endpoint that holds each request `hold` wall seconds: a stand-in
+    for an engine at a speed the real twin cannot be set to (it only measures the gateway)."""
+
+    hold: float
+    now: int = 0
+    peak: int = 0
+    prompts: list[tuple[int, ...]] = field(default_factory=list)
+
+    async def completions(self, request: HttpRequest) -> StreamingResponse:
+        body = await request.json()
+        self.prompts.append(tuple(body["prompt"][:8]))
+
+        async def stream() -> AsyncIterator[bytes]:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            try:
+                first = {"choices": [{"text": "x"}]}
+                yield f"data: {json.dumps(first)}\n\n".encode()
+                await asyncio.sleep(self.hold)
+                usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+                yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                self.now -= 1
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest) -> Iterator[tuple[list[Engine], list[str]]]:
+    hold = float(request.param)
+    stand_ins, servers, threads, urls = [], [], [], []
+    for _ in range(2):
+        e = Engine(hold)
+        port = free_port()
+        app = Starlette(routes=[Route("/v1/completions", e.completions, methods=["POST"])])
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        stand_ins.append(e)
+        servers.append(server)
+        threads.append(thread)
+        urls.append(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 10
+    while not all(s.started for s in servers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(s.started for s in servers)
+    yield stand_ins, urls
+    for server in servers:
+        server.should_exit = True
+    for thread in threads:
+        thread.join(10)
+
+
+def replay(
+    urls: list[str], load: ClosedLoop, samples: list[list[int]], e: list[Engine], trace: bool
+) -> Gateway:
+    """The gateway's replay at x10 (with one trace request, or none), sampling what each engine
+    holds every 50 ms wall."""
+    gateway = Gateway(urls, compression=10.0, t0=time.monotonic(), model="m")
+
+    async def main() -> None:
+        async def sample() -> None:
+            while True:
+                await asyncio.sleep(0.05)
+                if load.start_s + load.ramp_s < gateway.now() < load.end_s:
+                    samples.append([x.now for x in e])
+
+        sampler = asyncio.create_task(sample())
+        reqs = [Request(0.5, 4, 2, False)] if trace else []
+        await gateway.replay(reqs, end_s=load.end_s + 60, load=load)
+        sampler.cancel()
+
+    asyncio.run(main())
+    return gateway
+
+
+LOAD = ClosedLoop(
+    users=8, start_s=1.0, end_s=31.0, prompt_tokens=(16, 32), output_tokens=(4, 8), ramp_s=2.0
+)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engines", [6.0], indirect=True)
+def test_slow_engines_hold_exactly_the_users_requests(engines):
+    # engines far behind their clock: an open-loop rate would keep piling requests on them
+    e, urls = engines
+    slow = replace(LOAD, end_s=21.0)
+    samples: list[list[int]] = []
+    gateway = replay(urls, slow, samples, e, trace=False)
+    users = [s for s in gateway.sent if s.user is not None]
+    assert len(users) == slow.users  # nobody finished, so nobody sent a second request
+    assert samples and all(held == [4, 4] for held in samples)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engines", [0.3], indirect=True)
+def test_fast_engines_are_kept_busy_and_each_user_stays_on_its_engine(engines):
+    # engines ahead of their clock: a user sends its next request as soon as the last ended
+    e, urls = engines
+    samples: list[list[int]] = []
+    gateway = replay(urls, LOAD, samples, e, trace=True)
+    users = [s for s in gateway.sent if s.user is not None]
+    assert len(users) > 5 * LOAD.users
+    assert all(s.status == "ok" for s in gateway.sent)
+    assert max(x.peak for x in e) <= LOAD.users // 2 + 1  # + the trace's own request
+    # most samples see every user's request in its engine (between two requests, briefly not)
+    full = sum(1 for held in samples if min(held) >= LOAD.users // 2 - 1)
+    assert samples and full >= 0.8 * len(samples)
+    # user u's requests go first to engine u mod 2, each with a prompt of its own
+    assert all(s.engine == s.user % 2 for s in users)
+    prompts = e[0].prompts + e[1].prompts
+    assert len(set(prompts)) == len(prompts)
+    # none starts after the load's end
+    assert max(s.request.at_s for s in users) < LOAD.end_s
+
+
+def test_the_load_starts_a_minute_before_the_trouble_and_ends_with_it():
+    ng = Trace.load("neighbour-growth")
+    load = inflight_load(ng, 64)
+    assert load is not None and load.users == 128
+    assert trouble_starts_s(ng) == 150  # the neighbour's ramp starts there
+    assert (load.start_s, load.end_s) == (150 - INCIDENT_LEAD_S, ng.pressure_ends_s)
+    # request-driven trouble: from a minute before the phase that brings the pressure
+    for name, phase_start in (("prompt-logprobs", 300), ("prefill-during-decode", 200)):
+        trace = Trace.load(name)
+        load = inflight_load(trace, 64)
+        assert load is not None, name
+        assert (load.start_s, load.end_s) == (phase_start - INCIDENT_LEAD_S, trace.pressure_ends_s)
+    # no trouble, no load (do-no-harm), and none unless asked
+    assert inflight_load(Trace.load("do-no-harm"), 64) is None
+    assert inflight_load(ng, 0) is None
+
+
+def fleet_of(sent: list[_Sent], users: int = 128) -> SimpleNamespace:
+    return SimpleNamespace(load=replace(LOAD, users=users), n=2, sent=sent)
+
+
+def test_slowdown_is_the_decode_time_against_the_twins_roofline():
+    trace = Trace.load("neighbour-growth")
+    per_token = decode_seconds(trace, 64) / 1792
+
+    def sent(tokens: int, factor: float, user: int | None = 0) -> _Sent:
+        s = _Sent(Request(0, 300, tokens, False), user=user)
+        s.status, s.first_token_s, s.tokens = "ok", 10.0, tokens
+        s.done_s = 10.0 + factor * per_token * (tokens - 1)
+        return s
+
+    rows = [sent(1600, 1.0), sent(2000, 4.0), sent(1800, 4.0), sent(1700, 9.0)]
+    assert slowdown(fleet_of(rows), trace) == pytest.approx(4.0, abs=0.01)  # the median
+    # the trace's own requests and lost ones do not count
+    lost = sent(1600, 100.0)
+    lost.status = "lost"
+    assert slowdown(fleet_of([sent(1600, 2.0), sent(1600, 50.0, None), lost]), trace) == 2.0
+    assert slowdown(SimpleNamespace(load=None, n=2, sent=rows), trace) is None
+
+
+def test_a_traces_configurations_can_be_recorded_in_separate_runs():
+    trace = with_horizon(Trace.load("neighbour-growth"))
+    row = {**Outcome("neighbour-growth", "default", crashes=1, lost=70).__dict__, "x": 1}
+    recorded = {
+        "inflight": 64,
+        "trace": json.loads(json.dumps(trace.model_dump())),
+        "outcomes": {"default": row, "oomguard": {**row, "config": "oomguard"}},
+    }
+    outcomes, extra = kept(recorded, trace, ["oomguard"], 64)
+    assert list(outcomes) == ["default"] and outcomes["default"].lost == 70
+    assert extra["default"] == {"x": 1}
+    # not when the load, the trace (its clock) or the configurations differ
+    assert kept(recorded, trace, ["oomguard"], 0) == ({}, {})
+    faster = trace.model_copy(update={"time_compression": 40.0})
+    assert kept(recorded, faster, ["oomguard"], 64) == ({}, {})
+    assert kept(recorded, trace, None, 64) == ({}, {})
