@@ -26,8 +26,21 @@ def alert(name: str, action: str | None = None, status: str = "firing") -> Alert
     return Alert(f"fp-{name}", status, labels, T0, None)
 
 
-def obs(cap=64, startup=64, draining=False, seconds=60.0, admitted=0, finished=0, preempted=0):
-    return Observed(startup, cap, draining, seconds, admitted, finished, preempted)
+def obs(
+    cap=64,
+    startup=64,
+    draining=False,
+    seconds=60.0,
+    admitted=0,
+    finished=0,
+    preempted=0,
+    running=0,
+    waiting=0,
+    prefilled=0,
+):
+    return Observed(
+        startup, cap, draining, seconds, admitted, finished, preempted, running, waiting, prefilled
+    )
 
 
 def test_actions_come_from_labels_and_the_policy_and_kv_never_acts():
@@ -58,8 +71,8 @@ def test_critical_drains_and_resolution_resumes_at_the_first_stage():
 
 def test_readmission_goes_to_full_after_five_clean_single_admissions():
     # the field rule: admit one at a time, full admission after 5 clean single admissions
-    waiting = decide(set(), obs(cap=1, admitted=4, finished=4), POLICY)
-    assert waiting.cap == 1  # 4 of 5
+    waiting = decide(set(), obs(cap=1, admitted=1, finished=0), POLICY)
+    assert waiting.cap == 1  # the one admitted is still running (no prefill count: old plugin)
     preempted = decide(set(), obs(cap=1, admitted=9, finished=9, preempted=1), POLICY)
     assert preempted.cap == 1  # not clean
     assert decide(set(), obs(cap=1, admitted=5, finished=5), POLICY).cap == 64
@@ -158,3 +171,49 @@ def test_the_first_step_from_full_admission_is_immediate_and_later_ones_are_pace
     paced = decide({"lower_cap"}, obs(cap=51, seconds=2), POLICY)
     assert (paced.cap, paced.reason) == (51, "pressure: waiting for the next step")
     assert decide({"lower_cap"}, obs(cap=51, seconds=31), POLICY).cap == 40
+
+
+def test_a_clean_admission_counts_once_its_prefill_ran_and_lets_one_more_in():
+    # the field rule, one at a time: cap 1, 2, ... 5, each raise once the last prefill ran
+    caps = [1]
+    while caps[-1] < 64:
+        running = caps[-1]  # nothing has finished: long outputs still decoding
+        o = obs(cap=caps[-1], admitted=1, prefilled=1, running=running, waiting=20)
+        caps.append(decide(set(), o, POLICY).cap)
+    assert caps == [1, 2, 3, 4, 5, 64]  # five clean admissions, none finished
+
+
+def test_an_admission_still_in_prefill_is_not_clean_yet():
+    o = obs(cap=2, admitted=1, prefilled=0, running=2, waiting=20)
+    assert decide(set(), o, POLICY).cap == 2  # its prompt's KV is not all allocated yet
+
+
+def test_memory_that_rises_during_the_stage_is_not_a_clean_admission():
+    # the KV pool ran short: a preemption since the cap change holds the stage
+    o = obs(cap=3, admitted=1, prefilled=1, preempted=1, running=3, waiting=20)
+    d = decide(set(), o, POLICY)
+    assert d.cap == 3 and d.phase == "readmitting"
+    # the GPU's memory rose: the pressure alert fires during the stage, the cap goes down
+    soon = obs(cap=3, admitted=1, prefilled=1, running=3, waiting=20, seconds=5.0)
+    held = decide({"lower_cap"}, soon, POLICY)
+    assert held.cap == 3 and held.phase == "capped"  # not raised: paced before lowering
+    later = obs(cap=3, admitted=1, prefilled=1, running=3, waiting=20, seconds=60.0)
+    assert decide({"lower_cap"}, later, POLICY).cap == 2
+    assert decide({"drain"}, soon, POLICY).draining
+
+
+def test_requests_a_drain_let_run_count_but_one_new_admission_must_run_clean():
+    # resumed at cap 1 with 40 still decoding from before the drain: let one in above them
+    carried = obs(cap=1, running=40, waiting=30)
+    first = decide(set(), carried, POLICY)
+    assert first.cap == 41 and first.phase == "readmitting"
+    # nothing waiting: nothing to let in, and no full admission without a new clean one
+    assert decide(set(), obs(cap=1, running=40), POLICY).cap == 1
+    assert decide(set(), obs(cap=41, admitted=1, prefilled=0, running=41), POLICY).cap == 41
+    assert decide(set(), obs(cap=41, admitted=1, prefilled=1, running=41), POLICY).cap == 64
+
+
+def test_a_plugin_without_prefill_counts_waits_for_finished_requests():
+    # an older plugin reports no `prefilled`: finished admissions count, as before
+    assert decide(set(), obs(cap=1, admitted=1, running=1, waiting=9), POLICY).cap == 1
+    assert decide(set(), obs(cap=1, admitted=1, finished=1, waiting=9), POLICY).cap == 2

@@ -75,3 +75,40 @@ def test_pressure_that_comes_back_after_full_admission_is_a_retrigger(neighbour)
     r = simulate_recovery(trace, flapping, path=alertmanager_path())
     assert r.recovery_s is not None and r.recovery_s <= 60
     assert r.retriggered
+
+
+def sustained(trace: Trace, inflight: int = 64) -> Trace:
+    """The outcome benchmark's heavy load (bench/outcome.py) kept on after the pressure ends."""
+    from bench.outcome import with_horizon
+
+    heavy = with_horizon(trace, inflight)
+    phases = [*heavy.phases[:-1], heavy.phases[-1].model_copy(update={"end_s": heavy.duration_s})]
+    return heavy.model_copy(update={"phases": phases})
+
+
+def test_heavy_load_recovers_within_a_minute_once_prefills_count(neighbour):
+    # reproduced first: a stage that waits for whole requests (a plugin reporting finished
+    # requests only) takes minutes under sustained long-output load; counting an admission
+    # once its prefill ran brings it within the minute, with no re-trigger
+    trace, levels = neighbour
+    heavy = sustained(trace)
+    waits = simulate_recovery(heavy, levels, path=alertmanager_path(), counts_prefills=False)
+    assert waits.recovery_s is not None and waits.recovery_s > 60
+    for slowdown in (1.0, 4.0):
+        r = simulate_recovery(heavy, levels, path=alertmanager_path(), slowdown=slowdown)
+        assert r.recovery_s is not None and r.recovery_s <= 60, r.actions
+        assert not r.retriggered
+        stages = [a.split()[-1] for a in r.actions if "raise_cap" in a]
+        assert stages[-1] == str(trace.engine.max_num_seqs)  # one at a time, then full
+
+
+def test_requests_still_running_after_the_drain_do_not_stall_the_first_stage():
+    # long-context-burst at x4 slower engines (the real twin on a loaded machine): requests a
+    # drain let run are still decoding when the stage starts at cap 1
+    from bench.outcome import with_horizon
+
+    trace = Trace.load("long-context-burst")
+    levels = trace_levels(with_horizon(trace))
+    r = simulate_recovery(with_horizon(trace, 64), levels, path=alertmanager_path(), slowdown=4)
+    assert r.recovery_s is not None and r.recovery_s <= 60, r.actions
+    assert not r.retriggered

@@ -35,6 +35,8 @@ class SinceCapChange(_Strict):
     admitted: Count
     finished: Count
     preemptions: Count
+    # admissions whose prefill has run (their prompt's KV allocated): absent from older plugins
+    prefilled: Count = 0
 
 
 class EngineCoreState(_Strict):
@@ -103,6 +105,7 @@ class EngineState(EngineCoreState):
                 admitted=sum(s.admitted for s in since),
                 finished=sum(s.finished for s in since),
                 preemptions=sum(s.preemptions for s in since),
+                prefilled=sum(s.prefilled for s in since),
             ),
             engines=list(cores),
         )

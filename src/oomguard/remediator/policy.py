@@ -13,10 +13,15 @@ Defaults from the field:
 - `hold` (the exporter is blind to the engine: no data, stale data): change nothing, in either
   direction, until it can see again;
 - when nothing asks for action: resume if draining, then staged re-admission, by the field rule
-  of a long-context serving team (docs/remediator.md): admit one request at a time (cap
-  `readmit_start`), and go back to full admission after `readmit_successes` admissions that
-  finished with no preemption since the last change (`readmit_stages: field`); or, with
-  `readmit_stages: doubling`, multiply the cap by `readmit_growth` per clean stage.
+  of a long-context serving team (docs/remediator.md): admit one request at a time, and go back
+  to full admission after `readmit_successes` clean admissions (`readmit_stages: field`); or,
+  with `readmit_stages: doubling`, multiply the cap by `readmit_growth` per clean stage.
+  An admission is clean once its prefill has run (its prompt's KV blocks are allocated and its
+  activations' peak is past) with no preemption since the last cap change and no action alert:
+  waiting for it to finish would make the stage last five whole requests (minutes with long
+  outputs). One at a time: from `readmit_start`, the cap rises by one per clean admission, so
+  the next request is let in only once the last one's prefill ran; the cap itself carries the
+  count (a restarted remediator carries on), and a preemption holds the stage.
 KV-cache usage alone never leads to an action.
 """
 
@@ -84,6 +89,16 @@ class Observed:
     preemptions_since_cap_change: int
     running: int = 0
     waiting: int = 0
+    prefilled_since_cap_change: int = 0  # 0 from a plugin that does not count prefills
+
+    @property
+    def clean_admissions(self) -> int:
+        """Admissions since the last cap change whose prefill has run (or, from an older plugin
+        that does not count prefills, that finished): 0 after any preemption."""
+        if self.preemptions_since_cap_change:
+            return 0
+        done = max(self.prefilled_since_cap_change, self.finished_since_cap_change)
+        return min(self.admitted_since_cap_change, done)
 
     @property
     def idle(self) -> bool:
@@ -106,6 +121,7 @@ class Observed:
             preemptions_since_cap_change=since.preemptions,
             running=s.running or 0,  # unknown counts as nothing, as before (restarts check)
             waiting=s.waiting or 0,
+            prefilled_since_cap_change=since.prefilled,
         )
 
 
@@ -173,16 +189,33 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
         )
     if current >= startup:
         return Desired(False, startup, "serving", "no alerts: full admission")
-    clean = (
-        observed.preemptions_since_cap_change == 0
-        and observed.admitted_since_cap_change >= policy.readmit_successes
-        and observed.finished_since_cap_change >= policy.readmit_successes
-    )
-    if clean:
-        if policy.readmit_stages == "field":
-            return Desired(False, startup, "readmitting", "clean admissions: full admission")
-        grown = max(current + 1, math.ceil(current * policy.readmit_growth))
-        return Desired(False, clamp(grown), "readmitting", "clean stage: raise the cap")
+    clean = observed.clean_admissions
+    if policy.readmit_stages == "doubling":
+        if clean >= policy.readmit_successes:
+            grown = max(current + 1, math.ceil(current * policy.readmit_growth))
+            return Desired(False, clamp(grown), "readmitting", "clean stage: raise the cap")
+        return Desired(
+            False, clamp(current), "readmitting", "re-admitting: waiting for clean admissions"
+        )
+    # The field rule, one at a time: let one more in once the last one's prefill ran cleanly.
+    # The cap carries the count so far: each clean admission raised it by one from
+    # readmit_start. Requests running when nothing is being prefilled count too (the ones a
+    # drain let finish hold their KV and ran through the end of the pressure), but never
+    # instead of one new clean admission.
+    n = policy.readmit_successes
+    in_prefill = observed.admitted_since_cap_change > clean
+    base = current if in_prefill else max(current, observed.running)
+    done = clean + min(n - 1, max(0, base - policy.readmit_start))
+    if clean >= 1 and done >= n:
+        return Desired(False, startup, "readmitting", "clean admissions: full admission")
+    over_cap = observed.preemptions_since_cap_change == 0 and observed.waiting > 0
+    if not in_prefill and (clean >= 1 or (over_cap and observed.running >= current)):
+        return Desired(
+            False,
+            clamp(base + 1),
+            "readmitting",
+            f"clean admissions {done} of {n}: let one more in",
+        )
     return Desired(
         False, clamp(current), "readmitting", "re-admitting: waiting for clean admissions"
     )

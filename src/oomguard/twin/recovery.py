@@ -139,10 +139,12 @@ class _Engine:
     startup: int
     cap: int
     draining: bool = False
+    counts_prefills: bool = True
     changed_at: float = 0.0
     admitted: int = 0
     finished: int = 0
-    running: list[float] = field(default_factory=list)  # seconds of work left
+    prefilled: int = 0
+    running: list[list[float]] = field(default_factory=list)  # [prefill left, work left] (s)
     waiting: list[tuple[int, int]] = field(default_factory=list)  # (prompt, output) tokens
 
     def observed(self, now: float) -> Observed:
@@ -156,18 +158,32 @@ class _Engine:
             0,
             len(self.running),
             len(self.waiting),
+            self.prefilled if self.counts_prefills else 0,
         )
 
     def set_cap(self, cap: int, now: float) -> None:
         if cap != self.cap:  # the plugin resets its counters on a change only
-            self.cap, self.changed_at, self.admitted, self.finished = cap, now, 0, 0
+            self.cap, self.changed_at = cap, now
+            self.admitted = self.finished = self.prefilled = 0
+
+    def tick(self, dt: float) -> None:
+        """`dt` seconds of work on every running request; count prefills and finishes."""
+        for r in self.running:
+            if r[0] > 0 >= r[0] - dt:
+                self.prefilled += 1
+            r[0], r[1] = r[0] - dt, r[1] - dt
+        self.finished += sum(1 for r in self.running if r[1] <= 0)
+        self.running = [r for r in self.running if r[1] > 0]
 
 
-def _service_s(p: Physics, prompt: int, output: int, batch: int) -> float:
-    """A request's time in the engine: its prefill, then its decode at this batch size."""
+def _service_s(p: Physics, prompt: int, output: int, batch: int) -> tuple[float, float]:
+    """A request's time in the engine: its prefill, and that plus its decode at this batch
+    size."""
     prefill = p.step_seconds(Step(tokens=prompt, attention=prompt * prompt // 2, context=prompt))
     ctx = batch * (prompt + output // 2)
-    return prefill + output * p.step_seconds(Step(tokens=batch, attention=ctx, context=ctx))
+    return prefill, prefill + output * p.step_seconds(
+        Step(tokens=batch, attention=ctx, context=ctx)
+    )
 
 
 def simulate_recovery(
@@ -178,9 +194,15 @@ def simulate_recovery(
     policy: PolicyConfig | None = None,
     safety: SafetyConfig | None = None,
     model: str | None = None,
+    slowdown: float = 1.0,
+    counts_prefills: bool = True,
 ) -> Recovery:
     """Replay `levels` (engine 0's pressure level per `dt_levels` trace seconds) through the
-    alerting `path` and the remediator's decision; see the module's docstring."""
+    alerting `path` and the remediator's decision; see the module's docstring. `slowdown`: the
+    engine's steps take that many times as long in trace time (the real twin on a loaded
+    2-core machine at `--compression 4` ran about x4 behind its clock). `counts_prefills`
+    False: the engine reports no prefill counts (a plugin from before they were counted), so a
+    re-admission stage counts finished requests only."""
     assert trace.pressure_ends_s is not None, f"{trace.name} has no end of pressure"
     path = path or alertmanager_path()
     policy, safety = policy or PolicyConfig(), safety or SafetyConfig()
@@ -191,7 +213,7 @@ def simulate_recovery(
         max_num_batched_tokens=trace.engine.max_num_batched_tokens,
     )
     startup = trace.engine.max_num_seqs
-    eng = _Engine(startup, startup)
+    eng = _Engine(startup, startup, counts_prefills=counts_prefills)
     peer = EngineInput("engine-1", trace.model, (), Observed(startup, startup, False, 1e9, 0, 0, 0))
     rules = [
         _Rule("OomguardMemoryPressure", "lower_cap", 2, path.pressure_for_s),
@@ -239,11 +261,10 @@ def simulate_recovery(
             a += 1
         while not eng.draining and eng.waiting and len(eng.running) < eng.cap:
             prompt, output = eng.waiting.pop(0)
-            eng.running.append(_service_s(p, prompt, output, len(eng.running) + 1))
+            prefill, total = _service_s(p, prompt, output, len(eng.running) + 1)
+            eng.running.append([prefill * slowdown, total * slowdown])
             eng.admitted += 1
-        left = [x - DT for x in eng.running]
-        eng.finished += sum(1 for x in left if x <= 0)
-        eng.running = [x for x in left if x > 0]
+        eng.tick(DT)
         full = not eng.draining and eng.cap >= startup
         if full and not was_full:
             became_full.append(t)

@@ -47,12 +47,13 @@ class Counters:
     finished: int = 0
     preemptions: int = 0
     shed: int = 0  # queued requests ended with a retryable error by a drain
+    prefilled: int = 0  # requests whose prompt was fully computed (a re-admission's clean count)
     cap_changed_at: float = field(default_factory=time.time)
-    at_change: tuple[int, int, int] = (0, 0, 0)  # admitted, finished, preemptions
+    at_change: tuple[int, int, int, int] = (0, 0, 0, 0)  # admitted, finished, preempted, prefilled
 
     def mark_cap_change(self) -> None:
         self.cap_changed_at = time.time()
-        self.at_change = (self.admitted, self.finished, self.preemptions)
+        self.at_change = (self.admitted, self.finished, self.preemptions, self.prefilled)
 
 
 def counters(scheduler: Any) -> Counters:
@@ -163,9 +164,28 @@ def _shed_outputs(req_ids: list[str]) -> list[Any]:
     ]
 
 
+def prefills_done(scheduler: Any, scheduler_output: Any) -> int:
+    """How many requests' prompts this step finished computing (run after the step: the
+    scheduler already counted its tokens as computed)."""
+    done = 0
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        r = scheduler.requests.get(req_id)
+        if (
+            r is not None
+            and r.num_computed_tokens - n < r.num_prompt_tokens <= r.num_computed_tokens
+        ):
+            done += 1
+    return done
+
+
 def _wrap_update_from_output(update: Any) -> Any:
     @functools.wraps(update)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:  # before the update: it frees the requests that finished
+            scheduler_output = args[0] if args else kwargs["scheduler_output"]
+            counters(self).prefilled += prefills_done(self, scheduler_output)
+        except Exception:  # counting must never break a step
+            log.debug("oomguard: could not count prefills", exc_info=True)
         outputs = update(self, *args, **kwargs)
         if not _draining(self):
             return outputs
@@ -206,7 +226,7 @@ def oomguard_state(self: Any) -> dict[str, Any]:
     c = counters(s)
     running, waiting = s.get_request_counts()
     draining = _paused(self) or bool(getattr(self, "reject_new_requests", False))
-    admitted0, finished0, preempted0 = c.at_change
+    admitted0, finished0, preempted0, prefilled0 = c.at_change
     state = EngineCoreState(
         engine=int(getattr(self, "engine_index", 0) or 0),
         startup_max_num_seqs=ceiling(s),
@@ -227,6 +247,7 @@ def oomguard_state(self: Any) -> dict[str, Any]:
             admitted=c.admitted - admitted0,
             finished=c.finished - finished0,
             preemptions=c.preemptions - preempted0,
+            prefilled=c.prefilled - prefilled0,
         ),
     )
     return state.model_dump(mode="json")
