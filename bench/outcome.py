@@ -314,41 +314,41 @@ def main() -> int:
             failed.pop(f"{name}/{config}", None)
             try:
                 outcomes[config], extra[config] = run(trace, config, load)
+                print("  " + summary(outcomes[config], extra[config]), flush=True)
             except RuntimeError as exc:  # an engine that did not start on a loaded machine
                 print(f"  {config}: not run: {exc}".splitlines()[0], flush=True)
                 failed[f"{name}/{config}"] = str(exc).splitlines()[0]
                 outcomes.pop(config, None)
                 extra.pop(config, None)
-        checks = judge(trace, outcomes, extra)
-        if load is not None:
-            for config in outcomes:  # every engine held the load asked for at the incident
-                held = extra[config]["inflight_at_incident_per_engine"] or [0]
-                checks[f"{config}_inflight_at_incident_ge_{args.inflight}"] = (
-                    min(held) >= args.inflight
-                )
-        for config, o in outcomes.items():
-            print("  " + summary(o, extra[config]), flush=True)
-        print(f"  targets: {json.dumps(checks)}", flush=True)
-        traces[name] = {
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "inflight": args.inflight,
-            "time_compression": trace.time_compression,
-            "load_average_before": load_before,
-            "load_average_after": [round(x, 2) for x in os.getloadavg()],
-            "trace": trace.model_dump(),
-            "closed_loop": asdict(load) if load is not None else None,
-            "outcomes": {c: {**o.__dict__, **extra[c]} for c, o in outcomes.items()},
-            "targets": checks,
-        }
-        record.write(
-            args.out,
-            "outcome",
-            args.quick,
-            conditions=conditions,
-            horizon=HORIZON,
-            traces=traces,
-            not_run=failed,
-        )
+            # recorded after each configuration: a run stopped at its time limit keeps the rest
+            checks = judge(trace, outcomes, extra)
+            if load is not None:
+                for c in outcomes:  # every engine held the load asked for at the incident
+                    held = extra[c]["inflight_at_incident_per_engine"] or [0]
+                    checks[f"{c}_inflight_at_incident_ge_{args.inflight}"] = (
+                        min(held) >= args.inflight
+                    )
+            traces[name] = {
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "inflight": args.inflight,
+                "time_compression": trace.time_compression,
+                "load_average_before": load_before,
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+                "trace": json.loads(json.dumps(trace.model_dump())),
+                "closed_loop": asdict(load) if load is not None else None,
+                "outcomes": {c: {**o.__dict__, **extra[c]} for c, o in outcomes.items()},
+                "targets": checks,
+            }
+            record.write(
+                args.out,
+                "outcome",
+                args.quick,
+                conditions=conditions,
+                horizon=HORIZON,
+                traces=traces,
+                not_run=failed,
+            )
+        print(f"  targets: {json.dumps(traces[name]['targets'])}", flush=True)
     return 0
 
 
