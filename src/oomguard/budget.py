@@ -88,9 +88,13 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 DEFAULT_BLOCK_SIZE = 16
 MLA_BLOCK_SIZE = 64  # FlashMLA, the MLA backend on Hopper, needs 64-token blocks
 
-# Non-KV memory, per GPU (docs/budget.md derives each one).
-NON_TORCH_BYTES = 512 * MIB  # cuBLAS/cuDNN workspaces and the allocator's own reserve
-NCCL_BYTES = 640 * MIB  # NCCL and custom all-reduce buffers, only with TP or PP > 1
+# Non-KV memory, per GPU (docs/budget.md derives each one). Non-torch memory (cuBLAS/cuDNN
+# workspaces, lazily loaded kernels, NCCL and custom all-reduce buffers) as vLLM logs it:
+# the V1 engine 0.13-0.14 GiB on one H100 (five runs) and 0.54-0.55 GiB per rank at TP 2 (two
+# runs) in vLLM 0.11.0; the V0 engine 0.35 GiB (RTX 3090, TP 1) and 0.32 GiB (A40, TP 2).
+NON_TORCH_BYTES = int(0.13 * GIB)
+NCCL_BYTES = int(0.41 * GIB)  # added with TP or PP > 1 (V1)
+NON_TORCH_V0_BYTES = int(0.33 * GIB)  # V0, with or without TP
 CUDA_GRAPH_BYTES = 512 * MIB  # the CUDA graph pool vLLM's profiler estimates
 # The sampler's dummy run (gpu_model_runner._dummy_sampler_run) holds max_num_seqs x vocab
 # logits on every rank (the logits processor all-gathers the vocabulary shards). vLLM 0.33:
@@ -101,9 +105,14 @@ SAMPLER_BYTES_PER_LOGIT = 14
 # model-dtype logits 2 + FP32 copy 4 + int64 iota 8 + sorted values and indices 12 + the radix
 # sort's double buffer 12 (docs/budget.md, "Sampler": a logged profile shows 38.6).
 SORT_SAMPLER_BYTES_PER_LOGIT = 38
-# Above this many parameters a MoE model's non-KV memory is least certain (gpt-oss-120b's
-# profile is still 3 GiB over this estimate): the output says so.
+# Above this many parameters a MoE model's non-KV memory is least certain (Qwen3-235B-A22B-FP8
+# at TP 4 logged 1.9 GiB more than this accounting, cause not found): the output says so.
 LARGE_MOE_PARAMS = 100e9
+# The Marlin GEMM of vLLM's V0 era (csrc/quantization/gptq_marlin/gptq_marlin.cu before the 2025
+# rewrite) allocated an M x K copy of its input on every call (`a_tmp`, act-order or not) and an
+# FP32 reduce buffer of up to 1,024 rows (`c_tmp`, marlin::determine_reduce_max_m, max_par 16).
+MARLIN_METHODS = ("awq", "gptq", "awq_marlin", "gptq_marlin")
+MARLIN_REDUCE_ROWS = 1024
 
 
 # -- sizes ------------------------------------------------------------------------------------
@@ -195,6 +204,12 @@ class ModelShape:
     quantization: Quantization = field(default_factory=Quantization)
     mla_dims: tuple[int, int, int, int] | None = None  # q_lora_rank, qk_nope, qk_rope, v_head
     notes: tuple[str, ...] = ()  # what the reader assumed, for the output
+    vision_params: int = 0  # the vision tower and projector (config.json's vision_config)
+    multimodal: bool = False  # a vision_config or a *ForConditionalGeneration wrapper
+    # vLLM's Qwen2MLP (Qwen2, Qwen2.5, Qwen3 dense) names its gate/up output, so in eager
+    # PyTorch it stays alive through down_proj; LlamaMLP rebinds `x` and frees it after the
+    # activation (vllm/model_executor/models/qwen2.py, llama.py)
+    mlp_keeps_gate_up: bool = False
 
     def layer_specs(self) -> tuple[LayerKV, ...]:
         if self.layer_kv:
@@ -238,6 +253,7 @@ class ModelShape:
             * self.shared_experts,
             "router": moe_layers * h * self.experts,
             "embeddings": self.vocab_size * h * (1 if self.tied_embeddings else 2),
+            "vision": self.vision_params,
         }
 
     def parameter_count(self) -> int:
@@ -253,7 +269,8 @@ class ModelShape:
         groups = self._param_groups()
         out: dict[str, float] = {}
         for part, params in groups.items():
-            quantized = q.bytes_per_param > 0 and part not in ("embeddings", "router")
+            # embeddings, the router and the vision tower stay in the model dtype
+            quantized = q.bytes_per_param > 0 and part not in ("embeddings", "router", "vision")
             if q.experts_only and part != "experts":
                 quantized = False
             if q.attention_excluded and part == "attention":
@@ -384,6 +401,34 @@ def _quantization(cfg: dict[str, Any]) -> Quantization:
     )
 
 
+def _vision_params(config: dict[str, Any], text_hidden: int) -> int:
+    """Parameters of a vision tower and its projector, from `vision_config` (vLLM loads them in
+    the model dtype with the language model: Mistral-Small-3.2's 0.44 B are 0.82 GiB of the
+    44.76 GiB vLLM 0.11 logged). Pixtral-style towers: a patch convolution, `num_hidden_layers`
+    blocks of attention (`num_attention_heads` x `head_dim` wide) and a gated SiLU MLP (three
+    matrices; GELU MLPs of CLIP/SigLIP towers have two), then the projector: the patch merger
+    (`spatial_merge_size`^2 x hidden -> hidden) and two linears to the text hidden size."""
+    vc = config.get("vision_config")
+    if not isinstance(vc, dict):
+        return 0
+    vh = _int(vc, "hidden_size", "embed_dim", default=0) or 0
+    layers = _int(vc, "num_hidden_layers", "depth", default=0) or 0
+    if not vh or not layers:
+        return 0
+    heads = _int(vc, "num_attention_heads", "num_heads", default=0) or 0
+    head_dim = _int(vc, "head_dim", default=0) or (vh // heads if heads else vh)
+    width = heads * head_dim if heads else vh
+    inter = _int(vc, "intermediate_size", default=4 * vh) or 4 * vh
+    matrices = 3 if vc.get("hidden_act") == "silu" else 2
+    patch = _int(vc, "patch_size", default=14) or 14
+    channels = _int(vc, "num_channels", default=3) or 3
+    merge = _int(config, "spatial_merge_size", default=1) or 1
+    per_layer = 4 * vh * width + matrices * vh * inter + 2 * vh  # + two norms
+    merger = merge * merge * vh * vh if merge > 1 else 0
+    projector = merger + vh * text_hidden + text_hidden * text_hidden
+    return channels * patch * patch * vh + layers * per_layer + projector
+
+
 def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     """Read a Hugging Face `config.json`. Unsupported or incomplete configs raise BudgetError."""
     if not isinstance(config, dict):
@@ -503,6 +548,10 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     shared_experts = _int(cfg, "n_shared_experts", default=0) or 0
     if experts and cfg.get("shared_expert_intermediate_size"):
         shared_experts = max(shared_experts, 1)
+    architectures = config.get("architectures")
+    wrapped = isinstance(architectures, list) and any(
+        str(a).endswith("ForConditionalGeneration") for a in architectures
+    )
     return ModelShape(
         layers=layers,
         hidden_size=hidden,
@@ -528,6 +577,9 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
         quantization=_quantization(cfg),
         mla_dims=mla_dims,
         notes=tuple(notes),
+        vision_params=_vision_params(config, hidden),
+        multimodal=wrapped or isinstance(config.get("vision_config"), dict),
+        mlp_keeps_gate_up=str(cfg.get("model_type", "")) in ("qwen2", "qwen3"),
     )
 
 
@@ -704,6 +756,9 @@ class BudgetInputs:
     # the graphs after sizing it (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 does the same).
     profile_cuda_graphs: bool = True
     sort_sampler: bool = False  # PyTorch sort-based top-k/top-p (vLLM 0.9/0.10 default)
+    # vLLM's V0 engine (the default before 0.8): the model runs in eager PyTorch, its Marlin
+    # kernels copied each GEMM input, and its non-torch memory was logged higher at TP 1.
+    v0_engine: bool = False
     context_len: int | None = None  # context for the concurrency figure; default max_model_len
     weights_bytes: int | None = None  # per GPU, from "Model loading took X GiB"
     overhead_bytes: int | None = None  # override activation + non-torch + graphs estimate
@@ -729,6 +784,9 @@ class Budget:
     kv_cache_groups: int = 1
     max_concurrency: float = 0.0  # at max_model_len, as vLLM logs it
     pool_source: str = "estimate"  # "estimate" or "vLLM log"
+    # Why this estimated pool cannot be trusted from config.json alone ("" when it can):
+    # then only vLLM's own log lines size it (docs/budget.md, "What cannot be sized").
+    unsizable: str = ""
     overhead_parts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -771,6 +829,7 @@ def weights_per_gpu(shape: ModelShape, inp: BudgetInputs) -> int:
         + parts["experts"] / ep * layer_share
         + parts["router"] * layer_share
         + embeddings / tp
+        + parts["vision"] / tp  # the vision tower sits with the first stage
     )
     return int(per_gpu)
 
@@ -795,11 +854,16 @@ def overhead_per_gpu(
         per_token += 2 * h
         if shape.dense_layers:  # leading dense layers run the plain MLP
             per_token = max(per_token, 3 * shape.intermediate_size / tp + 2 * h)
+    elif inp.v0_engine or inp.enforce_eager:
+        per_token = _eager_mlp_peak(shape, inp)
     else:
-        # The MLP's gate/up output and activation (3 x intermediate per token, TP-sharded)
-        # and a few hidden-size buffers.
+        # Compiled (torch.compile, V1's default): the graph frees each buffer once dead, so
+        # the peak is the MLP's gate/up output and activation (3 x intermediate per token,
+        # TP-sharded) beside two hidden-size buffers.
         per_token = 3 * shape.intermediate_size / tp + 2 * h
     activation = batched * act_dtype * per_token
+    if inp.v0_engine and shape.quantization.method in MARLIN_METHODS and not shape.experts:
+        activation += MARLIN_REDUCE_ROWS * h * 4  # down_proj's FP32 reduce buffer
     # The sampler's dummy run: max_num_seqs rows of the full vocabulary on every rank.
     per_logit = SORT_SAMPLER_BYTES_PER_LOGIT if inp.sort_sampler else SAMPLER_BYTES_PER_LOGIT
     sampler = seqs * shape.vocab_size * per_logit
@@ -808,10 +872,54 @@ def overhead_per_gpu(
     # before the sampler's dummy run (gpu_model_runner.profile_run).
     parts = {
         "activation_or_sampler_peak": int(max(activation, sampler)),
-        "non_torch": NON_TORCH_BYTES + (NCCL_BYTES if tp * inp.pipeline_parallel_size > 1 else 0),
+        "non_torch": _non_torch(inp),
         "cuda_graphs": CUDA_GRAPH_BYTES if graphs else 0,
     }
     return parts
+
+
+def _eager_mlp_peak(shape: ModelShape, inp: BudgetInputs) -> float:
+    """Elements per token alive at a dense MLP's peak when the model runs in eager PyTorch (V0,
+    or --enforce-eager): Python's references decide what is freed. Always alive: the layer's
+    input (the model's loop still holds it), the MLP's input and the residual (three hidden
+    sizes). LlamaMLP rebinds `x`, so its gate/up output (2 I) dies after the activation (I):
+    peak 3h + 3I at the activation. Qwen2MLP keeps `gate_up` through down_proj, whose output
+    (h) joins: 4h + 3I. A V0-era Marlin GEMM adds its input copy (I at down_proj); with TP the
+    all-reduce after down_proj is out of place (one more h). I is the per-GPU intermediate
+    size. Logged: Llama-3.1-8B V0, 20,000 tokens: 2.07 GiB (3h + 3I: 2.06); Qwen2.5-72B-AWQ V0
+    TP 2, 32,768 tokens: 5.66 GiB (4h + 4I + Marlin's reduce buffer: 5.64)."""
+    h = shape.hidden_size
+    i = shape.intermediate_size / inp.tensor_parallel_size
+    marlin = inp.v0_engine and shape.quantization.method in MARLIN_METHODS
+    copy = i if marlin else 0.0
+    reduce = h if inp.tensor_parallel_size > 1 else 0.0  # out-of-place all-reduce output
+    if shape.mlp_keeps_gate_up:
+        return max(4 * h + 3 * i + copy, 4 * h + 3 * i + reduce)
+    return max(3 * h + 3 * i, 4 * h + i + copy, 4 * h + i + reduce)
+
+
+def _non_torch(inp: BudgetInputs) -> int:
+    """Non-torch memory as vLLM's profile logs it (constants at the top of this module)."""
+    if inp.v0_engine:
+        return NON_TORCH_V0_BYTES
+    parallel = inp.tensor_parallel_size * inp.pipeline_parallel_size > 1
+    return NON_TORCH_BYTES + (NCCL_BYTES if parallel else 0)
+
+
+def _unsizable(shape: ModelShape) -> str:
+    """Why config.json alone cannot size this model's KV pool, or "" (docs/budget.md)."""
+    if shape.multimodal:
+        return (
+            "multimodal model: vLLM also profiles the vision encoder, and the one measured "
+            "multimodal profile (Mistral-Small-3.2, vLLM 0.11) peaked 2.6 GiB below what the "
+            "text-model accounting gives"
+        )
+    if shape.experts and shape.parameter_count() > LARGE_MOE_PARAMS:
+        return (
+            "large MoE model: its profile is the least certain part (Qwen3-235B-A22B-FP8 at TP 4 "
+            "logged 1.9 GiB more non-KV memory than this accounting, cause not found)"
+        )
+    return ""
 
 
 def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
@@ -918,11 +1026,12 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
             f"max_num_seqs={seqs} but only {concurrency:.1f} requests of {context:,} tokens "
             "fit: under long contexts vLLM queues or preempts (normal, not an OOM)"
         )
-    if source == "estimate" and shape.experts and shape.parameter_count() > LARGE_MOE_PARAMS:
+    unsizable = _unsizable(shape) if source == "estimate" else ""
+    if unsizable:
         notes.append(
-            "large MoE model: its non-KV memory is the least certain part of this estimate "
-            "(docs/budget.md); treat the pool as an upper bound and read 'Available KV cache "
-            "memory' from the startup log"
+            f"the KV pool cannot be sized from config.json alone ({unsizable}): read 'Available "
+            "KV cache memory' and 'GPU KV cache size' from vLLM's startup log and pass the first "
+            "as --kv-pool-bytes"
         )
     elif source == "estimate":
         notes.append(
@@ -948,6 +1057,7 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
         kv_cache_groups=cap.groups,
         max_concurrency=cap.max_concurrency,
         pool_source=source,
+        unsizable=unsizable,
         overhead_parts=parts,
         notes=notes,
         warnings=warnings,
