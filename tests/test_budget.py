@@ -734,3 +734,20 @@ def test_budget_into_head_prints_its_first_line_and_nothing_else(tmp_path: Path)
         check=False,
     )
     assert done.stdout.decode() == "{\n" and done.stderr.decode() == ""
+
+
+def test_cli_says_what_it_cannot_size_and_takes_the_logged_pool(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The CLI's honest answer for a run config.json cannot size (Mistral-Small-3.2 on an H100,
+    logged 28.20 GiB = 184,832 tokens with --block-size 128), then the same run with the pool
+    from vLLM's log line."""
+    path = str(FIXTURES / "Mistral-Small-3.2-24B-Instruct-2506.json")
+    args = ["budget", path, "--gpu", "H100", "--max-model-len", "16000", "--block-size", "128"]
+    assert main([*args, "--gpu-memory-utilization", "0.95"]) == 0
+    out = capsys.readouterr().out
+    assert "cannot be sized from config.json alone" in out and "--kv-pool-bytes" in out
+    assert main([*args, "--kv-pool-bytes", "28.20GiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pool_source"] == "vLLM log" and report["unsizable"] == ""
+    assert report["kv_pool_tokens"] == pytest.approx(184832, rel=0.01)

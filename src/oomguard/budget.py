@@ -910,14 +910,15 @@ def _unsizable(shape: ModelShape) -> str:
     """Why config.json alone cannot size this model's KV pool, or "" (docs/budget.md)."""
     if shape.multimodal:
         return (
-            "multimodal model: vLLM also profiles the vision encoder, and the one measured "
-            "multimodal profile (Mistral-Small-3.2, vLLM 0.11) peaked 2.6 GiB below what the "
-            "text-model accounting gives"
+            "a multimodal model, whose profile vLLM also runs through the vision encoder; the "
+            "one measured (Mistral-Small-3.2, vLLM 0.11) peaked 2.6 GiB below the text-model "
+            "accounting"
         )
     if shape.experts and shape.parameter_count() > LARGE_MOE_PARAMS:
         return (
-            "large MoE model: its profile is the least certain part (Qwen3-235B-A22B-FP8 at TP 4 "
-            "logged 1.9 GiB more non-KV memory than this accounting, cause not found)"
+            "a MoE model over 100B parameters, whose profile is the least certain part; "
+            "Qwen3-235B-A22B-FP8 at TP 4 logged 1.9 GiB more non-KV memory than this "
+            "accounting, cause not found"
         )
     return ""
 
@@ -1029,7 +1030,7 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
     unsizable = _unsizable(shape) if source == "estimate" else ""
     if unsizable:
         notes.append(
-            f"the KV pool cannot be sized from config.json alone ({unsizable}): read 'Available "
+            f"the KV pool cannot be sized from config.json alone: {unsizable}. Read 'Available "
             "KV cache memory' and 'GPU KV cache size' from vLLM's startup log and pass the first "
             "as --kv-pool-bytes"
         )
