@@ -90,10 +90,11 @@ MLA_BLOCK_SIZE = 64  # FlashMLA, the MLA backend on Hopper, needs 64-token block
 
 # Non-KV memory, per GPU (docs/budget.md derives each one). Non-torch memory (cuBLAS/cuDNN
 # workspaces, lazily loaded kernels, NCCL and custom all-reduce buffers) as vLLM logs it:
-# the V1 engine 0.13-0.14 GiB on one H100 (five runs) and 0.54-0.55 GiB per rank at TP 2 (two
-# runs) in vLLM 0.11.0; the V0 engine 0.35 GiB (RTX 3090, TP 1) and 0.32 GiB (A40, TP 2).
+# the V1 engine 0.13-0.14 GiB on one H100 (five runs), 0.54-0.55 GiB per rank at TP 2 (two
+# runs, vLLM 0.11.0) and 1.70 GiB at TP 4 (a recent vLLM); the V0 engine 0.35 GiB (RTX 3090,
+# TP 1) and 0.32 GiB (A40, TP 2).
 NON_TORCH_BYTES = int(0.13 * GIB)
-NCCL_BYTES = int(0.41 * GIB)  # added with TP or PP > 1 (V1)
+NCCL_BYTES_PER_PEER = int(0.41 * GIB)  # per other rank of TP x PP (V1)
 NON_TORCH_V0_BYTES = int(0.33 * GIB)  # V0, with or without TP
 CUDA_GRAPH_BYTES = 512 * MIB  # the CUDA graph pool vLLM's profiler estimates
 # The sampler's dummy run (gpu_model_runner._dummy_sampler_run) holds max_num_seqs x vocab
@@ -106,7 +107,8 @@ SAMPLER_BYTES_PER_LOGIT = 14
 # sort's double buffer 12 (docs/budget.md, "Sampler": a logged profile shows 38.6).
 SORT_SAMPLER_BYTES_PER_LOGIT = 38
 # Above this many parameters a MoE model's non-KV memory is least certain (Qwen3-235B-A22B-FP8
-# at TP 4 logged 1.9 GiB more than this accounting, cause not found): the output says so.
+# at TP 4 on vLLM 0.9.2 logged 1.1 GiB more than this accounting, cause not found): the output
+# says so.
 LARGE_MOE_PARAMS = 100e9
 # The Marlin GEMM of vLLM's V0 era (csrc/quantization/gptq_marlin/gptq_marlin.cu before the 2025
 # rewrite) allocated an M x K copy of its input on every call (`a_tmp`, act-order or not) and an
@@ -902,8 +904,8 @@ def _non_torch(inp: BudgetInputs) -> int:
     """Non-torch memory as vLLM's profile logs it (constants at the top of this module)."""
     if inp.v0_engine:
         return NON_TORCH_V0_BYTES
-    parallel = inp.tensor_parallel_size * inp.pipeline_parallel_size > 1
-    return NON_TORCH_BYTES + (NCCL_BYTES if parallel else 0)
+    peers = inp.tensor_parallel_size * inp.pipeline_parallel_size - 1
+    return NON_TORCH_BYTES + NCCL_BYTES_PER_PEER * peers
 
 
 def _unsizable(shape: ModelShape) -> str:
@@ -917,7 +919,7 @@ def _unsizable(shape: ModelShape) -> str:
     if shape.experts and shape.parameter_count() > LARGE_MOE_PARAMS:
         return (
             "a MoE model over 100B parameters, whose profile is the least certain part; "
-            "Qwen3-235B-A22B-FP8 at TP 4 logged 1.9 GiB more non-KV memory than this "
+            "Qwen3-235B-A22B-FP8 at TP 4 logged 1.1 GiB more non-KV memory than this "
             "accounting, cause not found"
         )
     return ""
