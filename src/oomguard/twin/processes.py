@@ -26,7 +26,8 @@ from oomguard.contract import PLUGIN_TOKEN_ENV
 from oomguard.paths import deploy_dir
 
 PACKAGE = Path(__file__).resolve().parent.parent
-TINY_MODEL = Path(__file__).resolve().parent / "models" / "tiny-llama"
+MODELS = Path(__file__).resolve().parent / "models"  # twin model folders: config, tokenizer
+TINY_MODEL = MODELS / "tiny-llama"
 EXECUTOR = "oomguard.twin.executor.ModelFreeExecutor"
 RULES = PACKAGE / "alerts" / "generated" / "oomguard.rules.yaml"
 PROMETHEUS_CONFIG = deploy_dir() / "prometheus" / "prometheus.yml"
@@ -93,14 +94,17 @@ class Process:
             self.log.close()
 
 
-def vllm_command(port: int, model: Path, args: tuple[str, ...]) -> list[str]:
-    """`vllm serve` on 127.0.0.1:port with the model-free executor."""
+def vllm_command(
+    port: int, model: Path, args: tuple[str, ...], tokenizer: bool = False
+) -> list[str]:
+    """`vllm serve` on 127.0.0.1:port with the model-free executor; `tokenizer`: load the model
+    folder's offline tokenizer (text prompts, chat, prompt_logprobs) instead of skipping it."""
     vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
     return [
         vllm,
         "serve",
         str(model),
-        "--skip-tokenizer-init",
+        *([] if tokenizer else ["--skip-tokenizer-init"]),
         "--distributed-executor-backend",
         EXECUTOR,
         "--host",
@@ -315,7 +319,8 @@ class RemediatorProcess(Process):
 
 
 class SupervisedVllm(Process):
-    """`oomguard serve -- vllm serve ...` (model-free executor, plugin): the local backend."""
+    """`oomguard serve -- vllm serve ...` (model-free executor, plugin): the local backend.
+    `model`: the folder served (its config.json; with `tokenizer`, its tokenizer too)."""
 
     def __init__(
         self,
@@ -328,6 +333,8 @@ class SupervisedVllm(Process):
         max_crashes: int = 5,
         timeout: float = 180,
         keep_flags_on_crash: bool = False,
+        model: Path = TINY_MODEL,
+        tokenizer: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -352,7 +359,7 @@ class SupervisedVllm(Process):
             "30",
             *(["--keep-flags-on-crash"] if keep_flags_on_crash else []),
             "--",
-            *vllm_command(self.port, TINY_MODEL, args),
+            *vllm_command(self.port, model, args, tokenizer),
         ]
         super().__init__(argv, workdir / "supervisor.log", vllm_env(plugin_token, env))
         self.wait_http(f"{self.url}/health", timeout)

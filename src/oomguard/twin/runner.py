@@ -1,6 +1,8 @@
 """Replay a trace on twin GPUs running the real vLLM server, with or without oomguard.
 
-The fleet: vLLM 0.33 servers (model-free executor with the GPU physics, plugin installed), each
+The fleet: vLLM 0.33 servers (model-free executor with the GPU physics, plugin installed) serving
+the trace's model folder (twin/models/<model>: its config, so vocabulary and sizes match the
+physics, and its offline tokenizer, so prompt_logprobs requests run), each
 under `oomguard serve` (a crash reloads the model after the trace's `reload_s`), behind a gateway
 that balances requests and, like a real one, sends a request to another engine when one answers
 503 (draining) or refuses the connection (restarting). The trace's GPU events hit engine 0's GPU;
@@ -8,6 +10,9 @@ the others are its healthy peers. Configurations:
 
 - `default`: vLLM's flags from the trace, no oomguard (crashes restart with the same flags);
 - `static`: the same with `max_num_seqs` 48, as conservative operators run it;
+- `guard`: vLLM's flags from the trace with the plugin's request guard enforcing (a request
+  whose own transient memory never fits is answered 400, one that fits only later 503), and
+  nothing else of oomguard: no exporter, no remediator (default and static run the guard off);
 - `oomguard`: the exporter reading the twin GPUs, the remediator (standalone mode: pressure
   levels from the exporter) with its shipped policy, safety and alert-timing defaults, each
   clock scaled by the trace's time compression (`remediator_config`), acting through the plugin
@@ -46,6 +51,7 @@ from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
 from oomguard.twin.gpu import TwinGpu, TwinNvml
 from oomguard.twin.processes import (
+    MODELS,
     TINY_MODEL,
     RemediatorProcess,
     SupervisedVllm,
@@ -54,7 +60,7 @@ from oomguard.twin.processes import (
 )
 from oomguard.twin.traces import Request, Trace, requests
 
-CONFIGS = ("default", "static", "oomguard")
+CONFIGS = ("default", "static", "oomguard", "guard")
 STATIC_MAX_NUM_SEQS = 48
 TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
@@ -79,6 +85,7 @@ class Outcome:
     recovery_s: float | None = None  # pressure end -> engine 0 back at full admission
     actions: list[str] = field(default_factory=list)
     lost_why: dict[str, int] = field(default_factory=dict)  # why requests were lost, counted
+    refusals: list[str] = field(default_factory=list)  # each HTTP 400's "param: message"
     wall_s: float = 0.0
 
 
@@ -108,6 +115,7 @@ class _Sent:
     status: str = "pending"  # ok | lost | pending
     why: str = ""  # for a lost request: what the client saw
     engine: int = -1  # the engine it was last sent to
+    detail: str = ""  # a refused request: the error's parameter and message
     user: int | None = None  # the closed-loop user that sent it (None: a trace request)
 
 
@@ -141,7 +149,9 @@ class Gateway:
             "stream_interval": max(1, r.output_tokens // STREAM_CHUNKS),
         }
         if r.prompt_logprobs:
-            body["prompt_logprobs"] = 1
+            # 0: the prompt tokens' own logprobs, the only kind vLLM streams; the memory is the
+            # same as for any k (FP32 log-softmax over the whole vocabulary per prompt token)
+            body["prompt_logprobs"] = 0
         attempt = 0
         # a client waits PATIENCE_S from its arrival, and always makes its first attempt (a busy
         # event loop may start this task late)
@@ -157,6 +167,7 @@ class Gateway:
                         await asyncio.sleep(0.05)
                         continue
                     if resp.status_code != 200:
+                        s.detail = _error_detail(await resp.aread())
                         self._end(s, "lost", f"HTTP {resp.status_code}")
                         return
                     accepted, failed = True, False
@@ -250,6 +261,15 @@ class Gateway:
             await asyncio.gather(*tasks)
 
 
+def _error_detail(body: bytes) -> str:
+    """'param: message' of an OpenAI-style error body (vLLM's 400s), or its first 200 bytes."""
+    try:
+        error = json.loads(body)["error"]
+        return f"{error.get('param')}: {error.get('message')}"
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode(errors="replace")
+
+
 @dataclass
 class EngineView:
     """What the GPU driver last saw of one engine (trace time `t`)."""
@@ -318,6 +338,7 @@ class Fleet:
         self.own_remediator = own_remediator
         self.period = period
         self.c = trace.time_compression
+        self.model = MODELS / trace.model  # served with its tokenizer (see the module docstring)
         self.engines: list[SupervisedVllm] = []
         self.procs: list[Any] = []
         self.exporter: Exporter | None = None
@@ -364,6 +385,10 @@ class Fleet:
         for s in self.states:
             s.write_text(json.dumps({}))
 
+        # the request guard: enforcing in `guard`, vLLM as shipped in default and static, and
+        # oomguard's own default (observe) in `oomguard`
+        guard_mode = {"guard": "enforce", "oomguard": "observe"}.get(self.config, "off")
+
         def launch(i: int) -> SupervisedVllm:
             served = ["--served-model-name", self.served_name] if self.served_name else []
             return SupervisedVllm(
@@ -372,7 +397,11 @@ class Fleet:
                 *served,
                 plugin_token=TOKEN,
                 supervisor_token_file=w / "stoken",
+                model=self.model,
+                tokenizer=True,
                 env={
+                    "HF_HUB_OFFLINE": "1",  # the tokenizer is in the folder: no network wait
+                    "OOMGUARD_GUARD_MODE": guard_mode,
                     "OOMGUARD_TWIN_GPU": trace.gpu,
                     "OOMGUARD_TWIN_MODEL": trace.model,
                     "OOMGUARD_TWIN_STATE_FILE": str(self.states[i]),
@@ -446,7 +475,7 @@ class Fleet:
         self.t0, self.t0_wall = time.monotonic(), time.time()
         trace, c = self.trace, self.c
         gateway = self.gateway = Gateway(
-            [e.url for e in self.engines], c, self.t0, self.served_name or str(TINY_MODEL)
+            [e.url for e in self.engines], c, self.t0, self.served_name or str(self.model)
         )
         reqs = requests(trace)
         self.log(
@@ -589,6 +618,8 @@ class Fleet:
             if x.status != "ok":
                 why = x.why or "unfinished"
                 o.lost_why[why] = o.lost_why.get(why, 0) + 1
+                if x.why == "HTTP 400":
+                    o.refusals.append(x.detail)
         ttfts = [s.first_token_s - s.request.at_s for s in ok if s.first_token_s is not None]
         if ttfts:
             ranked = sorted(ttfts)
