@@ -190,6 +190,7 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
         "inflight_peak": max((v.running + v.waiting for v in history), default=0),
         "engine0_steps": steps,
         "inflight_decode_slowdown": slowdown(fleet, trace),
+        "timeline": timeline(fleet),
     }
     end = trace.pressure_ends_s
     if end is not None:
@@ -198,6 +199,21 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
         after = [v for v in history if back is not None and v.t > back]
         out["retriggered"] = any(v.up and v.mode in ("capped", "draining") for v in after)
         out["recovery_s"] = o.recovery_s
+    return out
+
+
+def timeline(fleet: Fleet, points: int = 120) -> list[list[Any]]:
+    """What each engine held and its mode, about every horizon/`points` trace seconds:
+    [t, [running + waiting per engine], [mode per engine]] (the story of one run)."""
+    history = list(fleet.history)
+    if not history:
+        return []
+    every = max(1.0, max(v[0].t for v in history) / points)
+    out: list[list[Any]] = []
+    for views in history:
+        if not out or views[0].t >= out[-1][0] + every:
+            held = [v.running + v.waiting if v.up else None for v in views]
+            out.append([round(views[0].t, 1), held, [v.mode for v in views]])
     return out
 
 

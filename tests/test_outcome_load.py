@@ -25,6 +25,7 @@ from bench.outcome import (
     inflight_load,
     kept,
     slowdown,
+    timeline,
     trouble_starts_s,
     with_horizon,
 )
@@ -209,3 +210,20 @@ def test_a_traces_configurations_can_be_recorded_in_separate_runs():
     faster = trace.model_copy(update={"time_compression": 40.0})
     assert kept(recorded, faster, ["oomguard"], 64) == ({}, {})
     assert kept(recorded, trace, None, 64) == ({}, {})
+
+
+def test_the_timeline_samples_what_each_engine_held():
+    from oomguard.twin.runner import EngineView
+
+    history = [
+        [
+            EngineView(t=t, up=True, mode="serving", running=int(t), waiting=1),
+            EngineView(t=t, up=t < 50, mode="serving" if t < 50 else "down", running=3),
+        ]
+        for t in (x * 0.5 for x in range(200))  # every 0.5 s to 99.5 s
+    ]
+    points = timeline(SimpleNamespace(history=history), points=10)
+    assert [p[0] for p in points] == [float(t) for t in range(0, 100, 10)]
+    assert points[2] == [20.0, [21, 3], ["serving", "serving"]]
+    assert points[6] == [60.0, [61, None], ["serving", "down"]]  # a down engine holds nothing
+    assert timeline(SimpleNamespace(history=[])) == []
