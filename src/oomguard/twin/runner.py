@@ -60,7 +60,8 @@ from oomguard.twin.processes import (
 )
 from oomguard.twin.traces import Request, Trace, requests
 
-CONFIGS = ("default", "static", "oomguard", "guard")
+CONFIGS = ("default", "static", "oomguard")  # the outcome benchmark's three
+GUARD = "guard"  # the request guard alone (bench/guard.py)
 STATIC_MAX_NUM_SEQS = 48
 TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
@@ -330,7 +331,7 @@ class Fleet:
         `recovery_watch_s`: trace seconds to keep watching for engine 0's recovery after the
         trace (a crashed engine reloads for the trace's `reload_s`); `start_timeout`: wall
         seconds each vLLM may take to load; `load`: closed-loop users on top of the trace."""
-        assert config in CONFIGS, config
+        assert config in (*CONFIGS, GUARD), config
         self.trace, self.config, self.log = trace, config, log
         self.work = workdir or Path(tempfile.mkdtemp(prefix=f"oomguard-{trace.name}-{config}-"))
         self.work.mkdir(parents=True, exist_ok=True)
@@ -387,7 +388,7 @@ class Fleet:
 
         # the request guard: enforcing in `guard`, vLLM as shipped in default and static, and
         # oomguard's own default (observe) in `oomguard`
-        guard_mode = {"guard": "enforce", "oomguard": "observe"}.get(self.config, "off")
+        guard_mode = {GUARD: "enforce", "oomguard": "observe"}.get(self.config, "off")
 
         def launch(i: int) -> SupervisedVllm:
             served = ["--served-model-name", self.served_name] if self.served_name else []
