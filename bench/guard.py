@@ -6,25 +6,41 @@ headroom of `engines` engines, and the Prometheus counter. Requests are a mix: p
 prompts (the common case, no extra transient), prompt_logprobs prompts up to 16K tokens, and n/top
 logprobs requests. Pure CPU in one process: what each request pays, whatever the GPU.
 
+With `--trace NAME --config default|guard` it runs one twin trace instead (twin/runner.py: two
+real vLLM engines on twin GPUs serving the trace's model with its tokenizer) with vLLM's defaults
+(`default`, the guard off) or with the guard enforcing and nothing else of oomguard (`guard`: no
+exporter, no remediator), and merges the outcome into the same file under `traces`. Per trace,
+once both have run: CUDA OOMs of each, the guard's never-fit answers (HTTP 400 naming the
+parameter and the limit), the requests it lost otherwise, and its goodput against the defaults'
+(do no harm: >= 99 %). One trace and configuration per call keeps each run under ten minutes.
+
 Usage: python bench/guard.py [--quick]   (writes bench/results/guard.json)
+       python bench/guard.py --trace prompt-logprobs --config default
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from oomguard.vllm_plugin.admission import Guard  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "guard.json"
+TRACE_CONFIGS = ("default", "guard")
+NEVER_FIT = "this engine has at most"  # in every 400 the guard answers (vllm_plugin/guard.py)
 
 
 def requests(count: int, seed: int = 7) -> list[SimpleNamespace]:
@@ -106,16 +122,79 @@ def machine_speed() -> float:
     return (time.perf_counter_ns() - start) / 1_000_000
 
 
+def run_trace(name: str, config: str) -> dict[str, Any]:
+    """One trace with one configuration on the twin fleet: the outcome, as recorded."""
+    from oomguard.twin.runner import Fleet
+    from oomguard.twin.traces import Trace
+
+    trace = Trace.load(name)
+    fleet = Fleet(trace, config, start_timeout=600)
+    try:
+        fleet.start()
+        fleet.replay()
+        outcome = asdict(fleet.outcome())
+    finally:
+        fleet.stop()
+    never_fit = [r for r in outcome["refusals"] if NEVER_FIT in r]
+    return {
+        **outcome,
+        "never_fit_400": len(never_fit),
+        "lost_otherwise": outcome["lost"] - len(never_fit),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": round(os.getloadavg()[0], 1),
+    }
+
+
+def summary(outcomes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Defaults against the guard on one trace: the issue's proof, as booleans with figures."""
+    d, g = outcomes["default"], outcomes["guard"]
+    ratio = (
+        g["goodput_tokens_per_s"] / d["goodput_tokens_per_s"] if d["goodput_tokens_per_s"] else None
+    )
+    return {
+        "default_crashes": d["crashes"],
+        "guard_crashes": g["crashes"],
+        "guard_never_fit_400": g["never_fit_400"],
+        "guard_lost_otherwise": g["lost_otherwise"],
+        "guard_goodput_vs_default": round(ratio, 4) if ratio is not None else None,
+        "defaults_crash": d["crashes"] > 0,
+        "guard_zero_crashes_zero_lost": g["crashes"] == 0 and g["lost_otherwise"] == 0,
+        "do_no_harm_99": ratio is not None and ratio >= 0.99,
+    }
+
+
+def record_trace(name: str, config: str) -> dict[str, Any]:
+    outcome = run_trace(name, config)  # minutes: read the file after it
+    data: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    traces = data.setdefault("traces", {})
+    entry = traces.setdefault(name, {"outcomes": {}})
+    entry["outcomes"][config] = outcome
+    if set(TRACE_CONFIGS) <= set(entry["outcomes"]):
+        entry["summary"] = summary(entry["outcomes"])
+    RESULTS.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"recorded {RESULTS}")
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--trace", help="run this twin trace instead of the cost benchmark")
+    parser.add_argument("--config", choices=TRACE_CONFIGS, default="guard")
     args = parser.parse_args()
+    if args.trace:
+        entry = record_trace(args.trace, args.config)
+        print(json.dumps({k: v for k, v in entry["outcomes"][args.config].items()}, indent=1))
+        if "summary" in entry:
+            print(json.dumps(entry["summary"], indent=1))
+        return
     reqs = requests(500 if args.quick else 5000)
     rounds = 5 if args.quick else 20
     speed = machine_speed()
     results = [measure(engines, reqs, rounds) for engines in (1, 2, 8)]
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     record.write(
-        ROOT / "bench" / "results" / "guard.json",
+        RESULTS,
         "guard",
         args.quick,
         target_us=50,
@@ -124,7 +203,9 @@ def main() -> None:
         load_average=round(os.getloadavg()[0], 1),
         note="Guard.check per request in the API server (observe mode, with its counter); "
         "logging of non-admit decisions is off at the default WARNING level of this script. "
-        "plain: no logprobs (the hook's shortcut); logprobs: the full estimate and decision.",
+        "plain: no logprobs (the hook's shortcut); logprobs: requests with prompt_logprobs, "
+        "logprobs or n (cached constants; defers go through the full decision).",
+        **({"traces": previous["traces"]} if "traces" in previous else {}),
     )
     for r in results:
         print(r)
