@@ -49,7 +49,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from oomguard.twin.physics import Physics, Step  # noqa: E402
-from oomguard.twin.runner import CONFIGS, ClosedLoop, Fleet, Outcome  # noqa: E402
+from oomguard.twin.runner import (  # noqa: E402
+    CONFIGS,
+    ClosedLoop,
+    EngineView,
+    Fleet,
+    Outcome,
+    _Sent,
+)
 from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
@@ -179,13 +186,16 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
     at = fleet.crash_times[0] if fleet.crash_times else first_action
     if at is None:  # neither a crash nor an action: the trouble itself
         at = incident_s(trace) if incident_s(trace) is not None else pressure_phase_s(trace)
-    held = [v.running + v.waiting for v in history if at is not None and v.t <= at and v.up]
-    before = [views for views in list(fleet.history) if at is not None and views[0].t <= at]
+    views = list(fleet.history)
     out: dict[str, Any] = {
         "incident_s": round(at, 1) if at is not None else None,
-        "inflight_at_incident": held[-1] if held else None,
-        "inflight_at_incident_per_engine": [v.running + v.waiting for v in before[-1]]
-        if before
+        # what the clients had in each engine just before (a crash loses those), and what
+        # each engine last reported holding (its state read may lag on a loaded machine)
+        "inflight_at_incident_per_engine": gateway_held(fleet.sent, at - BEFORE_S, fleet.n)
+        if at is not None
+        else None,
+        "inflight_at_incident_reported": [reported_held(views, at, i) for i in range(fleet.n)]
+        if at is not None
         else None,
         "inflight_peak": max((v.running + v.waiting for v in history), default=0),
         "engine0_steps": steps,
@@ -202,9 +212,29 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
     return out
 
 
+BEFORE_S = 5.0  # trace seconds before the incident at which the clients' requests are counted
+
+
+def gateway_held(sent: list[_Sent], at: float, engines: int) -> list[int]:
+    """Requests the clients had in each engine at `at` (trace seconds): arrived by then, not
+    ended by then, counted at the engine they were last sent to."""
+    held = [0] * engines
+    for s in sent:
+        if s.request.at_s <= at and (s.done_s is None or s.done_s > at) and s.engine >= 0:
+            held[s.engine % engines] += 1
+    return held
+
+
+def reported_held(history: list[list[EngineView]], at: float, i: int) -> int | None:
+    """What engine `i` last reported holding (running + waiting) at or before `at`, while up."""
+    seen = [views[i] for views in history if views[i].t <= at and views[i].up]
+    return seen[-1].running + seen[-1].waiting if seen else None
+
+
 def timeline(fleet: Fleet, points: int = 120) -> list[list[Any]]:
     """What each engine held and its mode, about every horizon/`points` trace seconds:
-    [t, [running + waiting per engine], [mode per engine]] (the story of one run)."""
+    [t, [running + waiting per engine, as it reported], [the clients' requests in each
+    engine], [mode per engine]] (the story of one run)."""
     history = list(fleet.history)
     if not history:
         return []
@@ -213,7 +243,8 @@ def timeline(fleet: Fleet, points: int = 120) -> list[list[Any]]:
     for views in history:
         if not out or views[0].t >= out[-1][0] + every:
             held = [v.running + v.waiting if v.up else None for v in views]
-            out.append([round(views[0].t, 1), held, [v.mode for v in views]])
+            clients = gateway_held(fleet.sent, views[0].t, len(views))
+            out.append([round(views[0].t, 1), held, clients, [v.mode for v in views]])
     return out
 
 
@@ -238,12 +269,31 @@ def slowdown(fleet: Fleet, trace: Trace) -> float | None:
     return round(ratios[len(ratios) // 2], 2) if ratios else None
 
 
+def oom_times(fleet: Fleet) -> list[float]:
+    """Trace seconds of every CUDA OOM in the fleet, from the records the plugin's OOM observer
+    writes as the step fails. The supervisor classifies an exit by its log tail, and under 64
+    streams the API server's tracebacks of the failed requests push the OOM line out of it: the
+    exit is recorded as a plain `exited` (and the flags are not lowered)."""
+    times = []
+    for path in sorted((fleet.work / "allocator" / "incidents").glob("oom-*.json")):
+        try:
+            record = json.loads(path.read_text())
+            if record.get("target") in fleet.names:
+                times.append(fleet.trace_time(float(record["timestamp"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(times)
+
+
 def run(trace: Trace, config: str, load: ClosedLoop | None) -> tuple[Outcome, dict[str, Any]]:
     # oomguard: the fleet's remediator, shipped defaults + restarts
     fleet = Fleet(trace, config, load=load)
     try:
         fleet.start()
         fleet.replay()
+        ooms = oom_times(fleet)
+        if len(ooms) > len(fleet.crash_times):
+            fleet.crash_times = ooms  # CUDA OOMs the supervisor took for a plain exit
         o = fleet.outcome()
         return o, engine0(fleet, trace, o)
     finally:

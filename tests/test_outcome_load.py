@@ -22,8 +22,10 @@ from starlette.routing import Route
 from bench.outcome import (
     INCIDENT_LEAD_S,
     decode_seconds,
+    gateway_held,
     inflight_load,
     kept,
+    oom_times,
     slowdown,
     timeline,
     trouble_starts_s,
@@ -222,8 +224,46 @@ def test_the_timeline_samples_what_each_engine_held():
         ]
         for t in (x * 0.5 for x in range(200))  # every 0.5 s to 99.5 s
     ]
-    points = timeline(SimpleNamespace(history=history), points=10)
+    sent = [held_request(5, None, 0), held_request(15, 25, 1)]
+    points = timeline(SimpleNamespace(history=history, sent=sent), points=10)
     assert [p[0] for p in points] == [float(t) for t in range(0, 100, 10)]
-    assert points[2] == [20.0, [21, 3], ["serving", "serving"]]
-    assert points[6] == [60.0, [61, None], ["serving", "down"]]  # a down engine holds nothing
-    assert timeline(SimpleNamespace(history=[])) == []
+    assert points[2] == [20.0, [21, 3], [1, 1], ["serving", "serving"]]
+    # a down engine reports nothing
+    assert points[6] == [60.0, [61, None], [1, 0], ["serving", "down"]]
+    assert timeline(SimpleNamespace(history=[], sent=sent)) == []
+
+
+def held_request(at: float, done: float | None, engine: int, user: int | None = 0) -> _Sent:
+    s = _Sent(Request(at, 300, 1600, False), user=user, engine=engine)
+    s.done_s = done
+    return s
+
+
+def test_the_clients_requests_in_each_engine_at_the_incident():
+    sent = [
+        held_request(10, None, 0),  # still in engine 0
+        held_request(10, 99, 0),  # ended after the incident: it was there
+        held_request(10, 50, 0),  # ended before
+        held_request(60, None, 0),  # arrived after
+        held_request(20, None, 1),
+        held_request(20, None, 3),  # engine 3 of 2: counted modulo (round-robin index)
+        held_request(20, None, -1),  # never sent anywhere
+    ]
+    assert gateway_held(sent, 55.0, 2) == [2, 2]
+
+
+def test_crashes_are_counted_from_the_oom_records(tmp_path):
+    # the supervisor took a CUDA OOM under 64 streams for a plain exit (its log tail held only
+    # the failed requests' tracebacks); the plugin's OOM record is the ground truth
+    incidents = tmp_path / "allocator" / "incidents"
+    incidents.mkdir(parents=True)
+    for n, (target, wall) in enumerate([("engine-0", 1030.0), ("engine-0", 1010.0), ("x", 1.0)]):
+        (incidents / f"oom-{n}-1.json").write_text(
+            json.dumps({"target": target, "timestamp": wall})
+        )
+    (incidents / "oom-9-1.json").write_text("{not json")
+    (incidents / "exit-1-1.json").write_text(json.dumps({"target": "engine-0", "timestamp": 5}))
+    fleet = SimpleNamespace(
+        work=tmp_path, names=["engine-0", "engine-1"], trace_time=lambda w: (w - 1000.0) * 20
+    )
+    assert oom_times(fleet) == [200.0, 600.0]
