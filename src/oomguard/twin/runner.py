@@ -67,7 +67,8 @@ TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
 RECOVERY_WATCH_S = 600.0  # trace seconds to keep watching for recovery after the trace
 PATIENCE_S = 300.0  # trace seconds a client keeps retrying a request before giving up
-STREAM_CHUNKS = 32  # chunks per streamed response at most, besides the first token
+STREAM_CHUNKS = 8  # chunks per streamed response at most, besides the first token (each one
+# costs the API server and the gateway CPU that a 2-core machine needs for 128+ streams)
 MAX_STREAMS = 512  # requests the gateway has open at once (the rest wait their turn)
 
 
