@@ -363,6 +363,8 @@ def main() -> int:
     traces: dict[str, Any] = recorded.get("traces", {})
     failed: dict[str, str] = recorded.get("not_run", {})
     conditions = args.conditions or recorded.get("conditions")
+    # what else the file holds (earlier runs, notes) stays as it was
+    kept_keys = {k: v for k, v in recorded.items() if k not in OWN_KEYS}
     for name in chosen:
         trace = Trace.load(name)
         if args.quick:
@@ -413,11 +415,13 @@ def main() -> int:
                 horizon=HORIZON,
                 traces=traces,
                 not_run=failed,
+                **kept_keys,
             )
         print(f"  targets: {json.dumps(traces[name]['targets'])}", flush=True)
     return 0
 
 
+OWN_KEYS = ("benchmark", "quick", "when", "machine", "conditions", "horizon", "traces", "not_run")
 HORIZON = (
     "each trace extended to the end of its trouble + reload_s (720 s) + 120 s, the same for all "
     "configurations; goodput = good output tokens / horizon"
