@@ -173,7 +173,7 @@ def _add_budget(sub: Any) -> None:
         help="size weights, KV cache and max_num_seqs for a model on a GPU",
         description="From a Hugging Face config.json, the GPU's memory and vLLM's flags: "
         "weights, KV bytes per token, KV pool, concurrency at a context length, and a "
-        "recommended max_num_seqs at 70-80 %% of what memory allows, with warnings.",
+        "recommended max_num_seqs at 70-80 % of what memory allows, with warnings.",
     )
     p.add_argument(
         "model_config", metavar="CONFIG_JSON", help="path to the model's config.json, or its folder"
