@@ -368,7 +368,12 @@ def _add_preflight(sub: Any) -> None:
     p.add_argument("url", metavar="URL", help="the vLLM API server, e.g. http://127.0.0.1:8000")
     gpu = p.add_mutually_exclusive_group(required=True)
     gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_MIB), help="a known GPU's memory")
-    gpu.add_argument("--gpu-memory", metavar="SIZE", help="one GPU's memory, e.g. 80GiB")
+    gpu.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="one GPU's NVML total (nvidia-smi -q), e.g. 81559MiB; unlike budget's, before "
+        "--driver-reserved is taken off",
+    )
     p.add_argument(
         "--driver-reserved",
         metavar="SIZE",
