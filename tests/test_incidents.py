@@ -818,3 +818,17 @@ def test_the_exporter_process_serves_incidents_by_type_and_xid_counts(tmp_path, 
     assert (xid.labels["xid"], xid.value) == ("79", 1.0)
     up = {s.labels["collector"]: s.value for s in got["oomguard_exporter_collector_up"]}
     assert up["incidents"] == 1
+
+
+def test_a_dcgm_file_without_the_xid_count_says_xids_were_not_checked(tmp_path):
+    """dcgm-exporter's shipped counters CSV leaves DCGM_EXP_XID_ERRORS_COUNT commented out, so a
+    plain scrape (this one is real, a T4) holds only the last-XID gauge: --dcgm-file then cannot
+    count XIDs, and the on-call must be told rather than left to read 'no type 6' as checked."""
+    plain = Path(__file__).parent / "fixtures" / "dcgm" / "t4-whole-gpu-pod.real.prom"
+    r = cli(str(tmp_path), "--dcgm-file", str(plain), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["incidents"] == []
+    [line] = r.stderr.strip().splitlines()
+    assert "DCGM_EXP_XID_ERRORS_COUNT" in line and "not checked" in line
+    r = cli(str(tmp_path), "--dcgm-file", str(DCGM_MIG), "--json")  # holds the XID counts
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -489,14 +489,22 @@ def _run_incidents(args: argparse.Namespace) -> int:
     xids = []
     if args.dcgm_file:
         from oomguard.errors import CollectorError
-        from oomguard.exporter.collectors.dcgm import _read_file, xids_from_text
+        from oomguard.exporter.collectors.dcgm import XID_COUNT, _read_file, xids_from_text
         from oomguard.exporter.scrape import DEFAULT_MAX_BYTES
+        from oomguard.exporter.textparse import parse
 
         try:
             text = _read_file(args.dcgm_file, DEFAULT_MAX_BYTES)
             xids = xids_from_text(text, os.stat(args.dcgm_file).st_mtime)
+            counted = bool(parse(text, (XID_COUNT,)).get(XID_COUNT))
         except (CollectorError, OSError) as exc:
             raise ConfigError(f"--dcgm-file {args.dcgm_file}: {exc}") from None
+        if not counted:  # dcgm-exporter's shipped counters CSV leaves the XID count out
+            print(
+                f"oomguard incidents: note: {args.dcgm_file} has no {XID_COUNT} series (add it "
+                "to dcgm-exporter's counters CSV): XIDs not checked",
+                file=sys.stderr,
+            )
     from oomguard.vllm_plugin.oom import directories
 
     try:
