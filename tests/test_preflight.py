@@ -303,6 +303,28 @@ def test_implausible_server_answers_stop_before_any_load(
     assert "/v1/completions" not in sent
 
 
+def test_a_vllm_without_the_plugin_is_named_as_such(tmp_path: Path) -> None:
+    """vLLM started without VLLM_PLUGINS=oomguard answers 404 on the plugin's routes: the one
+    line says what to do, not only the status."""
+    import asyncio
+
+    from oomguard.preflight import Preflight, Server
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    settings = Settings("http://127.0.0.1:9", 80 * GIB, GIB, str(tmp_path))
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await Preflight(settings)._run(Server(settings, client))
+
+    with pytest.raises(PreflightError, match=r"answered 404.*VLLM_PLUGINS=oomguard"):
+        asyncio.run(go())
+
+
 def test_a_valid_plugin_state_is_read_as_the_typed_engine_state(tmp_path: Path) -> None:
     """The control for the cases above: the plugin's real document passes, so the run goes on
     to its first (16-token) completion, which this stand-in server refuses."""

@@ -140,6 +140,11 @@ class Server:
             r = await self.client.get(self.s.url + path, timeout=15)
         except httpx.HTTPError as exc:
             raise PreflightError(f"cannot reach {self.s.url}{path}: {exc}") from exc
+        if r.status_code == 404 and path.startswith(API_PREFIX):
+            raise PreflightError(
+                f"{self.s.url}{path} answered 404: the oomguard plugin is not loaded (start vLLM "
+                "with VLLM_PLUGINS=oomguard)"
+            )
         if r.status_code != 200:
             raise PreflightError(f"{self.s.url}{path} answered {r.status_code}")
         try:
