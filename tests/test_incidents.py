@@ -832,3 +832,14 @@ def test_a_dcgm_file_without_the_xid_count_says_xids_were_not_checked(tmp_path):
     assert "DCGM_EXP_XID_ERRORS_COUNT" in line and "not checked" in line
     r = cli(str(tmp_path), "--dcgm-file", str(DCGM_MIG), "--json")  # holds the XID counts
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_a_missing_default_directory_says_where_else_to_look(tmp_path):
+    """The directory appears with the first OOM record: an on-call who runs the runbook's bare
+    `oomguard incidents` on the wrong node (or with another layout) learns how to point it."""
+    env = {"OOMGUARD_INCIDENT_DIR": "", "OOMGUARD_ALLOCATOR_DIR": str(tmp_path / "nowhere")}
+    r = cli("--since", "1h", env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    [line] = r.stderr.strip().splitlines()
+    assert str(tmp_path / "nowhere" / "incidents") in line
+    assert "OOMGUARD_INCIDENT_DIR" in line and "first OOM record" in line

@@ -510,7 +510,12 @@ def _run_incidents(args: argparse.Namespace) -> int:
     try:
         loaded = load(args.directory or directories()[1], missing_ok=False)
     except IncidentDirError as exc:
-        raise ConfigError(str(exc)) from None
+        if args.directory or exc.reason != "not_found":
+            raise ConfigError(str(exc)) from None
+        raise ConfigError(
+            f"{exc} (the default; it appears with the first OOM record: pass DIR or set "
+            "OOMGUARD_INCIDENT_DIR where the engines write theirs)"
+        ) from None
     found = incidents(loaded, xids)
     if since is not None:
         found = [i for i in found if i.timestamp >= since]
