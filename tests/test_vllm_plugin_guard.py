@@ -287,3 +287,43 @@ def test_a_bad_guard_setting_names_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         Guard.from_env()
+
+
+def test_a_streamed_request_is_decided_when_generate_is_called():
+    """vLLM's routes call `AsyncLLM.generate` before they return a stream, but its body (and
+    `assign_request_id`) runs only when the stream is read, after HTTP 200: the guard decides at
+    the call, so a refusal is a 400 / 503, and does not decide the same request twice."""
+    pytest.importorskip("vllm")
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from oomguard.vllm_plugin import admission
+
+    guard = admission.Guard("enforce")
+    guard.update(reports(2, 3))
+    assert admission.install(guard)
+    params = engine_request(8192, prompt_logprobs=0).sampling_params
+    rendered = {"type": "token", "prompt_token_ids": list(range(8192))}
+    with pytest.raises(VLLMValidationError) as exc:
+        AsyncLLM.generate(object(), rendered, params, "cmpl-early-0")  # not iterated
+    assert exc.value.parameter == "prompt_logprobs"
+
+    small = engine_request(1000, prompt_logprobs=0)
+    stream = AsyncLLM.generate(
+        object(), {"type": "token", "prompt_token_ids": list(range(1000))},
+        small.sampling_params, "cmpl-early-1",
+    )  # fmt: skip
+    assert hasattr(stream, "__anext__")  # vLLM's own generator, not started
+    decided = guard.last
+    assert decided is not None and decided.action == "admit"
+    small.request_id, small.external_req_id = "cmpl-early-1", None
+    guard.last = None
+    InputProcessor.assign_request_id(small)
+    assert guard.last is None  # decided once, at the call
+    assert small.external_req_id == "cmpl-early-1"
+    # a request generate did not see rendered (a text prompt) is decided at assign_request_id
+    other = engine_request(1000, prompt_logprobs=0)
+    other.request_id, other.external_req_id = "cmpl-late-0", None
+    InputProcessor.assign_request_id(other)
+    assert guard.last is not None and guard.last.action == "admit"

@@ -5,6 +5,13 @@ tokenization and parameter processing, before it is sent to an engine: completio
 responses, `/invocations` and any other route alike. The guard wraps that function, so it sees
 the exact prompt length and the final `n`, `logprobs`, `prompt_logprobs` and `max_tokens`.
 
+A streamed response has already begun (HTTP 200) by then: vLLM's routes call
+`AsyncLLM.generate` before they return the stream, but its body (and so `assign_request_id`)
+runs only when the stream is read, and an error there reaches the client as an SSE error event,
+not as 400 / 503. So the guard also wraps `generate` itself and decides at the call, from the
+rendered prompt's token ids, whenever the route passes them (completions and chat do); such a
+request is not decided again at `assign_request_id`.
+
 Headroom comes from the engines (`oomguard_headroom`, every `refresh` seconds, in the background);
 a decision reads only the cached figures (bench/guard_cost.py measures it). Stale or missing
 figures mean blind: the guard admits (blind is not a reason to refuse traffic).
@@ -21,6 +28,7 @@ Decisions are exported on vLLM's /metrics as
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -243,6 +251,10 @@ def raise_for(decision: Decision) -> None:
 
 
 _guard: Guard | None = None
+# request ids decided when `generate` was called (their `assign_request_id` skips the guard);
+# bounded: a stream never read leaves its id behind
+_decided_early: collections.OrderedDict[str, None] = collections.OrderedDict()
+_EARLY_KEPT = 4096
 
 
 def install(guard: Guard) -> bool:
@@ -262,14 +274,64 @@ def install(guard: Guard) -> bool:
         return True  # already hooked in this process; the hook reads the current guard
 
     def assign_request_id(request: Any) -> None:
-        if _guard is not None:
+        rid = getattr(request, "request_id", None)
+        decided = isinstance(rid, str) and _decided_early.pop(rid, False) is None
+        if _guard is not None and not decided:
             with _not_a_guard_failure():
                 _guard.check(request)
         return assign(request)
 
     assign_request_id._oomguard_wrapper = True  # type: ignore[attr-defined]
     InputProcessor.assign_request_id = staticmethod(assign_request_id)  # type: ignore[method-assign]
+    _install_early()
     return True
+
+
+class _Rendered:
+    """What `Guard.check` reads of a request, from `generate`'s arguments."""
+
+    __slots__ = ("prompt_token_ids", "request_id", "sampling_params")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        self.request_id, self.prompt_token_ids, self.sampling_params = (
+            request_id,
+            prompt_token_ids,
+            params,
+        )
+
+
+def _token_ids(prompt: Any) -> list[int] | None:
+    """The prompt's token ids when `generate` was given them (a rendered prompt or a request)."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+    if ids is None and not isinstance(prompt, (dict, str)):
+        ids = getattr(prompt, "prompt_token_ids", None)
+    return ids if isinstance(ids, list) else None
+
+
+def _install_early() -> None:
+    """Wrap `AsyncLLM.generate` once: decide before a streamed response begins (see above)."""
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:
+        return
+    generate = AsyncLLM.__dict__.get("generate")
+    if generate is None or getattr(generate, "_oomguard_wrapper", False):
+        return
+
+    def early(
+        self: Any, prompt: Any, sampling_params: Any, request_id: str, *a: Any, **k: Any
+    ) -> Any:
+        ids = _token_ids(prompt)
+        if _guard is not None and ids is not None and isinstance(request_id, str):
+            with _not_a_guard_failure():
+                if _guard.check(_Rendered(request_id, ids, sampling_params)) is not None:
+                    _decided_early[request_id] = None
+                    if len(_decided_early) > _EARLY_KEPT:
+                        _decided_early.popitem(last=False)
+        return generate(self, prompt, sampling_params, request_id, *a, **k)
+
+    early._oomguard_wrapper = True  # type: ignore[attr-defined]
+    AsyncLLM.generate = early  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
