@@ -24,6 +24,22 @@ as a real one does. Also:
   incident_dir   OOMGUARD_INCIDENT_DIR        OOM incident records (<allocator_dir>/incidents)
   target         OOMGUARD_TARGET              target name in those reports
 
+Fault knobs, for inducing each type of incident on purpose (tests/test_incidents_induced.py);
+every one is off by default:
+  clock_rate                    OOMGUARD_TWIN_CLOCK_RATE       simulated seconds per wall second
+                                once the engine serves (its first step): the worker's clock (OOM
+                                record time, uptime, allocator history) and the growth below run
+                                that fast, so hours pass in seconds (default 1: wall time)
+  leak_bytes_per_hour           OOMGUARD_TWIN_LEAK_BYTES_PER_HOUR  allocated memory retained per
+                                simulated hour of serving, a leak (default 0)
+  fragmentation_bytes_per_hour  OOMGUARD_TWIN_FRAGMENTATION_BYTES_PER_HOUR  reserved-but-unusable
+                                memory added per simulated hour, on top of the state file's
+                                (default 0)
+  cuda_error_at_step            OOMGUARD_TWIN_CUDA_ERROR_AT_STEP  that step raises a CUDA error
+                                that is not out-of-memory ("an illegal memory access was
+                                encountered", as PyTorch raises it), killing the engine (default 0:
+                                never)
+
 A simulated CUDA OOM goes through the plugin's out-of-memory observer
 (`oomguard.vllm_plugin.oom.OomRecorder.observe`), as a real one does from PyTorch's allocator:
 the hand-off file shows the OOM and an incident record names the step's batch before the
@@ -35,6 +51,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -63,6 +80,32 @@ def _text(config: dict[str, Any], key: str, env: str, default: str = "") -> str:
     return str(config.get(key) or os.environ.get(env, default))
 
 
+def _knob(
+    config: dict[str, Any], key: str, env: str, default: float, low: float, whole: bool = False
+) -> float:
+    """A fault knob: a finite number >= `low` (`whole`: an integer), or a ValueError that names
+    it (the engine refuses to start rather than run with a knob it misread)."""
+    raw = config.get(key, os.environ.get(env))
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    bad = not math.isfinite(value) or value < low or (whole and value != int(value))
+    if isinstance(raw, bool) or bad:
+        what = "an integer" if whole else "a number"
+        raise ValueError(f"twin setting {key} ({env}): expected {what} >= {low:g}, got {raw!r}")
+    return value
+
+
+ILLEGAL_ADDRESS = (
+    "CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1"
+)
+
+
 class GpuTwin:
     """The physics of one simulated GPU inside the worker: step time, memory, OOM, stats."""
 
@@ -81,6 +124,25 @@ class GpuTwin:
         self.state_file = _text(twin, "state_file", "OOMGUARD_TWIN_STATE_FILE")
         self.allocator_dir = _text(twin, "allocator_dir", ALLOCATOR_DIR_ENV)
         self.target = _text(twin, "target", TARGET_ENV)
+        # fault knobs (module docstring), all off by default
+        self.clock_rate = _knob(twin, "clock_rate", "OOMGUARD_TWIN_CLOCK_RATE", 1.0, 1.0)
+        self.leak_per_hour = int(
+            _knob(twin, "leak_bytes_per_hour", "OOMGUARD_TWIN_LEAK_BYTES_PER_HOUR", 0, 0)
+        )
+        self.fragmentation_per_hour = int(
+            _knob(
+                twin,
+                "fragmentation_bytes_per_hour",
+                "OOMGUARD_TWIN_FRAGMENTATION_BYTES_PER_HOUR",
+                0,
+                0,
+            )
+        )
+        self.cuda_error_at_step = int(
+            _knob(twin, "cuda_error_at_step", "OOMGUARD_TWIN_CUDA_ERROR_AT_STEP", 0, 0, whole=True)
+        )
+        self.steps = 0
+        self._serving_since: float | None = None  # monotonic time of the first step
         from oomguard.vllm_plugin.oom import OomRecorder, note_flags
 
         note_flags(vllm_config)
@@ -94,6 +156,8 @@ class GpuTwin:
             stats=self.memory_stats,
             identity=dict,
             extra=self.memory_details,
+            clock=self.clock,
+            monotonic=self.monotonic,
         )
         self.last_peak = 0
         self.neighbour = 0
@@ -115,18 +179,47 @@ class GpuTwin:
         except (OSError, ValueError, TypeError):
             pass  # the driver rewrites it atomically; a missing file means no neighbour
 
+    # -- the twin's clock: wall time until the first step, then `clock_rate` times faster -------
+    def _aged(self) -> float:
+        """Wall seconds the clock has gained on wall time (0 with the default rate)."""
+        if self._serving_since is None or self.clock_rate == 1.0:
+            return 0.0
+        return (time.monotonic() - self._serving_since) * (self.clock_rate - 1.0)
+
+    def clock(self) -> float:
+        return time.time() + self._aged()
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self._aged()
+
+    def _served_hours(self) -> float:
+        if self._serving_since is None:
+            return 0.0
+        return (time.monotonic() - self._serving_since) * self.clock_rate / 3600.0
+
+    @property
+    def leaked(self) -> int:
+        """Allocated memory retained so far by the leak knob."""
+        return int(self.leak_per_hour * self._served_hours())
+
+    @property
+    def fragmented(self) -> int:
+        """Reserved-but-unusable memory: the state file's plus what the knob grew."""
+        return self.fragmentation + int(self.fragmentation_per_hour * self._served_hours())
+
     def memory_stats(self) -> dict[str, int]:
         """What `torch.cuda.memory_stats()` would say on this GPU (the keys the hand-off reads)."""
         p = self.physics
-        allocated = p.weights + p.kv_pool + p.graph_pool_bytes
-        reserved = allocated + p.activation(p.max_num_batched_tokens) + self.fragmentation
+        fragmented = self.fragmented
+        allocated = p.weights + p.kv_pool + p.graph_pool_bytes + self.leaked
+        reserved = allocated + p.activation(p.max_num_batched_tokens) + fragmented
         peak = max(0, self.peak_seen - p.driver_reserved)
         return {
             "allocated_bytes.all.current": allocated,
             "reserved_bytes.all.current": reserved,
             "allocated_bytes.all.peak": max(allocated, peak),
             "reserved_bytes.all.peak": max(reserved, peak),
-            "inactive_split_bytes.all.current": self.fragmentation,
+            "inactive_split_bytes.all.current": fragmented,
             "num_alloc_retries": 0,
             "num_ooms": self.ooms,
         }
@@ -138,7 +231,8 @@ class GpuTwin:
             "step_peak_bytes": self.last_peak,
             "device_total_bytes": self.physics.total,
             "neighbour_bytes": self.neighbour,
-            "fragmentation_bytes": self.fragmentation,
+            "fragmentation_bytes": self.fragmented,
+            "leaked_bytes": self.leaked,
         }
 
     def publish(self, force: bool = False) -> None:
@@ -171,7 +265,7 @@ class GpuTwin:
         self._read_state()
         p = self.physics
         idle = p.total - p.driver_reserved - p.resident - p.activation(p.max_num_batched_tokens)
-        return {"now": idle - self.neighbour - self.fragmentation, "idle": idle}
+        return {"now": idle - self.neighbour - self.fragmented - self.leaked, "idle": idle}
 
     def check_startup(self) -> None:
         """vLLM refuses to start when the device's free memory is below what it was told to take
@@ -192,8 +286,15 @@ class GpuTwin:
     def step(self, step: Any) -> float:
         """Check the step's memory (raise a CUDA OOM if it does not fit); return its seconds."""
         self._read_state()
+        self.steps += 1
+        if self._serving_since is None:
+            self._serving_since = time.monotonic()
+        if self.steps == self.cuda_error_at_step:
+            # a fault of the GPU or a kernel, not of memory: PyTorch raises it as this
+            raise torch.AcceleratorError(ILLEGAL_ADDRESS)
         p = self.physics
-        peak = p.peak(step, self.fragmentation, self.neighbour)
+        fragmented, leaked = self.fragmented, self.leaked
+        peak = p.peak(step, fragmented, self.neighbour) + leaked
         self.last_peak = peak
         self.peak_seen = max(self.peak_seen, peak - self.neighbour)
         if peak > p.total:
@@ -209,7 +310,7 @@ class GpuTwin:
                 f"capacity of {p.total / 2**30:.2f} GiB (twin {p.gpu}; step of {step.tokens} "
                 f"tokens, {step.logits} prompt-logprob tokens, neighbour "
                 f"{self.neighbour / 2**30:.2f} GiB, fragmentation "
-                f"{self.fragmentation / 2**30:.2f} GiB)"
+                f"{fragmented / 2**30:.2f} GiB, leaked {leaked / 2**30:.2f} GiB)"
             )
         self.publish()
         return p.step_seconds(step) / self.compression
