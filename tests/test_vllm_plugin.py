@@ -107,6 +107,33 @@ def test_lowering_the_cap_under_load_keeps_the_engine_alive_and_cuts_preemptions
     assert capped["after"]["admission_cap"] == 2
 
 
+def test_an_admission_counts_as_prefilled_while_it_still_decodes(server):
+    # what the staged re-admission counts as a clean admission: its prompt fully computed
+    # (its KV allocated), long before its last token
+    async def scenario() -> tuple[dict, dict]:
+        url = server.url
+        async with httpx.AsyncClient(timeout=120) as c:
+            await c.put(f"{url}/oomguard/v1/admission", json={"cap": 1}, headers=AUTH)
+            task = asyncio.create_task(complete(c, url, 500, 600, 1400))
+            during: dict = {}
+            for _ in range(2000):
+                s = (await c.get(f"{url}/oomguard/v1/state")).json()
+                if s["since_cap_change"]["prefilled"] >= 1 or task.done():
+                    during = s
+                    break
+                await asyncio.sleep(0.005)
+            response = await task
+            assert response.status_code == 200
+            after = (await c.get(f"{url}/oomguard/v1/state")).json()
+        return during, after
+
+    during, after = asyncio.run(scenario())
+    since = during["since_cap_change"]
+    assert since["prefilled"] == since["admitted"] == 1
+    assert since["finished"] == 0 and during["running"] == 1  # still decoding
+    assert after["since_cap_change"]["finished"] == after["since_cap_change"]["prefilled"] == 1
+
+
 def test_drain_finishes_running_and_sends_queued_requests_elsewhere(server):
     async def scenario() -> None:
         url = server.url
