@@ -24,12 +24,18 @@ attention (more than `focus_above`), that pass is focused: it reads and decides 
 the webhook changed, with every engine of their models that is not quiet (read too: its last
 state may predate an action) and one quiet peer per model, so a new alert is acted on without
 waiting for a hundred other reads. The other engines under attention follow on the next tick.
+
+The controller also runs such passes in a lane of their own (`focused`, Controller.focus_pass)
+while a full pass is still reading: reads hold no lock, so two passes may have read one engine.
+Every answer carries the epoch its pass began in, and an action's answer a newer one (`wrote`):
+a pass decides on the newest state known (`read`), never acts again on what an older read showed.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -112,6 +118,9 @@ class Attention:
         self._members: dict[str, list[str]] = {}  # model -> its engines, in track order
         self._order: dict[str, int] = {}
         self._focus: set[str] = set()  # engines a webhook just changed: the next pass is theirs
+        self._focus_lock = threading.Lock()  # webhooks add to it from their own threads
+        self._epoch = 0  # counts passes begun and writes made (newest answer wins: `read`)
+        self._at: dict[str, int] = {}  # engine -> the epoch of its last known state
 
     def track(self, models: Mapping[str, str]) -> None:
         """The targets, in decision order, with their models (at start and on discovery)."""
@@ -137,33 +146,16 @@ class Attention:
         them are read when fewer than `read_all_below`); `busy`: engines a restart owns;
         `acted_at`: wall time of each engine's last action, besides those noted through
         `acted` (compared with `wall`)."""
-        focus, self._focus = self._focus, set()
+        focus = self._take_focus()
         if len(self._order) < self.config.read_all_below:
             return list(names)
         self._expire(now)
-        known = self._order
-        wants = {n: actions_for(alerts, policy) for n, alerts in firing.items() if alerts}
-        asking = {n for n, actions in wants.items() if actions and n in known}
-        # an engine that may be taken out of service is decided with every peer of its model
-        # known (the disruption budget, the last-ready rule); a cap needs no peers
-        urgent = {self._models[n] for n in asking if wants[n] & OUT_OF_SERVICE}
-        # an alert that asks for nothing on a quiet engine costs no read, focused or not
-        focus = {n for n in focus if n in asking or (n in known and n not in self._quiet_until)}
+        asking, urgent = self._asking(firing, policy)
+        focus = self._relevant(focus, asking)
         if len(self._loud) <= self.config.focus_above:
             focus = set()  # a full pass is about as quick: no engine waits for a tick
         if focus:  # a pass for what a webhook changed: the rest waits for the next tick
-            # every engine of their models that is not quiet is read too: its last state may
-            # predate an action (a drain), and the disruption budget must see it as it is now
-            models = {self._models[n] for n in focus}
-            out = set(focus)
-            for model in models:
-                for name in self._members.get(model, ()):
-                    if name in self._last:
-                        if name in self._loud or name in self._expired:
-                            out.add(name)
-                    elif model in urgent:
-                        out.add(name)
-            return self.in_order(out)
+            return self._with_peers(focus, urgent)
         out = self._loud | self._expired | {n for n in busy if n in self._last}
         out |= asking
         recent = self.config.recent_action_seconds
@@ -182,6 +174,51 @@ class Attention:
                     batch -= 1
         return self.in_order(out)
 
+    def focused(
+        self, firing: Mapping[str, list[Alert]], policy: PolicyConfig, now: float
+    ) -> list[str]:
+        """The engines a webhook just changed, for a pass of their own beside a full pass in
+        progress (the controller's focus lane): empty when none needs a read. Unlike `due`,
+        whatever the number of engines under attention: the full pass goes on meanwhile."""
+        focus = self._take_focus()
+        if not focus:
+            return []
+        self._expire(now)
+        asking, urgent = self._asking(firing, policy)
+        focus = self._relevant(focus, asking)
+        return self._with_peers(focus, urgent) if focus else []
+
+    def _asking(
+        self, firing: Mapping[str, list[Alert]], policy: PolicyConfig
+    ) -> tuple[set[str], set[str]]:
+        """(the tracked engines an alert asks an action of, the models where one of them may be
+        taken out of service)."""
+        wants = {n: actions_for(alerts, policy) for n, alerts in firing.items() if alerts}
+        asking = {n for n, actions in wants.items() if actions and n in self._order}
+        # an engine that may be taken out of service is decided with every peer of its model
+        # known (the disruption budget, the last-ready rule); a cap needs no peers
+        urgent = {self._models[n] for n in asking if wants[n] & OUT_OF_SERVICE}
+        return asking, urgent
+
+    def _relevant(self, focus: set[str], asking: set[str]) -> set[str]:
+        # an alert that asks for nothing on a quiet engine costs no read, focused or not
+        known = self._order
+        return {n for n in focus if n in asking or (n in known and n not in self._quiet_until)}
+
+    def _with_peers(self, focus: set[str], urgent: set[str]) -> list[str]:
+        """The focused engines and every engine of their models that is not quiet: its last
+        state may predate an action (a drain), and the disruption budget must see it as it
+        is now (and every engine of a model where one may be taken out of service)."""
+        out = set(focus)
+        for model in {self._models[n] for n in focus}:
+            for name in self._members.get(model, ()):
+                if name in self._last:
+                    if name in self._loud or name in self._expired:
+                        out.add(name)
+                elif model in urgent:
+                    out.add(name)
+        return self.in_order(out)
+
     def _expire(self, now: float) -> None:
         """Move quiet engines whose resync time has come to the expired set (read this pass and
         every pass until a verdict settles them again)."""
@@ -191,13 +228,36 @@ class Attention:
             if self._quiet_until.get(name) == until:
                 self._expired.add(name)
 
-    def read(self, states: Mapping[str, Any]) -> None:
-        """Remember what the engines read this pass answered."""
-        self._last.update(states)
-        for name in states:
+    def begin(self) -> int:
+        """A pass is about to read: the epoch its answers carry (see `read`)."""
+        self._epoch += 1
+        return self._epoch
+
+    def read(self, states: Mapping[str, Any], epoch: int | None = None) -> dict[str, Any]:
+        """Remember what the engines read this pass answered; returns the states to decide on.
+
+        Reads run outside the decision lock, so another pass (the focus lane) may have read or
+        written an engine after this pass's read began: its answer (`wrote`) is newer than
+        this one and wins, and the engine is never acted on twice for what one read showed."""
+        epoch = self._epoch if epoch is None else epoch
+        out = {}
+        for name, state in states.items():
+            if self._at.get(name, -1) > epoch:
+                out[name] = self._last[name]  # known newer than this answer
+            else:
+                out[name] = self._last[name] = state
+                self._at[name] = epoch
             self._never.pop(name, None)
             if name not in self._quiet_until:
                 self._loud.add(name)
+        return out
+
+    def wrote(self, name: str, state: Any) -> None:
+        """An action's answer: the engine's state after it, newer than any read begun before."""
+        self._epoch += 1
+        if name in self._order:
+            self._last[name] = state
+            self._at[name] = self._epoch
 
     def last(self, name: str) -> Any:
         return self._last.get(name)
@@ -240,11 +300,17 @@ class Attention:
         """A webhook changed these engines' alerts: the next pass reads and decides only them
         (with their models' peers on their last states), so a new alert is acted on without
         waiting for the reads of every engine under attention; the tick after does the rest."""
-        self._focus.update(names)
+        with self._focus_lock:
+            self._focus.update(names)
+
+    def _take_focus(self) -> set[str]:
+        with self._focus_lock:
+            focus, self._focus = self._focus, set()
+        return focus
 
     def unfocus(self) -> None:
         """Forget pending focus (a replica that takes over starts with a full pass)."""
-        self._focus.clear()
+        self._take_focus()
 
     def peers(self, due: Iterable[str]) -> list[str]:
         """Quiet engines, not read this pass, that the decision must still see: one per model
@@ -263,7 +329,7 @@ class Attention:
     def forget(self, keep: Iterable[str]) -> None:
         """Drop engines no longer targeted (discovery removed them)."""
         keep = set(keep)
-        for table in (self._quiet_until, self._last, self._acted, self._never):
+        for table in (self._quiet_until, self._last, self._acted, self._never, self._at):
             for name in [n for n in table if n not in keep]:
                 del table[name]
         self._loud &= keep

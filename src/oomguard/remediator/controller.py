@@ -71,6 +71,7 @@ class Controller:
         self.safety = Safety(config.safety, clock)
         self.fleet = Fleet(config.targets)
         self.wake: Callable[[], None] = lambda: None  # the runner points this at its scheduler
+        self.wake_focus: Callable[[], None] = lambda: None  # and this at its focus lane
         self.resync_soon: Callable[[], None] = lambda: None  # and this at the resync job
         self.intake = Intake(
             self.fleet,
@@ -93,7 +94,12 @@ class Controller:
             self.restarts,
             self.dry_run,
         )
+        # Two lanes: full passes (reconcile, one at a time) and focused passes (focus_pass: what
+        # a webhook just changed). Reads hold no lock; deciding and acting hold `_decide`, so a
+        # focused pass never waits for a full pass's reads, only for its decisions.
         self._pass_lock = threading.Lock()
+        self._focus_lock = threading.Lock()
+        self._decide = threading.Lock()
         self._dirty = False
         self.failed_passes = 0  # consecutive passes that raised (/healthz degrades on these)
         # what survives a remediator restart: the pause switch, each target's recent actions
@@ -140,6 +146,7 @@ class Controller:
         receipt = self.intake.receive(webhook, source)
         if receipt.changed:  # the pass it wakes reads and decides these first (attention.py)
             self.attention.focus(receipt.targets)
+            self.wake_focus()
         return receipt
 
     def resync(self) -> bool:
@@ -184,13 +191,42 @@ class Controller:
             self._pass_lock.release()
 
     def _pass(self) -> None:
-        if self.convergence.run_pass():
-            self._dirty = True
+        conv = self.convergence
+        with self._decide:
+            plan = conv.begin()
+        if plan is None:
+            return
+        read = conv.read(plan)  # no lock: a focused pass may decide and act meanwhile
+        with self._decide:
+            if conv.finish(plan, read):
+                self._dirty = True
+
+    def focus_pass(self) -> None:
+        """Read, decide and act on the engines a webhook just changed (attention.focus), at
+        once, beside a full pass in progress: a new alert is not kept waiting for a hundred
+        other reads or a slow engine. The same decision and safety limits as a full pass; an
+        engine another pass read meanwhile is decided on the newest state (attention.read)."""
+        conv = self.convergence
+        with self._focus_lock:
+            try:
+                with self._decide:
+                    plan = conv.begin(focused=True)
+                if plan is None:
+                    return
+                read = conv.read(plan)
+                with self._decide:
+                    again = conv.finish(plan, read)
+            except Exception:  # counted and visible like a full pass's; the next one retries
+                self.metrics.pass_failures.inc()
+                log.exception("focused pass failed")
+                return
+        if again:
+            self.request()
 
     def restore(self) -> None:
         """Rebuild the safety state from the audit log (on taking over as the leader: the
         previous leader's cooldowns, budgets and answered restart episodes hold here too)."""
-        with self._pass_lock:  # a pass from an earlier term may still be finishing
+        with self._decide:  # a pass from an earlier term may still be deciding
             entries = self.audit.entries()
             safety = Safety(self.config.safety, self.safety.clock)
             safety.restore(entries)
@@ -203,7 +239,7 @@ class Controller:
         """Replace the allowlist (discovered targets come and go): between passes, with the
         alert routes recomputed. An alert that came before its pod was discovered selected
         nothing then; the resync from Alertmanager finds it."""
-        with self._pass_lock, self.intake.lock:
+        with self._decide, self.intake.lock:  # a pass reading now skips targets removed
             old = self.fleet.replace(targets)
             self.convergence.retarget(old)
             self.intake.reroute()

@@ -18,7 +18,7 @@ from typing import Any
 
 from oomguard.engine_state import EngineState, StateError
 from oomguard.engine_state import parse as parse_state
-from oomguard.remediator.actuator import Actuator, ActuatorError, read_states
+from oomguard.remediator.actuator import Actuator, ActuatorError, Target, read_states
 from oomguard.remediator.attention import Attention
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig, TargetConfig
@@ -60,6 +60,17 @@ def checked(state: object, name: str) -> EngineState | ActuatorError:
         return parse_state(state)
     except StateError as exc:
         return ActuatorError("bad_state", f"{name}: {exc}")
+
+
+@dataclass
+class PassPlan:
+    """A pass between its phases: the engines it reads, when it began, its reads' epoch."""
+
+    due: list[str]
+    targets: list[Target]
+    started: float
+    epoch: int
+    focused: bool = False  # the focus lane's (controller.py)
 
 
 @dataclass
@@ -149,25 +160,53 @@ class Convergence:
 
     def run_pass(self) -> bool:
         """One pass over the fleet; True when another pass is wanted at once (a quiet engine,
-        decided on its last state, turned out to need a step)."""
-        again = False
+        decided on its last state, turned out to need a step). The controller runs the same
+        three phases with its decision lock held around `begin` and `finish` only."""
+        plan = self.begin()
+        return self.finish(plan, self.read(plan)) if plan is not None else False
+
+    def begin(self, focused: bool = False) -> PassPlan | None:
+        """Which engines this pass reads (the focus lane's: what a webhook just changed, None
+        when that needs no read)."""
         started = time.monotonic()
+        att = self.attention
+        firing = self.intake.firing_by_target()
+        if focused:
+            due = att.focused(firing, self.config.policy, started)
+            if not due:
+                return None
+        else:
+            due = att.due(
+                self.fleet.targets,
+                firing,
+                self.config.policy,
+                started,
+                self.restarts.running,
+                None,
+                time.time(),
+            )
+        targets = [self.fleet.target(n) for n in due]
+        return PassPlan(due, targets, started, att.begin(), focused)
+
+    def read(self, plan: PassPlan) -> list[Any]:
+        """The engines' answers, read all at once (actuator.read_states: a pass waits for its
+        slowest read, not their sum); no lock is held, so a slow engine delays only this pass."""
+        return read_states(self.actuator, plan.targets, self._pool)
+
+    def finish(self, plan: PassPlan, read: list[Any]) -> bool:
+        """Decide on the newest state known of each engine read, with the alerts firing now,
+        and act."""
+        again = False
+        started = plan.started
         firing = self.intake.firing_by_target()
         att = self.attention
-        due = att.due(
-            self.fleet.targets,
-            firing,
-            self.config.policy,
-            started,
-            self.restarts.running,
-            None,
-            time.time(),
-        )
-        # all at once (actuator.read_states): a pass waits for its slowest read, not their sum
-        targets = [self.fleet.target(n) for n in due]
-        read = read_states(self.actuator, targets, self._pool)
-        states = {n: checked(state, n) for n, state in zip(due, read, strict=True)}
-        att.read(states)
+        answered = {  # discovery may have removed a target while it was read
+            n: checked(state, n)
+            for n, state in zip(plan.due, read, strict=True)
+            if n in self.fleet.targets
+        }
+        states = att.read(answered, plan.epoch)
+        due = list(states)
         peers = att.peers(due)  # quiet engines the fleet-wide limits still need to see
         names = att.in_order([*due, *peers]) if peers else due
         seen = {**{p: att.last(p) for p in peers}, **states}
@@ -189,9 +228,12 @@ class Convergence:
                 att.wake(name)
                 log.exception("reconciling %s failed", name)
                 self._hold(name, "internal", f"{type(exc).__name__}: {exc}", verdict)
-        self.metrics.observe_pass(
-            time.monotonic() - started, len(states), len(self.fleet.targets), att.quiet
-        )
+        if plan.focused:  # the pass duration and engines read are the full passes'
+            self.metrics.reads.inc(len(states))
+        else:
+            self.metrics.observe_pass(
+                time.monotonic() - started, len(states), len(self.fleet.targets), att.quiet
+            )
         return again
 
     def _carry_out(
@@ -332,6 +374,8 @@ class Convergence:
         except StateError as exc:  # done, but the answer is unreadable: the next pass reads it
             log.warning("%s on %s: unreadable answer: %s", kind, name, exc)
             state = before
+        else:
+            self.attention.wrote(name, state)  # newer than a read another pass has in flight
         result = "dry_run" if self.dry_run else "ok"
         if kind in DISRUPTIVE:
             self.safety.record(name, kind)

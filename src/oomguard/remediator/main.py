@@ -99,6 +99,10 @@ class Remediator:
         self.scheduler = BackgroundScheduler(timezone=UTC)
         self._wakes: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # job ids; None: stop
         self._waker_thread = threading.Thread(target=self._waker, name="waker", daemon=True)
+        # the focus lane: a webhook's engines are read and decided at once, beside a full pass
+        self._focus_wanted = threading.Event()
+        self._stopping = threading.Event()
+        self._focus_thread = threading.Thread(target=self._focuser, name="focus", daemon=True)
         # A wake-up while a pass runs is folded into that pass (Controller.reconcile); the
         # scheduler's "skipped: maximum number of running instances" notice is expected then.
         logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
@@ -125,6 +129,19 @@ class Remediator:
             # not started yet, or shutting down: the interval covers it
             with contextlib.suppress(Exception):
                 self.scheduler.modify_job(job, next_run_time=datetime.now(UTC))
+
+    def _wake_focus(self) -> None:
+        self._focus_wanted.set()
+
+    def _focuser(self) -> None:
+        """Runs the controller's focused passes (Controller.focus_pass), on the leader only."""
+        while not self._stopping.is_set():
+            self._focus_wanted.wait()
+            self._focus_wanted.clear()
+            if self._stopping.is_set():
+                return
+            if self._leading.is_set() and (self.elector is None or self.elector.leading):
+                self.controller.focus_pass()
 
     def _on_leading(self, leading: bool) -> None:
         c = self.controller
@@ -185,7 +202,9 @@ class Remediator:
             self.elector.start()
         self._reconcile()  # the engines' own state: a re-admission in progress carries on
         self._waker_thread.start()
+        self._focus_thread.start()
         c.wake = self._wake
+        c.wake_focus = self._wake_focus
         c.resync_soon = self._resync_soon
         s = self.scheduler
         s.add_job(
@@ -232,6 +251,10 @@ class Remediator:
         if self._waker_thread.is_alive():
             self._wakes.put(None)
             self._waker_thread.join(10)
+        self._stopping.set()
+        self._focus_wanted.set()
+        if self._focus_thread.is_alive():
+            self._focus_thread.join(10)
         if self.discovery is not None:
             self.discovery.stop()
         self.controller.close()
