@@ -449,8 +449,9 @@ def main() -> int:
     args = parser.parse_args()
     cases = args.case or list(CASES)
     big, window, rounds = (1000, 10.0, 5) if args.quick else (10_000, 30.0, 20)
-    merge = bool(args.case) and not args.fresh
-    old = _load(args.out) if merge else None
+    old = _load(args.out) if args.case and not args.fresh else None
+    if old is not None and "case_when" not in old:
+        old = None  # a whole run's record: these cases start a new one (it becomes previous)
     previous = old.get("previous") if old else _previous(args.out)
     results: dict[str, Any] = dict(old.get("results", {})) if old else {}
     when: dict[str, str] = dict(old.get("case_when", {})) if old else {}
