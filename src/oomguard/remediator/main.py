@@ -9,6 +9,7 @@ Jobs (apscheduler, one background thread pool):
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -43,6 +44,7 @@ from oomguard.remediator.standalone import PressureWatcher
 from oomguard.remediator.webhook import Webhook
 
 log = logging.getLogger("oomguard.remediator")
+GC_THRESHOLD = 10_000  # allocations between young-generation collections (serve())
 
 
 def build_controller(config: RemediatorConfig, actuator: Actuator | None = None) -> Controller:
@@ -264,6 +266,11 @@ class Remediator:
 
     def serve(self) -> int:
         host, port = self.config.host_port
+        # A read allocates a few hundred short-lived objects, nearly all freed by reference
+        # counting; at the default threshold (700) the collector still ran every few reads,
+        # about 2 % of a core at 170 reads/s (10,000 engines, 60 s resync). Process-wide, so
+        # here in the remediator's own process, not where the controller is a library.
+        gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
         self.start()
         try:
             httpserve.run(self.app, host, port)
