@@ -4,7 +4,7 @@ restarts and convergence always see the same fleet."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from oomguard.remediator.actuator import Target
@@ -34,7 +34,27 @@ class Fleet:
             for t in targets
             if t.token_file
         }
+        # selector shape (its label names) -> their values -> targets: an alert is routed with
+        # one lookup per shape (usually one), not a scan of every target's selector
+        self._order = {t.name: i for i, t in enumerate(targets)}
+        self._index: dict[tuple[str, ...], dict[tuple[str | None, ...], list[str]]] = {}
+        for t in targets:
+            sel = t.selector()
+            keys = tuple(sorted(sel))
+            table = self._index.setdefault(keys, {})
+            table.setdefault(tuple(sel[k] for k in keys), []).append(t.name)
         return old
+
+    def select(self, labels: Mapping[str, str]) -> list[str]:
+        """The targets whose selector labels `labels` carries exactly, in allowlist order (the
+        same answer as intake.select, from the index)."""
+        found: list[str] = []
+        for keys, table in self._index.items():
+            # a label the alert lacks is None: it matches no selector value, "" included
+            found.extend(table.get(tuple(labels.get(k) for k in keys), ()))
+        if len(found) > 1:
+            found.sort(key=self._order.__getitem__)
+        return found
 
     def target(self, name: str) -> Target:
         return make_target(self.targets[name], self.tokens.get(name))

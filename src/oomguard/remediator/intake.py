@@ -50,7 +50,11 @@ def select(alert: Alert, targets: Iterable[TargetConfig]) -> list[str]:
 
 def route(alert: Alert, targets: Iterable[TargetConfig]) -> tuple[str | None, str | None]:
     """(the one target the alert selects, None) or (None, why it selects none or several)."""
-    names = select(alert, targets)
+    return verdict(alert, select(alert, targets))
+
+
+def verdict(alert: Alert, names: list[str]) -> tuple[str | None, str | None]:
+    """`route`'s answer for the targets an alert selects."""
     if len(names) == 1:
         return names[0], None
     if not names:
@@ -95,7 +99,7 @@ class Intake:
     def _route(self, alert: Alert) -> str | None:
         """Under the lock: the alert's target (cached by alert key: labels never change)."""
         if alert.key not in self._routes:
-            self._routes[alert.key] = route(alert, self.fleet.targets.values())[0]
+            self._routes[alert.key] = verdict(alert, self.fleet.select(alert.labels))[0]
         return self._routes[alert.key]
 
     def receive(self, webhook: Webhook, source: str = "webhook") -> Receipt:
@@ -103,7 +107,7 @@ class Intake:
         written: the caller answers 5xx and Alertmanager retries; nothing was applied."""
         with self.lock:
             new = [a for a in webhook.alerts if a.dedup_key not in self._seen]
-            routes = {a.key: route(a, self.fleet.targets.values()) for a in new}
+            routes = {a.key: verdict(a, self.fleet.select(a.labels)) for a in new}
             ignored = {a.fingerprint: why for a in new if (why := routes[a.key][1])}
             if new:
                 self.audit.record(
