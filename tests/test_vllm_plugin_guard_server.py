@@ -129,6 +129,20 @@ def test_enforce_rejects_never_fit_defers_busy_and_admits_the_rest(tmp_path):
         assert error["param"] == "prompt_logprobs"
         limit = IDLE // (128_256 * 4)
         assert f"at most {limit} tokens" in error["message"]
+        # streamed, the same refusal is a 400 too (decided before the stream begins)
+        streamed = httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "model": str(MODEL),
+                "prompt": ids(8192, 4),
+                "max_tokens": 2,
+                "prompt_logprobs": 0,  # the only kind vLLM streams; the same FP32 logits
+                "stream": True,
+            },
+            timeout=120,
+        )
+        assert streamed.status_code == 400, streamed.text
+        assert streamed.json()["error"]["param"] == "prompt_logprobs"
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # the engine lives
 
         # another process takes 2 GiB: a 4,000-token prompt_logprobs request fits only later
