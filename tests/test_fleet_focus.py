@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.controller import Controller
 from oomguard.remediator.main import Remediator
@@ -36,11 +38,12 @@ class Slow(Engines):
         return super().state(target)
 
 
-def fleet_config(tmp_path, engines: Engines, **overrides):  # type: ignore[no-untyped-def]
-    """One model per engine: a focused pass reads no peer (a cap needs none)."""
+def fleet_config(tmp_path, engines: Engines, peers=(), **overrides):  # type: ignore[no-untyped-def]
+    """One model per engine, but `peers` share e0's."""
     cfg = config(tmp_path, *engines.engines, **{**FLEET, **overrides})
+    model = {t.name: "e0" if t.name in peers else t.name for t in cfg.targets}
     return cfg.model_copy(
-        update={"targets": [t.model_copy(update={"model": t.name}) for t in cfg.targets]}
+        update={"targets": [t.model_copy(update={"model": model[t.name]}) for t in cfg.targets]}
     )
 
 
@@ -57,9 +60,12 @@ def wait_for(check, timeout: float) -> float:  # type: ignore[no-untyped-def]
     return time.monotonic() - start
 
 
-def test_a_webhook_during_a_slow_pass_is_capped_before_the_pass_ends(tmp_path):
+@pytest.mark.parametrize("peers", [(), ("e50",)], ids=["other-model", "slow-engines-model"])
+def test_a_webhook_during_a_slow_pass_is_capped_before_the_pass_ends(tmp_path, peers):
+    # a cap takes no step the disruption budget limits: not even the slow engine of its own
+    # model (under attention, so read every pass) is read first
     engines = Slow(Engines.of(*(f"e{i}" for i in range(60))))
-    cfg = fleet_config(tmp_path, engines, reconcile_seconds=0.2)
+    cfg = fleet_config(tmp_path, engines, peers, reconcile_seconds=0.2)
     rem = Remediator(cfg, engines)
     try:
         rem.start()

@@ -22,7 +22,8 @@ remediator's back. Small fleets (fewer than `read_all_below` engines) are read e
 A webhook that changes an engine's alerts wakes the loop at once. When many engines are under
 attention (more than `focus_above`), that pass is focused: it reads and decides only the engines
 the webhook changed, with every engine of their models that is not quiet (read too: its last
-state may predate an action) and one quiet peer per model, so a new alert is acted on without
+state may predate an action; not for an engine alerts ask only a lower cap of, which takes no
+step the disruption budget limits) and one quiet peer per model, so a new alert is acted on without
 waiting for a hundred other reads. The other engines under attention follow on the next tick.
 
 The controller also runs such passes in a lane of their own (`focused`, Controller.focus_pass)
@@ -46,6 +47,7 @@ from oomguard.remediator.policy import PolicyConfig, actions_for
 from oomguard.remediator.webhook import Alert
 
 OUT_OF_SERVICE = frozenset({"drain", "restart"})  # alert actions that look at a model's peers
+CAP_ONLY = frozenset({"lower_cap"})  # alert actions decided without a model's peers
 
 
 class AttentionConfig(BaseModel):
@@ -150,12 +152,12 @@ class Attention:
         if len(self._order) < self.config.read_all_below:
             return list(names)
         self._expire(now)
-        asking, urgent = self._asking(firing, policy)
+        asking, urgent, caps = self._asking(firing, policy)
         focus = self._relevant(focus, asking)
         if len(self._loud) <= self.config.focus_above:
             focus = set()  # a full pass is about as quick: no engine waits for a tick
         if focus:  # a pass for what a webhook changed: the rest waits for the next tick
-            return self._with_peers(focus, urgent)
+            return self._with_peers(focus, urgent, caps)
         out = self._loud | self._expired | {n for n in busy if n in self._last}
         out |= asking
         recent = self.config.recent_action_seconds
@@ -184,33 +186,35 @@ class Attention:
         if not focus:
             return []
         self._expire(now)
-        asking, urgent = self._asking(firing, policy)
+        asking, urgent, caps = self._asking(firing, policy)
         focus = self._relevant(focus, asking)
-        return self._with_peers(focus, urgent) if focus else []
+        return self._with_peers(focus, urgent, caps) if focus else []
 
     def _asking(
         self, firing: Mapping[str, list[Alert]], policy: PolicyConfig
-    ) -> tuple[set[str], set[str]]:
+    ) -> tuple[set[str], set[str], set[str]]:
         """(the tracked engines an alert asks an action of, the models where one of them may be
-        taken out of service)."""
+        taken out of service, the engines alerts ask nothing of but a lower cap)."""
         wants = {n: actions_for(alerts, policy) for n, alerts in firing.items() if alerts}
         asking = {n for n, actions in wants.items() if actions and n in self._order}
         # an engine that may be taken out of service is decided with every peer of its model
         # known (the disruption budget, the last-ready rule); a cap needs no peers
         urgent = {self._models[n] for n in asking if wants[n] & OUT_OF_SERVICE}
-        return asking, urgent
+        caps = {n for n in asking if wants[n] <= CAP_ONLY}
+        return asking, urgent, caps
 
     def _relevant(self, focus: set[str], asking: set[str]) -> set[str]:
         # an alert that asks for nothing on a quiet engine costs no read, focused or not
         known = self._order
         return {n for n in focus if n in asking or (n in known and n not in self._quiet_until)}
 
-    def _with_peers(self, focus: set[str], urgent: set[str]) -> list[str]:
+    def _with_peers(self, focus: set[str], urgent: set[str], caps: set[str]) -> list[str]:
         """The focused engines and every engine of their models that is not quiet: its last
         state may predate an action (a drain), and the disruption budget must see it as it
-        is now (and every engine of a model where one may be taken out of service)."""
+        is now (and every engine of a model where one may be taken out of service). An engine
+        alerts ask only a lower cap of takes no step the budget limits: it needs no peers."""
         out = set(focus)
-        for model in {self._models[n] for n in focus}:
+        for model in {self._models[n] for n in focus - caps}:
             for name in self._members.get(model, ()):
                 if name in self._last:
                     if name in self._loud or name in self._expired:
