@@ -210,7 +210,18 @@ def test_requests_a_drain_let_run_count_but_one_new_admission_must_run_clean():
     # nothing waiting: nothing to let in, and no full admission without a new clean one
     assert decide(set(), obs(cap=1, running=40), POLICY).cap == 1
     assert decide(set(), obs(cap=41, admitted=1, prefilled=0, running=41), POLICY).cap == 41
-    assert decide(set(), obs(cap=41, admitted=1, prefilled=1, running=41), POLICY).cap == 64
+    # above the single-admission stage the cap carries no count: five clean ones at that cap
+    assert decide(set(), obs(cap=41, admitted=1, prefilled=1, running=41), POLICY).cap == 41
+    assert decide(set(), obs(cap=41, admitted=5, prefilled=5, running=41), POLICY).cap == 64
+    # a few still running: they count, and one new clean admission brings full admission
+    assert decide(set(), obs(cap=1, running=4, waiting=3), POLICY).cap == 5
+    assert decide(set(), obs(cap=5, admitted=1, prefilled=1, running=5), POLICY).cap == 64
+
+
+def test_an_engine_capped_but_never_drained_needs_five_clean_admissions_at_its_cap():
+    lowered = obs(cap=51, admitted=4, prefilled=4, running=51, waiting=10)
+    assert decide(set(), lowered, POLICY).cap == 51  # 4 of 5; no one-at-a-time raise
+    assert decide(set(), obs(cap=51, admitted=5, prefilled=5, running=51), POLICY).cap == 64
 
 
 def test_a_plugin_without_prefill_counts_waits_for_finished_requests():

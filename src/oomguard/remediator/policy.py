@@ -202,14 +202,17 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
     # readmit_start. Requests running when nothing is being prefilled count too (the ones a
     # drain let finish hold their KV and ran through the end of the pressure), but never
     # instead of one new clean admission.
+    # A cap at or above readmit_start + readmit_successes (an engine capped, never drained)
+    # carries no count: it needs its clean admissions at that cap, as many at once as it allows.
     n = policy.readmit_successes
+    single = current < policy.readmit_start + n
     in_prefill = observed.admitted_since_cap_change > clean
-    base = current if in_prefill else max(current, observed.running)
-    done = clean + min(n - 1, max(0, base - policy.readmit_start))
+    base = current if in_prefill or not single else max(current, observed.running)
+    done = clean + (min(n - 1, max(0, base - policy.readmit_start)) if single else 0)
     if clean >= 1 and done >= n:
         return Desired(False, startup, "readmitting", "clean admissions: full admission")
     over_cap = observed.preemptions_since_cap_change == 0 and observed.waiting > 0
-    if not in_prefill and (clean >= 1 or (over_cap and observed.running >= current)):
+    if single and not in_prefill and (clean >= 1 or (over_cap and observed.running >= current)):
         return Desired(
             False,
             clamp(base + 1),
