@@ -482,6 +482,8 @@ STARTUP_MARKERS = (
     "No available memory for the cache blocks",  # vllm/v1/core/kv_cache_planning.py
     "larger than the available KV cache memory",  # the same file: max_model_len does not fit
 )
+# the API server's word that its EngineCore process died under it (vllm/v1/engine/core_client.py)
+ENGINE_DIED_MARKERS = ("engine core exited unexpectedly", "EngineDeadError")
 SERVED_MARKER = "Application startup complete."  # uvicorn, once vLLM's API serves
 CUDA_ERROR_MARKERS = (
     "CUDA error:",
@@ -617,6 +619,23 @@ def _decide(c: _Case, t: Thresholds) -> tuple[str, str]:
             returncode=killed.returncode,
             cgroup_oom_kills_delta=kills,
         )
+        return "host_oom", "confirmed"
+    # 5, counted by the kernel, one process of the child killed: without a group kill the OOM
+    # killer takes the largest process, vLLM's EngineCore, and the API server then exits on its
+    # own (its watchdog), so the child's own exit carries no signal
+    lost = ex if oom is None and ex is not None and ex.reason == "exited" else None
+    lost_kills = _cgroup_kills(lost)
+    if lost is not None and lost_kills is not None and lost_kills > 0:
+        c.note(
+            f"the child exited (code {lost.returncode}) with no CUDA error and no allocator OOM, "
+            f"and the cgroup's oom_kill count rose by {lost_kills} during its life: the kernel "
+            "killed one of its processes",
+            returncode=lost.returncode,
+            cgroup_oom_kills_delta=lost_kills,
+        )
+        died = _first_line(lost.lines, ENGINE_DIED_MARKERS)
+        if died:
+            c.note(f"vLLM lost its engine: {died}")
         return "host_oom", "confirmed"
     # 6: a CUDA fault that is not an allocator OOM
     if oom is None and ex is not None and ex.reason == "cuda_error":
