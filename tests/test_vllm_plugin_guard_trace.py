@@ -1,0 +1,99 @@
+"""The request guard on a twin trace (issue 16): the trace runner serves the twin model folder
+with its offline tokenizer, so prompt_logprobs requests run through the real vLLM server (they
+were refused under --skip-tokenizer-init); with vLLM's defaults a prompt_logprobs request whose
+FP32 logits do not fit kills the engine with a CUDA OOM, with the guard enforcing it is answered
+400 naming the parameter and the limit, and the engine serves on.
+
+The smallest such comparison: one engine, an A100 40 GB twin at gpu_memory_utilization 0.92 (the
+prompt-logprobs trace's GPU): 3.16 GiB free beyond a full 8,192-token step, so the logits of a
+4,000-token prompt (1.9 GiB) fit and those of an 8,000-token prompt (3.8 GiB) never do.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from oomguard.twin.physics import Physics, Step
+from oomguard.twin.runner import Fleet
+from oomguard.twin.traces import Trace, requests
+from tests.vllm_server import require_vllm
+
+pytestmark = pytest.mark.slow
+
+TRACE = Trace.model_validate(
+    {
+        "name": "guard-smallest",
+        "description": "two prompt_logprobs requests that fit, then two that never fit",
+        "seed": 3,
+        "gpu": "A100-40GB",
+        "duration_s": 40,
+        "time_compression": 2,
+        "reload_s": 10,
+        "engine": {
+            "max_num_seqs": 16,
+            "max_model_len": 8192,
+            "max_num_batched_tokens": 8192,
+            "gpu_memory_utilization": 0.92,
+        },
+        "phases": [
+            # plain traffic besides (no logprobs): the guard must let all of it through
+            {"start_s": 0, "end_s": 40, "rate_per_s": 0.2, "prompt_tokens": [500, 1000],
+             "output_tokens": [8, 16]},
+            {"start_s": 2, "end_s": 12, "rate_per_s": 0.2, "prompt_tokens": [4000, 4000],
+             "output_tokens": [4, 4], "prompt_logprobs": True},
+            {"start_s": 20, "end_s": 30, "rate_per_s": 0.2, "prompt_tokens": [8000, 8000],
+             "output_tokens": [4, 4], "prompt_logprobs": True},
+        ],
+        "ttft_slo_s": 20,
+    }
+)  # fmt: skip
+PHYSICS = Physics.for_model(
+    "llama-3-8b", gpu="A100-40GB", gpu_memory_utilization=0.92, max_num_batched_tokens=8192
+)
+ROOM = PHYSICS.total - PHYSICS.peak(Step(tokens=8192))  # what the guard reads as `idle`
+LIMIT = ROOM // (128_256 * 4)  # the longest prompt whose prompt logits fit
+
+
+def run(config: str, tmp_path) -> Fleet:
+    fleet = Fleet(TRACE, config, tmp_path / config, log=lambda _: None, engines=1,
+                  start_timeout=600)  # fmt: skip
+    try:
+        fleet.start()
+        fleet.replay()
+    finally:
+        fleet.stop()
+    return fleet
+
+
+@pytest.mark.timeout(1500)
+def test_defaults_crash_on_prompt_logits_the_enforcing_guard_answers_400(tmp_path):
+    require_vllm()
+    reqs = requests(TRACE)
+    fits = [r for r in reqs if r.prompt_logprobs and r.prompt_tokens == 4000]
+    never = [r for r in reqs if r.prompt_logprobs and r.prompt_tokens == 8000]
+
+    def fitting(fleet: Fleet) -> list[str]:
+        """How each request whose prompt logits fit ended."""
+        return [s.status for s in fleet.sent if s.request in fits]
+
+    assert fits and never  # the seed gives both kinds
+    assert PHYSICS.logits(4000) < ROOM < PHYSICS.logits(8000)
+
+    guard = run("guard", tmp_path)
+    o = guard.outcome()
+    assert o.crashes == 0
+    assert fitting(guard) == ["ok"] * len(fits)  # served, not refused
+    # every loss is a never-fit prompt_logprobs request, answered 400 with the limit
+    assert o.lost == len(never) and o.lost_why == {"HTTP 400": len(never)}
+    assert len(o.refusals) == len(never)
+    for refusal in o.refusals:
+        assert refusal.startswith("prompt_logprobs: ")
+        assert f"at most {LIMIT} tokens" in refusal
+
+    default = run("default", tmp_path)
+    o = default.outcome()
+    assert fitting(default) == ["ok"] * len(fits)  # the tokenizer path works
+    assert o.crashes >= 1  # the first never-fit request killed the engine
+    state = tmp_path / "default" / "engine0" / "state"  # where `oomguard serve` keeps vLLM's log
+    log = "".join(p.read_text(errors="replace") for p in state.glob("*.log"))
+    assert "CUDA out of memory" in log and "8000 prompt-logprob tokens" in log
