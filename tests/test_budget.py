@@ -403,6 +403,52 @@ def test_cli_bad_input_exits_2_with_one_line(
     assert main(["budget", str(path), "--gpu", "H100", "--kv-pool-bytes", "40"]) == 2
 
 
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--gpu-memory", "512B"], "weights alone exceed"),
+        (["--gpu", "L4"], "does not fit the KV pool"),  # 131,072 tokens on 24 GB
+        (["--gpu", "H100", "--max-model-len", "8192", "-tp", "3"], "not divisible by TP=3"),
+    ],
+)
+def test_cli_exits_1_when_vllm_would_not_start(
+    flags: list[str], why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pipeline gates on budget's status: 1 with the reason, and no max_num_seqs advice."""
+    (tmp_path / "config.json").write_text(json.dumps(config("Llama-3.1-8B-Instruct")))
+    assert main(["budget", str(tmp_path), *flags]) == 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommended"))
+    assert "none: vLLM will not start" in line and why in line
+    assert main(["budget", str(tmp_path), *flags, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert why in out["will_not_start"] and out["recommended_range"] == [0, 0]
+    # Control: the same model on a GPU that holds it starts and exits 0.
+    assert main(["budget", str(tmp_path), "--gpu", "H100", "--max-model-len", "8192"]) == 0
+
+
+@pytest.mark.parametrize("command", ["budget", "preflight"])
+def test_cli_usage_mistakes_are_one_line(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config("Llama-3.1-8B-Instruct")))
+    first = str(tmp_path) if command == "budget" else "http://127.0.0.1:9"
+    for args in (["--gpu", "h200x"], ["--gpu", "H100", "--max-model-len", "8k"], ["--bogus"]):
+        with pytest.raises(SystemExit) as stop:
+            main([command, first, *args])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"oomguard {command}: ") and len(err.splitlines()) == 1
+
+
+def test_cli_gpu_names_take_any_letter_case(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config("Llama-3.1-8B-Instruct")))
+    for name in ("h100", "H100", " a100-80gb "):
+        assert main(["budget", str(tmp_path), "--gpu", name, "--max-model-len", "8192"]) == 0
+    assert "device memory" in capsys.readouterr().out
+
+
 # -- capacity against vLLM's own functions ----------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -684,8 +730,13 @@ def test_any_config_is_sized_or_refused_with_a_budget_error(
 
 # -- a reader that stops early ----------------------------------------------------------------
 PIPE_COMMANDS = {
-    "budget --json": ["budget", str(FIXTURES / "gpt-oss-120b.json"), "--gpu", "H100", "--json"],
-    "budget table": ["budget", str(FIXTURES / "Qwen3-8B.json"), "--gpu", "L4"],
+    "budget --json": [
+        *("budget", str(FIXTURES / "gpt-oss-120b.json"), "--gpu", "H100"),
+        *("--max-model-len", "8192", "--json"),
+    ],
+    "budget table": [
+        *("budget", str(FIXTURES / "Qwen3-8B.json"), "--gpu", "L4", "--max-model-len", "8192"),
+    ],
     "incidents": ["incidents", "{tmp}"],
 }
 

@@ -789,6 +789,8 @@ class Budget:
     # Why this estimated pool cannot be trusted from config.json alone ("" when it can):
     # then only vLLM's own log lines size it (docs/budget.md, "What cannot be sized").
     unsizable: str = ""
+    # Why vLLM would refuse to start with these flags ("" when it starts): the CLI exits 1.
+    will_not_start: str = ""
     overhead_parts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -947,7 +949,16 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
     specs = shape.layer_specs()
     stage_layers = specs[: _cdiv(len(specs), inp.pipeline_parallel_size)]
     per_token_gpu = sum(s.bytes_per_token(kv_b, tp) for s in stage_layers)
-    if any(s.kind != "mla" and s.kv_heads % tp and tp % s.kv_heads for s in specs):
+    will_not_start = ""
+    if shape.attention_heads % tp:
+        # vLLM's ModelConfig.verify_with_parallel_config refuses this before loading anything.
+        will_not_start = (
+            f"{shape.attention_heads} attention heads are not divisible by TP={tp}: vLLM "
+            "refuses to start ('Total number of attention heads ... must be divisible by "
+            "tensor parallel size')"
+        )
+        warnings.append(will_not_start)
+    elif any(s.kind != "mla" and s.kv_heads % tp and tp % s.kv_heads for s in specs):
         warnings.append(f"{shape.kv_heads} KV heads do not split evenly over TP={tp}")
     if any(s.kind != "mla" and s.kv_heads < tp for s in specs):
         notes.append(f"KV heads are replicated: fewer KV heads than TP={tp} ranks")
@@ -980,11 +991,13 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
                 f"budget ({budget / GIB:.1f} GiB): startup OOM (type 1); quantize, add tensor "
                 "parallelism or use a larger GPU"
             )
+            will_not_start = will_not_start or "the weights alone exceed the memory budget"
         elif pool <= 0:
             warnings.append(
                 "weights plus the profiled activation peak leave no KV cache memory: vLLM "
                 "fails at start ('No available memory for the cache blocks')"
             )
+            will_not_start = will_not_start or "no memory is left for the KV cache"
     if inp.gpu_memory_utilization > 0.94:
         warnings.append(
             f"gpu_memory_utilization {inp.gpu_memory_utilization} leaves under 6 % for "
@@ -1024,6 +1037,9 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
             f"({cap.max_concurrency:.2f}x): vLLM will refuse to start; lower max_model_len, "
             "quantize the KV cache or add memory"
         )
+        will_not_start = will_not_start or (
+            f"one request at max_model_len={max_len:,} does not fit the KV pool"
+        )
     if seqs > concurrency and cap.max_concurrency >= 1:
         notes.append(
             f"max_num_seqs={seqs} but only {concurrency:.1f} requests of {context:,} tokens "
@@ -1042,6 +1058,9 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
             "authoritative (pass it as --kv-pool-bytes)"
         )
     low, high = max(1, math.floor(0.7 * concurrency)), max(1, math.floor(0.8 * concurrency))
+    recommended = max(1, math.floor(0.75 * concurrency))
+    if will_not_start:  # nothing to recommend: 0, not a floor of 1 that reads as advice
+        low = high = recommended = 0
     return Budget(
         kv_bytes_per_token=per_token,
         kv_bytes_per_token_per_gpu=per_token_gpu,
@@ -1053,7 +1072,7 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
         context_len=context,
         concurrency_at_context=concurrency,
         max_num_seqs=seqs,
-        recommended_max_num_seqs=max(1, math.floor(0.75 * concurrency)),
+        recommended_max_num_seqs=recommended,
         recommended_range=(low, high),
         max_num_batched_tokens=batched,
         num_blocks=cap.num_blocks,
@@ -1061,6 +1080,7 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
         max_concurrency=cap.max_concurrency,
         pool_source=source,
         unsizable=unsizable,
+        will_not_start=will_not_start,
         overhead_parts=parts,
         notes=notes,
         warnings=warnings,

@@ -173,13 +173,20 @@ def _add_budget(sub: Any) -> None:
         help="size weights, KV cache and max_num_seqs for a model on a GPU",
         description="From a Hugging Face config.json, the GPU's memory and vLLM's flags: "
         "weights, KV bytes per token, KV pool, concurrency at a context length, and a "
-        "recommended max_num_seqs at 70-80 % of what memory allows, with warnings.",
+        "recommended max_num_seqs at 70-80 % of what memory allows, with warnings. Exits 1 "
+        "when vLLM would refuse to start with these flags.",
     )
+    _one_line_errors(p)
     p.add_argument(
         "model_config", metavar="CONFIG_JSON", help="path to the model's config.json, or its folder"
     )
     gpu = p.add_mutually_exclusive_group(required=True)
-    gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_MIB), help="a known GPU's memory")
+    gpu.add_argument(
+        "--gpu",
+        type=_known_gpu,
+        metavar="{" + ",".join(sorted(GPU_MEMORY_MIB)) + "}",
+        help="a known GPU's memory (any letter case)",
+    )
     gpu.add_argument(
         "--gpu-memory",
         metavar="SIZE",
@@ -258,6 +265,20 @@ def _add_budget(sub: Any) -> None:
     p.set_defaults(func=_run_budget)
 
 
+def _known_gpu(text: str) -> str:
+    """A known GPU's name in any letter case ('h100' is 'H100')."""
+    from oomguard.budget import GPU_MEMORY_MIB
+
+    names = {name.lower(): name for name in GPU_MEMORY_MIB}
+    try:
+        return names[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"unknown GPU {text[:40]!r}: one of {', '.join(sorted(GPU_MEMORY_MIB))}, "
+            "or give --gpu-memory"
+        ) from None
+
+
 def _gib(value: float) -> str:
     return f"{value / 1024**3:,.2f} GiB"
 
@@ -320,9 +341,18 @@ def _run_budget(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise BudgetError(str(exc)) from exc
     budget = compute(shape_from_hf_config(config), inputs)
+    # A pipeline can gate on it: 1 when vLLM would refuse to start with these flags.
+    status = 1 if budget.will_not_start else 0
     if args.json:
         _emit(json.dumps(budget.to_dict(), indent=2))
-        return 0
+        return status
+    if budget.will_not_start:
+        recommended = f"none: vLLM will not start ({budget.will_not_start})"
+    else:
+        recommended = (
+            f"{budget.recommended_max_num_seqs} "
+            f"(70-80 %: {budget.recommended_range[0]}-{budget.recommended_range[1]})"
+        )
     rows = [
         ("device memory (CUDA total)", _gib(memory)),
         ("gpu_memory_utilization", f"{inputs.gpu_memory_utilization:.2f}"),
@@ -337,18 +367,14 @@ def _run_budget(args: argparse.Namespace) -> int:
         ("max_model_len", f"{budget.max_model_len:,}"),
         (f"concurrency at {budget.context_len:,} tokens", f"{budget.concurrency_at_context:,.1f}"),
         ("max_num_seqs", f"{budget.max_num_seqs}"),
-        (
-            "recommended max_num_seqs",
-            f"{budget.recommended_max_num_seqs} "
-            f"(70-80 %: {budget.recommended_range[0]}-{budget.recommended_range[1]})",
-        ),
+        ("recommended max_num_seqs", recommended),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"note: {n}" for n in budget.notes]
     lines += [f"warning: {w}" for w in budget.warnings]
     _emit("\n".join(lines))
-    return 0
+    return status
 
 
 # -- preflight ----------------------------------------------------------------------------------
@@ -365,9 +391,15 @@ def _add_preflight(sub: Any) -> None:
         "safe load, the headroom at the peak and recommended flags. Exit 0: safe at the target "
         "load; 1: a limit below it, or a failure; 2: the preflight could not run.",
     )
+    _one_line_errors(p)
     p.add_argument("url", metavar="URL", help="the vLLM API server, e.g. http://127.0.0.1:8000")
     gpu = p.add_mutually_exclusive_group(required=True)
-    gpu.add_argument("--gpu", choices=sorted(GPU_MEMORY_MIB), help="a known GPU's memory")
+    gpu.add_argument(
+        "--gpu",
+        type=_known_gpu,
+        metavar="{" + ",".join(sorted(GPU_MEMORY_MIB)) + "}",
+        help="a known GPU's memory (any letter case)",
+    )
     gpu.add_argument(
         "--gpu-memory",
         metavar="SIZE",
