@@ -160,6 +160,14 @@ DYING = {
     "cuda_error": "print('RuntimeError: CUDA error: an illegal memory access was encountered', "
     "flush=True); sys.exit(1)",
     "killed": "os.kill(os.getpid(), signal.SIGKILL)",
+    # the OOM line, then more than the 200-line tail of failed requests' tracebacks (~64 streams)
+    "cuda_oom_buried": "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+    "3.91 GiB', flush=True); [print(f'request {i} failed: EngineDeadError', flush=True) "
+    "for i in range(400)]; sys.exit(1)",
+    # no OOM line at all (stderr lost), only the observer's record
+    "cuda_oom_record": "import pathlib; d = pathlib.Path(os.environ['OOMGUARD_INCIDENT_DIR']); "
+    "d.mkdir(parents=True, exist_ok=True); (d / f'oom-{os.getpid()}-1.json').write_text('{}'); "
+    "sys.exit(1)",
     "cuda_oom": "import pathlib; d = pathlib.Path(os.environ['OOMGUARD_INCIDENT_DIR']); "
     "d.mkdir(parents=True, exist_ok=True); (d / f'oom-{os.getpid()}-1.json').write_text('{}'); "
     "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB', "
@@ -187,8 +195,9 @@ def test_a_crash_leaves_an_exit_incident_beside_the_oom_records(tmp_path, reason
     sup.stop()
     [path] = list(incidents.glob("exit-*.json"))
     record = json.loads(path.read_text())
-    assert record["schema"] == "oomguard.exit_incident.v1" and record["reason"] == reason
-    assert sup.exits[-1].reason == reason
+    expected = "cuda_oom" if reason.startswith("cuda_oom") else reason
+    assert record["schema"] == "oomguard.exit_incident.v1" and record["reason"] == expected
+    assert sup.exits[-1].reason == expected
     if reason == "killed":
         assert record["returncode"] == -9 and record["signal"] == 9
     if reason == "cuda_oom":
@@ -197,3 +206,31 @@ def test_a_crash_leaves_an_exit_incident_beside_the_oom_records(tmp_path, reason
     if reason == "cuda_error":
         assert "illegal memory access" in record["log_tail"][-1]
     assert record["flags"]["max_num_seqs"] == 8
+
+
+def test_an_oom_buried_under_failed_requests_still_lowers_the_flags(tmp_path):
+    """Under ~64 streams the OOM line is followed by hundreds of failed requests' lines, past
+    the 200-line tail: the exit is still a CUDA OOM and the next start has lower flags."""
+    import time
+
+    script = f"import os, signal, sys\n{DYING['cuda_oom_buried']}"
+    sup = Supervisor(
+        [sys.executable, "-c", script, "--max-num-seqs", "64", "--gpu-memory-utilization", "0.9"],
+        tmp_path / "state",
+        max_crashes=3,
+        restart_delay=0.1,
+        env={"OOMGUARD_INCIDENT_DIR": str(tmp_path / "incidents")},
+    )
+    before = sup.flags.current
+    sup.start()
+    deadline = time.monotonic() + 60
+    while not sup.exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the watcher lowers the flags right after it records the exit
+    sup.stop()
+    assert sup.exits[0].reason == "cuda_oom"
+    after = sup.flags.current
+    assert (
+        after.max_num_seqs < before.max_num_seqs
+        or after.gpu_memory_utilization < before.gpu_memory_utilization
+    )

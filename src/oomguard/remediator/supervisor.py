@@ -130,8 +130,11 @@ class Exit:
     flags: dict[str, Any]
 
 
-def classify(returncode: int, tail: list[str]) -> str:
-    if any(marker in line for line in tail for marker in OOM_MARKERS):
+def classify(returncode: int, tail: list[str], *, oom_seen: bool = False) -> str:
+    """Why the child exited. `oom_seen`: an OOM line anywhere in this generation's output or an
+    OOM record from its observer; under load the failed requests' tracebacks that follow the
+    OOM push its line out of the tail."""
+    if oom_seen or any(marker in line for line in tail for marker in OOM_MARKERS):
         return "cuda_oom"
     if any(marker in line for line in tail for marker in CUDA_ERROR_MARKERS):
         return "cuda_error"
@@ -275,18 +278,22 @@ class Supervisor:
 
     def _watch(self, child: subprocess.Popen[bytes], generation: int) -> None:
         assert child.stdout is not None
+        oom_line_seen = False
         with self.log_path.open("ab") as out:
             for line in child.stdout:
                 out.write(line)
                 out.flush()
-                self._tail.append(line.decode(errors="replace"))
+                text = line.decode(errors="replace")
+                self._tail.append(text)
+                oom_line_seen = oom_line_seen or any(m in text for m in OOM_MARKERS)
         code = child.wait()
         with self._lock:
             # a child we stopped: restart() started the next generation under this lock, or
             # stop() is shutting everything down
             if generation != self.generation or self._stopping:
                 return
-            reason = classify(code, list(self._tail))
+            oom_seen = oom_line_seen or bool(self._oom_records_since_start())
+            reason = classify(code, list(self._tail), oom_seen=oom_seen)
             self._record(code, reason)
             self._write_exit_incident(child.pid, code, reason)
             log.error("vLLM exited (code %d, %s)", code, reason)
@@ -315,16 +322,23 @@ class Supervisor:
             Exit(time.time(), self.generation, code, reason, asdict(self.flags.current))
         )
 
+    def _oom_records_since_start(self) -> list[str]:
+        """The OOM observer's records written since this generation started (never raises)."""
+        try:
+            return sorted(
+                p.name
+                for p in Path(self.incident_dir).glob("oom-*.json")
+                if p.is_file() and p.stat().st_mtime >= self._started_at - 1
+            )
+        except OSError:
+            return []
+
     def _write_exit_incident(self, pid: int, code: int, reason: str) -> None:
         """An exit record beside the OOM records the child's observer wrote (never raises)."""
         try:
             since = self._started_at
             directory = Path(self.incident_dir)
-            oom_records = sorted(
-                p.name
-                for p in directory.glob("oom-*.json")
-                if p.is_file() and p.stat().st_mtime >= since - 1
-            )
+            oom_records = self._oom_records_since_start()
             record = {
                 "schema": EXIT_SCHEMA,
                 "kind": "exit",
