@@ -166,7 +166,6 @@ def _run_exporter(args: argparse.Namespace) -> int:
 
 # -- budget -------------------------------------------------------------------------------------
 def _add_budget(sub: Any) -> None:
-    from oomguard.budget import GPU_MEMORY_MIB
 
     p = sub.add_parser(
         "budget",
@@ -180,18 +179,7 @@ def _add_budget(sub: Any) -> None:
     p.add_argument(
         "model_config", metavar="CONFIG_JSON", help="path to the model's config.json, or its folder"
     )
-    gpu = p.add_mutually_exclusive_group(required=True)
-    gpu.add_argument(
-        "--gpu",
-        type=_known_gpu,
-        metavar="{" + ",".join(sorted(GPU_MEMORY_MIB)) + "}",
-        help="a known GPU's memory (any letter case)",
-    )
-    gpu.add_argument(
-        "--gpu-memory",
-        metavar="SIZE",
-        help="the CUDA total of one GPU (NVML total less reserved), e.g. 79.1GiB",
-    )
+    _add_gpu_memory(p, "the CUDA total of one GPU (NVML total less reserved), e.g. 79.1GiB")
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -263,6 +251,20 @@ def _add_budget(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_run_budget)
+
+
+def _add_gpu_memory(p: argparse.ArgumentParser, size_help: str) -> None:
+    """--gpu NAME or --gpu-memory SIZE, one of them required."""
+    from oomguard.budget import GPU_MEMORY_MIB
+
+    gpu = p.add_mutually_exclusive_group(required=True)
+    gpu.add_argument(
+        "--gpu",
+        type=_known_gpu,
+        metavar="{" + ",".join(sorted(GPU_MEMORY_MIB)) + "}",
+        help="a known GPU's memory (any letter case)",
+    )
+    gpu.add_argument("--gpu-memory", metavar="SIZE", help=size_help)
 
 
 def _known_gpu(text: str) -> str:
@@ -379,7 +381,6 @@ def _run_budget(args: argparse.Namespace) -> int:
 
 # -- preflight ----------------------------------------------------------------------------------
 def _add_preflight(sub: Any) -> None:
-    from oomguard.budget import GPU_MEMORY_MIB
     from oomguard.contract import HANDOFF_DIR
 
     p = sub.add_parser(
@@ -393,17 +394,9 @@ def _add_preflight(sub: Any) -> None:
     )
     _one_line_errors(p)
     p.add_argument("url", metavar="URL", help="the vLLM API server, e.g. http://127.0.0.1:8000")
-    gpu = p.add_mutually_exclusive_group(required=True)
-    gpu.add_argument(
-        "--gpu",
-        type=_known_gpu,
-        metavar="{" + ",".join(sorted(GPU_MEMORY_MIB)) + "}",
-        help="a known GPU's memory (any letter case)",
-    )
-    gpu.add_argument(
-        "--gpu-memory",
-        metavar="SIZE",
-        help="one GPU's NVML total (nvidia-smi -q), e.g. 81559MiB; unlike budget's, before "
+    _add_gpu_memory(
+        p,
+        "one GPU's NVML total (nvidia-smi -q), e.g. 81559MiB; unlike budget's, before "
         "--driver-reserved is taken off",
     )
     p.add_argument(
