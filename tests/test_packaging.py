@@ -297,6 +297,9 @@ def test_wheel_carries_every_data_file(wheel):
     # the files the demo and the twin open by path
     for needed in (
         "oomguard/twin/models/tiny-llama/config.json",
+        # the traces' model, served with its offline tokenizer (prompt_logprobs, chat)
+        "oomguard/twin/models/llama-3-8b/config.json",
+        "oomguard/twin/models/llama-3-8b/tokenizer.json",
         "oomguard/twin/traces/neighbour-growth.json",
         "oomguard/deploy/prometheus/prometheus.yml",
         "oomguard/deploy/alertmanager/alertmanager.yml",
@@ -463,11 +466,11 @@ def test_installed_wheel_runs_the_demo(installed, tmp_path):
     assert r.returncode == 0, (
         r.stdout[-3000:] + r.stderr[-3000:] + "".join(p.read_text()[-2000:] for p in logs[-1:])
     )
-    # every engine served the model folder shipped in the wheel
+    # every engine served its trace's model folder (llama-3-8b) shipped in the wheel
     site = _site_packages(installed)
     assert len(logs) == 5
     for log in logs:
-        assert f"{site}/oomguard/twin/models/tiny-llama" in log.read_text(), log
+        assert f"{site}/oomguard/twin/models/llama-3-8b" in log.read_text(), log
     summary = json.loads((report / "summary.json").read_text())
     # the incident happened without oomguard and not with it; the healthy GPU was left alone
     alone, guarded = summary["side_by_side"]["alone"], summary["side_by_side"]["oomguard"]
