@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -200,6 +201,29 @@ def test_memory_that_rises_during_the_stage_is_not_a_clean_admission():
     later = obs(cap=3, admitted=1, prefilled=1, running=3, waiting=20, seconds=60.0)
     assert decide({"lower_cap"}, later, POLICY).cap == 2
     assert decide({"drain"}, soon, POLICY).draining
+
+
+@pytest.mark.parametrize("cap", [3, 41])  # the single-admission stage; a capped engine
+def test_a_stage_held_by_preemptions_alone_goes_to_full_admission_in_time(cap):
+    """Only a cap change resets the preemption count: without a bound, one preemption would
+    keep a healthy engine capped for good once no alert fires."""
+    held = obs(cap=cap, admitted=5, prefilled=5, preempted=1, running=cap, waiting=20)
+    assert decide(set(), held, POLICY).cap == cap  # within the bound: the stage holds
+    stalled = obs(
+        cap=cap,
+        admitted=5,
+        prefilled=5,
+        preempted=1,
+        running=cap,
+        waiting=20,
+        seconds=POLICY.readmit_stall_seconds,
+    )
+    d = decide(set(), stalled, POLICY)
+    assert (d.cap, d.phase, d.draining) == (64, "readmitting", False)
+    assert "preemptions alone" in d.reason
+    # an alert still asking for action wins over the bound
+    assert decide({"lower_cap"}, stalled, POLICY).cap < cap
+    assert decide({"drain"}, stalled, POLICY).draining
 
 
 def test_requests_a_drain_let_run_count_but_one_new_admission_must_run_clean():

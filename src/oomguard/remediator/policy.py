@@ -21,7 +21,8 @@ Defaults from the field:
   waiting for it to finish would make the stage last five whole requests (minutes with long
   outputs). One at a time: from `readmit_start`, the cap rises by one per clean admission, so
   the next request is let in only once the last one's prefill ran; the cap itself carries the
-  count (a restarted remediator carries on), and a preemption holds the stage.
+  count (a restarted remediator carries on), and a preemption holds the stage, for at most
+  `readmit_stall_seconds` (preemption is vLLM's answer to a full KV cache, not memory danger).
 KV-cache usage alone never leads to an action.
 """
 
@@ -61,6 +62,13 @@ class PolicyConfig(BaseModel):
         description="A drained, idle engine whose drain alert still fires this long after the "
         "drain is restarted with lower memory flags (targets with a restart backend). About a "
         "model reload: memory critical that long is no longer cheaper to wait out.",
+    )
+    readmit_stall_seconds: float = Field(
+        300.0,
+        gt=0,
+        description="A re-admission stage that preemptions alone have held this long, with no "
+        "alert asking for action, goes to full admission: preemption is vLLM's own answer to a "
+        "full KV cache, not memory danger, and a healthy engine must not stay capped.",
     )
     readmit_stages: Literal["field", "doubling"] = Field(
         "field",
@@ -189,6 +197,19 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
         )
     if current >= startup:
         return Desired(False, startup, "serving", "no alerts: full admission")
+    # A preemption makes no admission since the last cap change clean, and only a cap change
+    # resets that count: without this, a stage that saw one would hold its cap for good.
+    if (
+        observed.preemptions_since_cap_change
+        and observed.seconds_since_cap_change >= policy.readmit_stall_seconds
+    ):
+        return Desired(
+            False,
+            startup,
+            "readmitting",
+            f"preemptions alone held re-admission {observed.seconds_since_cap_change:.0f} s with "
+            "no alert: full admission",
+        )
     clean = observed.clean_admissions
     if policy.readmit_stages == "doubling":
         if clean >= policy.readmit_successes:
