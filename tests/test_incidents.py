@@ -377,6 +377,9 @@ def test_sigkill_with_an_unchanged_oom_kill_count_is_not_a_host_oom(tmp_path):
     (cgroup / "memory.events").write_text("oom 0\noom_kill 0\n")
     directory = supervise(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)", cgroup)
     assert the_incident(directory).type == "unknown"
+    # the explanation names it as the table and the docs do: no "type 0"
+    text = inc.render_text([the_incident(directory)], inc.Counter())
+    assert "type 0" not in text and ": unknown, " in text
 
 
 def test_a_startup_refusal_far_above_the_last_log_lines_is_still_found(tmp_path):

@@ -900,7 +900,8 @@ def render_text(found: Sequence[Incident], invalid: Counter[str]) -> str:
         for r in [header, *rows]:
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
         for i in found:
-            lines += ["", f"{i.id}: type {i.kind.number} {i.type}, {i.kind.title}"]
+            kind = f"type {i.kind.number} {i.type}" if i.kind.number else i.type
+            lines += ["", f"{i.id}: {kind}, {i.kind.title}"]
             lines += [f"  - {e}" for e in i.evidence]
             lines.append(f"  fix: {i.kind.fix}")
             lines.append(f"  records: {', '.join(i.records) or '-'}")
