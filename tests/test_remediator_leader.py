@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from kubernetes import client
 
@@ -108,6 +109,18 @@ def test_racing_standbys_one_wins_by_resource_version():
             assert not s.try_once()
         clock.t += 16
         barrier = threading.Barrier(len(standbys))
+        # every standby reads the expired Lease before any of them writes: a real race each run
+        # (otherwise a fast first writer leaves the others reading a live Lease, and no 409)
+        all_read = threading.Barrier(len(standbys), timeout=10)
+        for s in standbys:
+            read = s._read
+
+            def read_then_wait(read: Any = read) -> Any:
+                lease = read()
+                all_read.wait()
+                return lease
+
+            s._read = read_then_wait  # type: ignore[method-assign]
         results: dict[str, bool] = {}
 
         def go(s: LeaseElector) -> None:
