@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -259,6 +259,21 @@ STATE = EngineState.of(
 MODELS = {"data": [{"id": "m", "max_model_len": 4096}]}
 
 
+def run_against(answer: Callable[[httpx.Request], httpx.Response], tmp_path: Path) -> None:
+    """A preflight run against a stand-in server that answers each request with `answer`."""
+    import asyncio
+
+    from oomguard.preflight import Preflight, Server
+
+    settings = Settings("http://127.0.0.1:9", 80 * GIB, GIB, str(tmp_path))
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await Preflight(settings)._run(Server(settings, client))
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize(
     ("models", "state", "message"),
     [
@@ -278,9 +293,6 @@ def test_implausible_server_answers_stop_before_any_load(
 ) -> None:
     """What /v1/models and the plugin's state say decides how long the prompts get: a value no
     real server reports stops the run before a single completion is sent."""
-    import asyncio
-
-    from oomguard.preflight import Preflight, Server
 
     sent: list[str] = []
 
@@ -292,45 +304,27 @@ def test_implausible_server_answers_stop_before_any_load(
             return httpx.Response(200, json=state)
         return httpx.Response(500)
 
-    settings = Settings("http://127.0.0.1:9", 80 * GIB, GIB, str(tmp_path))
-
-    async def go() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-            await Preflight(settings)._run(Server(settings, client))
-
     with pytest.raises(PreflightError, match=message):
-        asyncio.run(go())
+        run_against(answer, tmp_path)
     assert "/v1/completions" not in sent
 
 
 def test_a_vllm_without_the_plugin_is_named_as_such(tmp_path: Path) -> None:
     """vLLM started without VLLM_PLUGINS=oomguard answers 404 on the plugin's routes: the one
     line says what to do, not only the status."""
-    import asyncio
-
-    from oomguard.preflight import Preflight, Server
 
     def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json=MODELS)
         return httpx.Response(404, json={"detail": "Not Found"})
 
-    settings = Settings("http://127.0.0.1:9", 80 * GIB, GIB, str(tmp_path))
-
-    async def go() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-            await Preflight(settings)._run(Server(settings, client))
-
     with pytest.raises(PreflightError, match=r"answered 404.*VLLM_PLUGINS=oomguard"):
-        asyncio.run(go())
+        run_against(answer, tmp_path)
 
 
 def test_a_valid_plugin_state_is_read_as_the_typed_engine_state(tmp_path: Path) -> None:
     """The control for the cases above: the plugin's real document passes, so the run goes on
     to its first (16-token) completion, which this stand-in server refuses."""
-    import asyncio
-
-    from oomguard.preflight import Preflight, Server
 
     sent: list[str] = []
 
@@ -342,12 +336,6 @@ def test_a_valid_plugin_state_is_read_as_the_typed_engine_state(tmp_path: Path) 
             return httpx.Response(200, json=STATE)
         return httpx.Response(503)
 
-    settings = Settings("http://127.0.0.1:9", 80 * GIB, GIB, str(tmp_path))
-
-    async def go() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
-            await Preflight(settings)._run(Server(settings, client))
-
     with pytest.raises(PreflightError, match="16-token completion"):
-        asyncio.run(go())
+        run_against(answer, tmp_path)
     assert sent == ["/v1/models", "/oomguard/v1/state", "/v1/completions"]
