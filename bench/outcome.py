@@ -3,8 +3,9 @@
 For each trace (twin/traces/*.json) three configurations run one after the other on the same
 two-engine twin fleet (twin/runner.py): vLLM's flags with no oomguard (`default`), a static
 conservative `max_num_seqs` 48 (`static`), and oomguard with its default policy (`oomguard`:
-the exporter, and the remediator in standalone mode with its shipped defaults, restart backends
-on both engines). Every configuration is measured over the same **fixed horizon** that includes
+the exporter, the remediator in standalone mode with its shipped defaults, restart backends
+on both engines, and the plugin's request guard enforcing: `--guard-mode`, recorded per run).
+Every configuration is measured over the same **fixed horizon** that includes
 recovery: the trace is extended (its steady traffic goes on) to the end of its GPU events plus
 the trace's model reload time (`reload_s`, 12 minutes) plus two minutes, so a crash's reload is
 counted, not cut off by the end of the trace.
@@ -20,7 +21,10 @@ drain or lowering of engine 0 after the pressure ended counts as oscillation).
 requests that brings the pressure) until the pressure ends, N closed-loop users per engine
 (long outputs; each user sends its next request as soon as the last ends), so each engine holds
 N requests at the incident whatever the machine's speed (the issue's >= 64), and checks that
-every engine did. An open-loop rate sized by Little's law on the twin's roofline cannot promise
+every engine did. A user waits for its own engine while the load runs (503: after Retry-After;
+refused: after 10 trace s) instead of failing over to the peer as the trace's requests do, so
+the engine under test still holds its users' requests at its incident. An open-loop rate
+sized by Little's law on the twin's roofline cannot promise
 that here: on a 2-core machine vLLM's own CPU time per step with 64 sequences is longer than the
 twin's compressed step at any compression that fits a 10-minute run, so the engines fall behind
 their clock and their queues grow without bound (250 per engine at x4), or, on a busy machine,
@@ -60,6 +64,10 @@ from oomguard.twin.runner import (  # noqa: E402
 from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
+# The request guard in the `oomguard` configuration. The plugin ships it in `observe` (it refuses
+# nothing); an operator who deploys oomguard to stop CUDA OOMs enforces it (the runbook's fix for
+# requests whose own transient memory never fits: prompt-logprobs kills vLLM with observe).
+GUARD_MODE = "enforce"
 HORIZON_MARGIN_S = 120.0
 INCIDENT_LEAD_S = 60.0  # the in-flight load starts this long before the GPU trouble
 
@@ -285,9 +293,13 @@ def oom_times(fleet: Fleet) -> list[float]:
     return sorted(times)
 
 
-def run(trace: Trace, config: str, load: ClosedLoop | None) -> tuple[Outcome, dict[str, Any]]:
-    # oomguard: the fleet's remediator, shipped defaults + restarts
-    fleet = Fleet(trace, config, load=load)
+def run(
+    trace: Trace, config: str, load: ClosedLoop | None, guard_mode: str = GUARD_MODE
+) -> tuple[Outcome, dict[str, Any]]:
+    # oomguard: the fleet's remediator, shipped defaults + restarts, and the request guard in
+    # `guard_mode`; default and static: vLLM alone (guard off)
+    mode = guard_mode if config == "oomguard" else None
+    fleet = Fleet(trace, config, load=load, guard_mode=mode)
     try:
         fleet.start()
         fleet.replay()
@@ -295,7 +307,7 @@ def run(trace: Trace, config: str, load: ClosedLoop | None) -> tuple[Outcome, di
         if len(ooms) > len(fleet.crash_times):
             fleet.crash_times = ooms  # CUDA OOMs the supervisor took for a plain exit
         o = fleet.outcome()
-        return o, engine0(fleet, trace, o)
+        return o, {"guard_mode": mode or "off", **engine0(fleet, trace, o)}
     finally:
         fleet.stop()
 
@@ -354,6 +366,12 @@ def main() -> int:
         help="keep the other traces (and, with --config, the other configurations of this "
         "trace) already recorded in --out",
     )
+    parser.add_argument(
+        "--guard-mode",
+        choices=("off", "observe", "enforce"),
+        default=GUARD_MODE,
+        help="the request guard's mode in the oomguard configuration",
+    )
     parser.add_argument("--conditions", help="how the run went (recorded as is)")
     args = parser.parse_args()
     chosen = args.trace or (list(QUICK) if args.quick else names())
@@ -381,7 +399,7 @@ def main() -> int:
         for config in args.config or CONFIGS:
             failed.pop(f"{name}/{config}", None)
             try:
-                outcomes[config], extra[config] = run(trace, config, load)
+                outcomes[config], extra[config] = run(trace, config, load, args.guard_mode)
                 print("  " + summary(outcomes[config], extra[config]), flush=True)
             except RuntimeError as exc:  # an engine that did not start on a loaded machine
                 print(f"  {config}: not run: {exc}".splitlines()[0], flush=True)

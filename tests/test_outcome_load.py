@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from bench.outcome import (
@@ -45,9 +45,14 @@ class Engine:
     now: int = 0
     peak: int = 0
     prompts: list[tuple[int, ...]] = field(default_factory=list)
+    draining_until: float = 0.0  # monotonic: until then, every request answered 503 (a drain)
+    refused: int = 0  # 503s answered
 
-    async def completions(self, request: HttpRequest) -> StreamingResponse:
+    async def completions(self, request: HttpRequest) -> Response:
         body = await request.json()
+        if time.monotonic() < self.draining_until:
+            self.refused += 1
+            return Response(status_code=503, headers={"Retry-After": "2"})
         self.prompts.append(tuple(body["prompt"][:8]))
 
         async def stream() -> AsyncIterator[bytes]:
@@ -267,3 +272,28 @@ def test_crashes_are_counted_from_the_oom_records(tmp_path):
         work=tmp_path, names=["engine-0", "engine-1"], trace_time=lambda w: (w - 1000.0) * 20
     )
     assert oom_times(fleet) == [200.0, 600.0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engines", [0.3], indirect=True)
+def test_users_wait_for_their_own_engine_while_the_trace_fails_over(engines):
+    # engine 0 drains (503) for most of the load: its users wait for it instead of drifting to
+    # the peer (at the 15:52 run 12 of engine 0's 64 were left in it before its crash), so the
+    # engine under test holds its users' requests at the incident; the trace's own request
+    # fails over to the peer, as a gateway does
+    e, urls = engines
+    e[0].draining_until = time.monotonic() + 2.0  # x10: 20 trace s, the load runs 30
+    samples: list[list[int]] = []
+    gateway = replay(urls, LOAD, samples, e, trace=True)
+    users = [s for s in gateway.sent if s.user is not None]
+    assert e[0].refused > 0  # the drain was seen
+    # no user request ever reached the peer of its own engine: engine 1 held only its own
+    # users' requests and the trace's one
+    assert all(s.engine == s.user % 2 for s in users)
+    assert max(x.peak for x in e) <= LOAD.users // 2 + 1
+    waited = [s for s in users if s.user % 2 == 0 and s.request.at_s < 20]
+    assert waited and all(s.status == "ok" and s.first_token_s >= 20 for s in waited)
+    # the retries honour Retry-After (2 s of trace time): a few per user, not one per 50 ms
+    assert e[0].refused <= 4 * 20 / 2 * 2
+    trace_request = [s for s in gateway.sent if s.user is None]
+    assert [s.engine for s in trace_request] == [1] and trace_request[0].status == "ok"

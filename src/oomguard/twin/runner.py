@@ -5,8 +5,9 @@ the trace's model folder (twin/models/<model>: its config, so vocabulary and siz
 physics, and its offline tokenizer, so prompt_logprobs requests run), each
 under `oomguard serve` (a crash reloads the model after the trace's `reload_s`), behind a gateway
 that balances requests and, like a real one, sends a request to another engine when one answers
-503 (draining) or refuses the connection (restarting). The trace's GPU events hit engine 0's GPU;
-the others are its healthy peers. Configurations:
+503 (draining) or refuses the connection (restarting); a closed-loop user (the outcome
+benchmark's in-flight load) waits for its own engine instead. The trace's GPU events hit
+engine 0's GPU; the others are its healthy peers. Configurations:
 
 - `default`: vLLM's flags from the trace, no oomguard (crashes restart with the same flags);
 - `static`: the same with `max_num_seqs` 48, as conservative operators run it;
@@ -70,6 +71,8 @@ PATIENCE_S = 300.0  # trace seconds a client keeps retrying a request before giv
 STREAM_CHUNKS = 8  # chunks per streamed response at most, besides the first token (each one
 # costs the API server and the gateway CPU that a 2-core machine needs for 128+ streams)
 MAX_STREAMS = 512  # requests the gateway has open at once (the rest wait their turn)
+STICKY_RETRY_S = 10.0  # trace seconds a waiting user backs off without a Retry-After (the
+# plugin's own default)
 
 
 @dataclass
@@ -122,7 +125,8 @@ class _Sent:
 
 
 class Gateway:
-    """Round-robin over engines; 503 or a refused connection go to the next engine."""
+    """Round-robin over engines; 503 or a refused connection go to the next engine (a
+    closed-loop user's request stays on its own engine while the load runs)."""
 
     def __init__(
         self, urls: list[str], compression: float, t0: float, model: str = str(TINY_MODEL)
@@ -136,7 +140,17 @@ class Gateway:
     def _end(self, s: _Sent, status: str, why: str = "") -> None:
         s.status, s.done_s, s.why = status, self.now(), why
 
-    async def _one(self, client: httpx.AsyncClient, s: _Sent, k: int, deadline: float) -> None:
+    async def _one(
+        self,
+        client: httpx.AsyncClient,
+        s: _Sent,
+        k: int,
+        deadline: float,
+        sticky_until: float = 0.0,
+    ) -> None:
+        """Send one request until served, lost or `deadline` (trace s). Until `sticky_until` it
+        stays on engine k mod n (a closed-loop user waits for its own engine, honouring
+        Retry-After); otherwise a 503 or a refused connection goes to the next engine."""
         r = s.request
         body = {
             "model": self.model,
@@ -159,14 +173,17 @@ class Gateway:
         # event loop may start this task late)
         deadline = max(deadline, r.at_s + PATIENCE_S)
         while attempt == 0 or self.now() < deadline:
-            s.engine = (k + attempt) % len(self.urls)
+            sticky = self.now() < sticky_until
+            s.engine = (k + (0 if sticky else attempt)) % len(self.urls)
             url = self.urls[s.engine]
             attempt += 1
             accepted = False  # the engine answered 200: the request is in it
+            retry_after = STICKY_RETRY_S
             try:
                 async with self._stream(client, f"{url}/v1/completions", body) as resp:
                     if resp.status_code == 503:
-                        await asyncio.sleep(0.05)
+                        retry_after = _retry_after(resp.headers.get("retry-after"))
+                        await self._backoff(sticky, retry_after)
                         continue
                     if resp.status_code != 200:
                         s.detail = _error_detail(await resp.aread())
@@ -185,7 +202,7 @@ class Gateway:
                     if failed and s.first_token_s is None:
                         # ended before its first token (a drain ended it while queued): nothing
                         # reached the user yet, so a gateway retries it elsewhere
-                        await asyncio.sleep(0.05)
+                        await self._backoff(sticky, retry_after)
                         continue
                     if s.tokens:
                         self._end(s, "ok")
@@ -199,8 +216,14 @@ class Gateway:
                     return
                 # refused, or reset before the engine answered (a restarting engine, a closed
                 # keep-alive connection): nothing was served, the gateway tries again
-                await asyncio.sleep(0.05)
+                await self._backoff(sticky, retry_after)
         self._end(s, "lost", "no engine took it before the deadline")
+
+    async def _backoff(self, sticky: bool, retry_after_s: float) -> None:
+        """Before the next attempt: a gateway goes to the next engine at once (50 ms); a user
+        waiting for its own engine comes back after Retry-After (trace seconds: the twin's
+        clock), so 64 waiting users do not hammer a draining or restarting engine."""
+        await asyncio.sleep(max(0.05, retry_after_s / self.compression) if sticky else 0.05)
 
     @contextlib.asynccontextmanager
     async def _stream(
@@ -231,8 +254,12 @@ class Gateway:
             )
             s = _Sent(r, user=u)
             self.sent.append(s)
-            # k: a prompt of its own (no prefix-cache hits), first sent to engine u mod n
-            await self._one(client, s, k0 + i * load.users + u, deadline)
+            # k: a prompt of its own (no prefix-cache hits), sent to engine u mod n, where it
+            # waits while the load runs: a user that drifted to the peer when its engine
+            # answered 503 or refused a connection left the engine under test short of its
+            # load at the incident (12 of 64 at the 15:52 run); after the load, the gateway's
+            # failover as for any request
+            await self._one(client, s, k0 + i * load.users + u, deadline, load.end_s)
             i += 1
             if s.status == "lost":
                 await asyncio.sleep(0.05)  # a user who saw an error retries, not in a hot loop
@@ -261,6 +288,15 @@ class Gateway:
                 self.sent.append(s)
                 tasks.append(asyncio.create_task(self._one(client, s, k, end_s)))
             await asyncio.gather(*tasks)
+
+
+def _retry_after(value: str | None) -> float:
+    """A Retry-After header's delay in seconds (the plugin sends whole seconds), else the
+    default."""
+    try:
+        return min(60.0, max(0.0, float(value))) if value is not None else STICKY_RETRY_S
+    except ValueError:
+        return STICKY_RETRY_S
 
 
 def _error_detail(body: bytes) -> str:
@@ -325,13 +361,15 @@ class Fleet:
         recovery_watch_s: float = RECOVERY_WATCH_S,
         start_timeout: float = 180.0,
         load: ClosedLoop | None = None,
+        guard_mode: str | None = None,
     ) -> None:
         """`period`: wall seconds between the GPU driver's passes (GPU state, engine reads);
         `served_name`: vLLM's --served-model-name (the `model_name` label of its metrics);
         `audit`: the remediator's audit log when the caller runs the remediator;
         `recovery_watch_s`: trace seconds to keep watching for engine 0's recovery after the
         trace (a crashed engine reloads for the trace's `reload_s`); `start_timeout`: wall
-        seconds each vLLM may take to load; `load`: closed-loop users on top of the trace."""
+        seconds each vLLM may take to load; `load`: closed-loop users on top of the trace;
+        `guard_mode`: the request guard's mode (default: see `start`)."""
         assert config in (*CONFIGS, GUARD), config
         self.trace, self.config, self.log = trace, config, log
         self.work = workdir or Path(tempfile.mkdtemp(prefix=f"oomguard-{trace.name}-{config}-"))
@@ -358,6 +396,7 @@ class Fleet:
         self.recovery_watch_s = recovery_watch_s
         self.start_timeout = start_timeout
         self.load = load
+        self.guard_mode = guard_mode
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._gmu = [trace.engine.gpu_memory_utilization] * engines
@@ -388,8 +427,10 @@ class Fleet:
             s.write_text(json.dumps({}))
 
         # the request guard: enforcing in `guard`, vLLM as shipped in default and static, and
-        # oomguard's own default (observe) in `oomguard`
-        guard_mode = {GUARD: "enforce", "oomguard": "observe"}.get(self.config, "off")
+        # oomguard's own default (observe) in `oomguard` unless the caller chose a mode
+        guard_mode = self.guard_mode or {GUARD: "enforce", "oomguard": "observe"}.get(
+            self.config, "off"
+        )
 
         def launch(i: int) -> SupervisedVllm:
             served = ["--served-model-name", self.served_name] if self.served_name else []
