@@ -321,6 +321,9 @@ def judge(
     checks: dict[str, object] = {
         "oomguard_zero_crashes": o.crashes == 0,
         "oomguard_zero_lost": o.lost == 0,
+        # the request guard answers a request that can never fit 400 naming its parameter: a
+        # refusal with its reason, not a request lost to a crash or a drain
+        "oomguard_zero_lost_besides_refusals": o.lost - o.lost_why.get("HTTP 400", 0) == 0,
     }
     if trace.pressure_ends_s is not None:
         checks["recovery_within_60s"] = o.recovery_s is not None and o.recovery_s <= 60
