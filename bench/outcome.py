@@ -176,9 +176,11 @@ def with_horizon(trace: Trace, inflight: int = 0) -> Trace:
     return trace.model_copy(update={"duration_s": horizon, "phases": phases})
 
 
-def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
-    """Engine 0 at the incident, at its peak, and during the recovery (with its remediator steps
-    in trace time: the recovery's timeline), and what every engine held at the incident."""
+def engine0(fleet: Fleet, trace: Trace, o: Outcome, crash_s: float | None = None) -> dict[str, Any]:
+    """Engine 0 at the incident (`crash_s`: its first CUDA OOM, else the fleet's first crash,
+    else oomguard's first action on it), at its peak, and during the recovery (with its
+    remediator steps in trace time: the recovery's timeline), and what every engine held at the
+    incident."""
     history = [views[0] for views in list(fleet.history)]
     wall0 = time.time() - (time.monotonic() - fleet.t0)  # the audit log's clock at trace 0
     steps: list[str] = []
@@ -191,7 +193,7 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome) -> dict[str, Any]:
                 first_action = at_s if first_action is None else first_action
                 cap = (e.get("after") or {}).get("cap")
                 steps.append(f"{at_s:.1f} {e['action']}" + (f" {cap}" if cap is not None else ""))
-    at = fleet.crash_times[0] if fleet.crash_times else first_action
+    at = crash_s if crash_s is not None else (fleet.crash_times or [first_action])[0]
     if at is None:  # neither a crash nor an action: the trouble itself
         at = incident_s(trace) if incident_s(trace) is not None else pressure_phase_s(trace)
     views = list(fleet.history)
@@ -277,16 +279,18 @@ def slowdown(fleet: Fleet, trace: Trace) -> float | None:
     return round(ratios[len(ratios) // 2], 2) if ratios else None
 
 
-def oom_times(fleet: Fleet) -> list[float]:
+def oom_times(fleet: Fleet, target: str | None = None) -> list[float]:
     """Trace seconds of every CUDA OOM in the fleet, from the records the plugin's OOM observer
     writes as the step fails. The supervisor classifies an exit by its log tail, and under 64
     streams the API server's tracebacks of the failed requests push the OOM line out of it: the
-    exit is recorded as a plain `exited` (and the flags are not lowered)."""
+    exit is recorded as a plain `exited` (and the flags are not lowered). The supervisor's
+    exit time is also late: it sees the exit when vLLM's API server has ended its streams and
+    shut down (80 trace s after the OOM at x15 with 64 streams). `target`: one engine's only."""
     times = []
     for path in sorted((fleet.work / "allocator" / "incidents").glob("oom-*.json")):
         try:
             record = json.loads(path.read_text())
-            if record.get("target") in fleet.names:
+            if record.get("target") in ([target] if target else fleet.names):
                 times.append(fleet.trace_time(float(record["timestamp"])))
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -304,10 +308,12 @@ def run(
         fleet.start()
         fleet.replay()
         ooms = oom_times(fleet)
-        if len(ooms) > len(fleet.crash_times):
-            fleet.crash_times = ooms  # CUDA OOMs the supervisor took for a plain exit
+        if ooms and len(ooms) >= len(fleet.crash_times):
+            # the OOMs as they happened, with those the supervisor took for a plain exit
+            fleet.crash_times = ooms
         o = fleet.outcome()
-        return o, {"guard_mode": mode or "off", **engine0(fleet, trace, o)}
+        first = min(oom_times(fleet, fleet.names[0]), default=None)
+        return o, {"guard_mode": mode or "off", **engine0(fleet, trace, o, first)}
     finally:
         fleet.stop()
 

@@ -272,6 +272,11 @@ def test_crashes_are_counted_from_the_oom_records(tmp_path):
         work=tmp_path, names=["engine-0", "engine-1"], trace_time=lambda w: (w - 1000.0) * 20
     )
     assert oom_times(fleet) == [200.0, 600.0]
+    # one engine's own: the incident is engine 0's first OOM, not its peer's
+    (incidents / "oom-7-1.json").write_text(json.dumps({"target": "engine-1", "timestamp": 1005}))
+    assert oom_times(fleet) == [100.0, 200.0, 600.0]
+    assert oom_times(fleet, "engine-0") == [200.0, 600.0]
+    assert oom_times(fleet, "engine-1") == [100.0]
 
 
 @pytest.mark.timeout(60)
