@@ -11,6 +11,9 @@ carries a marker comment on the line before it:
                                promtool, amtool, systemd-analyze and kubectl kustomize are the real
                                ones. The test then checks what the block left behind.
   <!-- docs-test: skip (why) -->
+
+Commands quoted in docs/budget.md and the runbooks are checked one by one (below), and the
+remediator's config table in docs/remediator.md against the config loader's fields.
 """
 
 from __future__ import annotations
@@ -247,3 +250,254 @@ def test_kubernetes_manifests_leave_the_cluster_alertmanager_alone(tmp_path):
     (amc,) = [o for o in objects if o["kind"] == "AlertmanagerConfig"]
     assert amc["metadata"]["namespace"] == "oomguard"
     assert amc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "oomguard"
+
+
+# -- commands quoted in the reference docs and runbooks -----------------------------------------
+# docs/budget.md and the runbooks give commands to copy (an on-call engineer pastes them at 3 AM),
+# in ```sh blocks and inline. Each `oomguard ...` and `amtool ...` command there must be one the
+# tool accepts: `oomguard budget` and `oomguard incidents` run for real (offline), `preflight`
+# runs against a closed port (every flag is checked before it connects), the rest are parsed by
+# the CLI's own parser; amtool runs for real against a closed port, so only its usage checks can
+# fail it. Placeholders (`<GPU>`, `FILE`) become values a reader would type; a command with `...`
+# is a sketch, not checked.
+COMMAND_DOCS = [
+    "docs/budget.md",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "runbooks").glob("*.md")),
+]
+ANY_FENCE = re.compile(r"(?ms)^```(?P<lang>\w*)\n(?P<code>.*?)^```")
+INLINE = re.compile(r"`([^`]+)`")
+TOOLS = ("oomguard ", "amtool ")
+PLACEHOLDERS = {
+    "<GPU>": "H100",
+    "<len>": "8192",
+    "<n>": "256",
+    "config.json": "src/oomguard/twin/models/llama-3-8b/config.json",
+}
+
+
+def quoted_commands(doc: str) -> list[str]:
+    """Every oomguard/amtool command in the doc: fenced sh lines (continuations joined, comments
+    dropped) and inline code spans (which may wrap across lines)."""
+    text = (ROOT / doc).read_text()
+    found = []
+    for m in ANY_FENCE.finditer(text):
+        if m["lang"] == "sh":
+            for line in m["code"].replace("\\\n", " ").splitlines():
+                line = line.split(" #", 1)[0].strip().removeprefix(".venv/bin/")
+                if line.startswith(TOOLS):
+                    found.append(line)
+    for m in INLINE.finditer(ANY_FENCE.sub("", text)):
+        span = " ".join(m[1].split())
+        # `oomguard budget` names the command, `oomguard incidents [DIR]` is a synopsis
+        if span.startswith(TOOLS) and len(span.split()) > 2 and "[" not in span:
+            found.append(span)
+    return [c for c in found if "..." not in c]  # `oomguard budget ... | head -1`: a sketch
+
+
+def _argv(command: str) -> list[str]:
+    import shlex
+
+    for placeholder, value in PLACEHOLDERS.items():
+        command = command.replace(placeholder, value)
+    command = re.sub(r"<[^<>]*>", "x", command)
+    words = shlex.split(command)
+    for stop in ("|", ">", "&&", ";"):  # what follows a pipe or redirection is not the command's
+        if stop in words:
+            words = words[: words.index(stop)]
+    return words
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+QUOTED = [(doc, cmd) for doc in COMMAND_DOCS for cmd in quoted_commands(doc)]
+
+
+def test_the_reference_docs_quote_commands():
+    """The extraction finds what is there: if it found nothing, the checks below would pass."""
+    docs = {doc for doc, _ in QUOTED}
+    assert "docs/budget.md" in docs and "runbooks/OomguardIncidentClassified.md" in docs
+    tools = {cmd.split()[0] for _, cmd in QUOTED}
+    assert tools == {"oomguard", "amtool"}
+    assert len([c for _, c in QUOTED if c.startswith("oomguard preflight")]) >= 2
+
+
+@pytest.mark.parametrize("doc,command", QUOTED, ids=[f"{d}:{c[:60]}" for d, c in QUOTED])
+def test_quoted_commands_are_accepted(doc, command, tmp_path):
+    argv = _argv(command)
+    closed = f"http://127.0.0.1:{_free_port()}"
+    where = f"{doc}: `{command}`"
+    if argv[0] == "amtool":
+        need("amtool")
+        r = subprocess.run(
+            [*argv, f"--alertmanager.url={closed}"], capture_output=True, text=True, timeout=30
+        )
+        # past amtool's own checks (a silence needs a comment, matchers must parse), it connects
+        assert "connection refused" in r.stderr, f"{where}\n{r.stderr}"
+        return
+    sub = argv[1]
+    if sub in ("budget", "incidents", "preflight"):
+        if sub == "preflight":
+            argv = [closed if a.startswith("http") else a for a in argv]
+        env = {**os.environ, "OOMGUARD_INCIDENT_DIR": str(tmp_path)}
+        r = subprocess.run(
+            [sys.executable, "-m", "oomguard", *argv[1:]],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if sub == "preflight":  # it got as far as asking the server
+            assert r.returncode == 2 and "cannot reach" in r.stderr, f"{where}\n{r.stderr}"
+        elif r.returncode == 1:  # budget's verdict: vLLM would refuse to start
+            assert sub == "budget" and "will not start" in r.stdout, f"{where}\n{r.stdout}"
+        else:
+            assert r.returncode == 0, f"{where}\n{r.stderr}"
+        return
+    from oomguard.cli import build_parser
+
+    try:
+        build_parser().parse_args(argv[1:])
+    except SystemExit as exc:
+        pytest.fail(f"{where}: the CLI rejects it (exit {exc.code})")
+
+
+# -- the remediator's config table against its loader ------------------------------------------
+KEY = re.compile(r"^[a-z_][a-z_.\[\]]*$")
+
+
+def _loader_fields() -> dict[str, object]:
+    """Every key the remediator's config loader accepts (dotted, `[]` for a list item), with its
+    default (None where it has none or it is built by a factory)."""
+    import typing
+
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    from oomguard.remediator.config import RemediatorConfig
+
+    def models(annotation: object) -> list[type[BaseModel]]:
+        found = [m for a in typing.get_args(annotation) for m in models(a)]
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found.append(annotation)
+        return found
+
+    def walk(model: type[BaseModel], prefix: str) -> dict[str, object]:
+        keys: dict[str, object] = {}
+        for name, field in model.model_fields.items():
+            inner = models(field.annotation)
+            sep = "[]." if typing.get_origin(field.annotation) is list else "."
+            for sub in inner:
+                keys |= walk(sub, prefix + name + sep)
+            if not inner:
+                default = field.default
+                keys[prefix + name] = None if default is PydanticUndefined else default
+        return keys
+
+    return walk(RemediatorConfig, "")
+
+
+def _documented_fields() -> dict[str, str]:
+    """The keys docs/remediator.md's Safety and Configuration tables name, with the default each
+    row gives. In a cell `a.b.c` / `d` / `e`, a bare name takes the last dotted name's prefix."""
+    text = (ROOT / "docs" / "remediator.md").read_text()
+    documented: dict[str, str] = {}
+    for section in ("## Safety", "## Configuration"):
+        body = text.split(section, 1)[1].split("\n## ", 1)[0]
+        for row in re.findall(r"(?m)^\| (.+?) \| (.+?) \|", body):
+            names = [n for n in re.findall(r"`([^`]+)`", row[0]) if KEY.match(n)]
+            defaults = [d.strip().strip("`") for d in row[1].split(" / ")]
+            if len(defaults) != len(names):
+                defaults = ["–"] * len(names)
+            prefix = ""
+            for name, default in zip(names, defaults, strict=True):
+                if "." in name:
+                    prefix = name.rsplit(".", 1)[0] + "."
+                else:
+                    name = prefix + name
+                documented[name] = default
+    return documented
+
+
+def _same_default(doc: str, actual: object) -> bool:
+    if doc == "–" or actual is None or isinstance(actual, dict | list):
+        return True  # none given, or not a scalar to compare
+    if isinstance(actual, bool):
+        return doc in (("true", "on") if actual else ("false", "off"))
+    if isinstance(actual, int | float):
+        try:
+            return float(doc.replace(",", "")) == float(actual)
+        except ValueError:
+            return True  # written with a unit (`1 MiB`)
+    return doc == ('""' if actual == "" else str(actual))
+
+
+def test_the_remediator_config_table_is_the_loader():
+    loader = _loader_fields()
+    documented = {k: v for k, v in _documented_fields().items() if not k.endswith("*")}
+    assert "policy.readmit_stall_seconds" in documented  # the parse found the tables
+    assert sorted(set(documented) - set(loader)) == [], "documented, but the loader refuses it"
+    assert sorted(set(loader) - set(documented)) == [], "accepted, but not in docs/remediator.md"
+    wrong = {k: (d, loader[k]) for k, d in documented.items() if not _same_default(d, loader[k])}
+    assert wrong == {}, "documented default differs from the loader's (doc, loader)"
+
+
+def test_the_example_config_uses_only_documented_keys():
+    """deploy/remediator.example.yaml (the 'complete example') loads with the real loader and
+    every key in it is in the table."""
+    from oomguard.remediator.config import RemediatorConfig
+
+    example = yaml.safe_load((ROOT / "deploy" / "remediator.example.yaml").read_text())
+    RemediatorConfig.model_validate(example)  # the token files are only checked by load()
+
+    def keys(value: object, prefix: str = "") -> set[str]:
+        if isinstance(value, list):
+            return {k for item in value for k in keys(item, prefix.removesuffix(".") + "[].")}
+        if isinstance(value, dict) and not prefix.endswith(("match.", "actions.")):
+            return {k for name, v in value.items() for k in keys(v, f"{prefix}{name}.")}
+        return {prefix.removesuffix(".")}
+
+    assert keys(example) - set(_documented_fields()) == set()
+
+
+def test_the_runbooks_config_check_validates_and_starts_nothing(tmp_path):
+    """OomguardRemediatorDown's `oomguard remediator --config FILE --check`: 0 and one line for a
+    good file, even while a remediator holds its port; 2 naming the field or file otherwise."""
+    import socket
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with socket.socket() as holder:  # the running remediator's port
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        good = {
+            "listen": f"127.0.0.1:{port}",
+            "auth": {"bearer_token_file": str(token)},
+            "targets": [{"name": "a", "url": "http://127.0.0.1:1", "token_file": str(token)}],
+            "audit_log": str(tmp_path / "audit.jsonl"),
+        }
+        bad_field = {**good, "policy": {"readmit_stall_secs": 300}}
+        empty_token = {**good, "auth": {"bearer_token_file": str(tmp_path / "empty")}}
+        (tmp_path / "empty").write_text("")
+        results = {}
+        for name, config in (("good", good), ("bad", bad_field), ("empty", empty_token)):
+            path = tmp_path / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            results[name] = subprocess.run(
+                [sys.executable, "-m", "oomguard", "remediator", "--config", str(path), "--check"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+    ok = results["good"]
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("ok (1 targets, mode alertmanager)")
+    assert not (tmp_path / "audit.jsonl").exists()  # nothing started, nothing recorded
+    assert results["bad"].returncode == 2 and "policy.readmit_stall_secs" in results["bad"].stderr
+    assert results["empty"].returncode == 2 and "the file is empty" in results["empty"].stderr

@@ -659,6 +659,12 @@ def _add_remediator(sub: Any) -> None:
     )
     p.add_argument("--config", required=True, metavar="FILE", help="remediator YAML config")
     p.add_argument("--dry-run", action="store_true", help="decide and record, act on nothing")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the config and its token files, print one line and exit (0 valid, 2 "
+        "not); starts nothing, so it runs beside a remediator that holds the port",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run_remediator)
     rsub = p.add_subparsers(dest="remediator_command", metavar="SUBCOMMAND")
@@ -687,12 +693,16 @@ def _load_remediator(args: argparse.Namespace) -> Any:
 
 
 def _run_remediator(args: argparse.Namespace) -> int:
-    from oomguard.remediator.main import Remediator
-
     config = _load_remediator(args)
     for where, path in _secret_files(config):
         _check_secret_file(where, path)
+    if args.check:
+        dry = ", dry run" if config.dry_run else ""
+        print(f"{args.config}: ok ({len(config.targets)} targets, mode {config.mode}{dry})")
+        return 0
     _check_listen("listen", config.listen)
+    from oomguard.remediator.main import Remediator
+
     return Remediator(config).serve()
 
 
