@@ -296,8 +296,9 @@ def test_users_wait_for_their_own_engine_while_the_trace_fails_over(engines):
     # users' requests and the trace's one
     assert all(s.engine == s.user % 2 for s in users)
     assert max(x.peak for x in e) <= LOAD.users // 2 + 1
-    waited = [s for s in users if s.user % 2 == 0 and s.request.at_s < 20]
-    assert waited and all(s.status == "ok" and s.first_token_s >= 20 for s in waited)
+    # they were served once the drain ended (about 20 trace s after the replay began)
+    waited = [s for s in users if s.user % 2 == 0 and s.request.at_s < 15]
+    assert waited and all(s.status == "ok" and s.first_token_s >= 15 for s in waited)
     # the retries honour Retry-After (2 s of trace time): a few per user, not one per 50 ms
     assert e[0].refused <= 4 * 20 / 2 * 2
     trace_request = [s for s in gateway.sent if s.user is None]
