@@ -334,6 +334,8 @@ def test_quoted_commands_are_accepted(doc, command, tmp_path):
     where = f"{doc}: `{command}`"
     if argv[0] == "amtool":
         need("amtool")
+        if argv[1] != "silence":
+            pytest.skip("only amtool silence commands are checked (against a closed port)")
         r = subprocess.run(
             [*argv, f"--alertmanager.url={closed}"], capture_output=True, text=True, timeout=30
         )
