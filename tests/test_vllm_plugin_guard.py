@@ -5,10 +5,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomguard.vllm_plugin.guard import (
+    STEP_MARGIN,
     EngineShape,
     Headroom,
     ModelMemory,
@@ -17,6 +18,7 @@ from oomguard.vllm_plugin.guard import (
     decide,
     estimate,
     max_prompt_for,
+    step_room,
 )
 
 GIB = 2**30
@@ -109,8 +111,103 @@ headroom = st.builds(
 
 @given(requests, st.lists(headroom, min_size=1, max_size=4))
 def test_do_no_harm_requests_without_extra_transient_are_always_admitted(req, rooms):
-    """Sampling and the profiled step are vLLM's own budget: never a reason to refuse."""
+    """Sampling and the profiled step are vLLM's own budget: never a reason to refuse while
+    every engine can still run its profiled step with the margin (only fragmentation or a
+    neighbour taking that room defers a prefill, test_a_long_prompt_waits_...)."""
+    rooms = [h for h in rooms if h.now >= step_room(0, h)] or [Headroom(GIB, GIB, 0, 1)]
     assert decide(req, LLAMA3, ENGINE, rooms).action == "admit"
+
+
+@given(
+    st.integers(0, 70_000),
+    st.booleans(),
+    st.integers(0, 20),
+    st.integers(1, 8),
+    st.booleans(),
+    st.integers(1, 80 * GIB),
+)
+def test_a_healthy_engine_never_defers(prompt, plp, logprobs, n, chunked, idle):
+    """Nothing else on the GPU (now == idle): admit or reject, never a 503 that could only be
+    retried forever; a request that fits an idle engine is never kept waiting by the margin."""
+    req = RequestShape(prompt, prompt_logprobs=plp, logprobs=logprobs, n=n)
+    engine = EngineShape(8192, chunked, 16, 26_000)
+    assert decide(req, LLAMA3, engine, [Headroom(idle, idle, 0, 1)]).action != "defer"
+
+
+# The long-context-burst incident on the twin H100 (llama-3-8b, gpu_memory_utilization 0.9,
+# max_num_batched_tokens 8192): the guard admitted a 63,773-token prompt (no transient beyond
+# the profiled step, chunked prefill) while allocator fragmentation (8.55e9 B, inactive split)
+# had taken more than the 7.91 GiB the engine keeps beyond its profiled step; its first
+# 8,192-token chunk asked for 4.10e9 B of activations with 4.04e9 B free: CUDA OOM
+# (bench/results/guard.json, oom-*.json of the 15:43 UTC run).
+H100_IDLE = 8_492_626_740  # the twin's idle headroom there (twin/physics.py)
+INCIDENT_FRAGMENTATION = 8_550_990_510
+
+
+def twin_room(fragmentation: int) -> Headroom:
+    """What the twin's engine reports with this much fragmentation (GpuTwin.headroom)."""
+    return Headroom(H100_IDLE - fragmentation, H100_IDLE, 20_000, 26_321)
+
+
+def test_the_twin_headroom_figure_is_the_physics():
+    from oomguard.twin.physics import Physics
+
+    p = Physics.for_model("llama-3-8b", gpu="H100", gpu_memory_utilization=0.9)
+    idle = p.total - p.driver_reserved - p.resident - p.activation(p.max_num_batched_tokens)
+    assert idle == H100_IDLE
+
+
+def test_a_long_prompt_waits_while_fragmentation_holds_its_chunks_room():
+    long = RequestShape(63_773, max_tokens=64)
+    at_crash = decide(long, LLAMA3, ENGINE, [twin_room(INCIDENT_FRAGMENTATION)])
+    assert at_crash.action == "defer" and at_crash.reason == "prefill_step"
+    assert at_crash.parameter == "prompt" and "8192-token step" in at_crash.message
+    assert "retry later or on another replica" in at_crash.message
+    # admitted again once fragmentation recedes below the margin (15 % of the idle headroom)
+    assert decide(long, LLAMA3, ENGINE, [twin_room(0)]).reason == "no_transient"
+    recovered = int(H100_IDLE * (1 - STEP_MARGIN)) - 1
+    assert decide(long, LLAMA3, ENGINE, [twin_room(recovered)]).action == "admit"
+    assert decide(long, LLAMA3, ENGINE, [twin_room(recovered + 2)]).action == "defer"
+    # a short prompt's step is smaller than the profiled one: it may still run
+    assert decide(
+        RequestShape(1000), LLAMA3, ENGINE, [twin_room(INCIDENT_FRAGMENTATION)]
+    ).action == ("admit")
+    # with data parallelism the pressed engine defers; its healthy peer alone admits
+    assert decide(
+        long, LLAMA3, ENGINE, [twin_room(0), twin_room(INCIDENT_FRAGMENTATION)]
+    ).action == ("defer")
+
+
+@settings(deadline=None)  # the first example loads the twin model's config
+@given(st.integers(1, 65_536), st.floats(0, 10).map(lambda gib: int(gib * GIB)))
+def test_what_the_guard_admits_fits_the_twin_s_physics(prompt, fragmentation):
+    """Soundness against the twin: a plain prompt admitted at this fragmentation runs its
+    largest prefill step (its chunk) without a CUDA OOM in the twin's physics; one deferred
+    would not have run with the margin's worth more fragmentation."""
+    from oomguard.twin.physics import Physics, Step
+
+    p = Physics.for_model("llama-3-8b", gpu="H100", gpu_memory_utilization=0.9)
+    decision = decide(RequestShape(prompt), LLAMA3, ENGINE, [twin_room(fragmentation)])
+    chunk = min(prompt, ENGINE.max_num_batched_tokens)
+    if decision.action == "admit":
+        assert p.fits(Step(tokens=chunk), fragmentation=fragmentation)
+    else:
+        assert decision.action == "defer" and decision.reason == "prefill_step"
+        assert not p.fits(Step(tokens=chunk), fragmentation=fragmentation + int(0.15 * H100_IDLE))
+
+
+def test_a_pressed_engine_is_read_by_the_hook_not_its_shortcut():
+    """The hook's shortcut for plain requests must not admit what the decision defers."""
+    from oomguard.vllm_plugin.admission import Guard
+
+    guard = Guard("observe")
+    figures = reports(now=(H100_IDLE - INCIDENT_FRAGMENTATION) / GIB, idle=H100_IDLE / GIB)
+    guard.update(figures)
+    decision = guard.check(engine_request(63_773))
+    assert decision is not None and decision.action == "defer" and decision.reason == "prefill_step"
+    assert guard.check(engine_request(1000)).action == "admit"
+    guard.update(reports(now=H100_IDLE / GIB, idle=H100_IDLE / GIB))  # the fragments coalesced
+    assert guard.check(engine_request(63_773)).reason == "no_transient"
 
 
 @given(
@@ -278,6 +375,7 @@ def test_the_hook_is_installed_once_and_reads_the_current_guard():
         ("OOMGUARD_GUARD_REFRESH_SECONDS", "nan"),
         ("OOMGUARD_GUARD_REFRESH_SECONDS", "-1"),
         ("OOMGUARD_GUARD_KV_MARGIN", "inf"),
+        ("OOMGUARD_GUARD_STEP_MARGIN", "1.5"),
         ("OOMGUARD_GUARD_MODE", "panic"),
     ],
 )

@@ -19,6 +19,8 @@ figures mean blind: the guard admits (blind is not a reason to refuse traffic).
 Modes (`OOMGUARD_GUARD_MODE`): `off` (no hook, no refresh), `observe` (default: decide, count and
 log; never refuse), `enforce` (defer answers 503 + Retry-After, reject answers 400 naming the
 parameter and the limit). `OOMGUARD_GUARD_KV_MARGIN` (e.g. 0.15) turns on the per-request KV budget.
+`OOMGUARD_GUARD_STEP_MARGIN` (default 0.15, a share of the engine's idle headroom) is what a
+prefill step must leave free to be admitted while fragmentation or a neighbour holds memory.
 
 Decisions are exported on vLLM's /metrics as
 `oomguard_guard_decisions_total{mode, action, reason}`, and the headroom each engine reported as
@@ -42,6 +44,7 @@ from prometheus_client import Counter, Gauge
 from oomguard.catalog import spec
 from oomguard.vllm_plugin.guard import (
     MODES,
+    STEP_MARGIN,
     Decision,
     EngineShape,
     Headroom,
@@ -49,6 +52,7 @@ from oomguard.vllm_plugin.guard import (
     RequestShape,
     TransientCosts,
     decide,
+    step_room,
 )
 
 log = logging.getLogger("oomguard.vllm_plugin.admission")
@@ -76,20 +80,23 @@ class Guard:
         stale_after: float = 5.0,
         kv_margin: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        step_margin: float = STEP_MARGIN,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"OOMGUARD_GUARD_MODE must be one of {MODES}, not {mode!r}")
         self.mode, self.refresh, self.stale_after = mode, refresh, stale_after
-        self.kv_margin, self.clock = kv_margin, clock
+        self.kv_margin, self.clock, self.step_margin = kv_margin, clock, step_margin
         self.model: ModelMemory | None = None
         self.engine: EngineShape | None = None
         self.headrooms: list[Headroom] = []
         self.last: Decision | None = None
         # cached at each update for the per-request fast path (bench/guard.py measures it):
-        # the model's constants, the oldest figure's time, the best idle and tightest now
+        # the model's constants, the oldest figure's time, the best idle and tightest now, the
+        # largest step margin, and whether every engine can run a full profiled step now
         self._costs: TransientCosts | None = None
         self._oldest = self._newest = float("-inf")
-        self._best_idle = self._tightest_now = 0
+        self._best_idle = self._tightest_now = self._margin_max = 0
+        self._roomy = True
         self._counters: dict[tuple[str, str], Any] = {}  # labelled children: no lookup per request
 
     @classmethod
@@ -102,6 +109,7 @@ class Guard:
             kv_margin=_env_number("OOMGUARD_GUARD_KV_MARGIN", margin, 0.0, 10.0)
             if margin
             else None,
+            step_margin=_env_number("OOMGUARD_GUARD_STEP_MARGIN", str(STEP_MARGIN), 0.0, 1.0),
         )
 
     # -- engine figures ------------------------------------------------------------------------
@@ -141,6 +149,10 @@ class Guard:
             self._newest = max(h.measured_at for h in headrooms)
             self._best_idle = max(h.idle for h in headrooms)
             self._tightest_now = min(h.now for h in headrooms)
+            self._margin_max = max(int(self.step_margin * max(0, h.idle)) for h in headrooms)
+            # a prompt that fills the step (step need 0) fits every engine: so does any
+            # request without extra transient (its step is at most the profiled one)
+            self._roomy = all(h.now >= step_room(0, h, self.step_margin) for h in headrooms)
 
     def fresh(self) -> list[Headroom]:
         now = self.clock()
@@ -174,12 +186,17 @@ class Guard:
         best_of = getattr(params, "best_of", None)
         if best_of:
             n = max(n, int(best_of))
-        need = costs.transient(
+        need, step = costs.needs(
             prompt_tokens, n, bool(params.logprobs), params.prompt_logprobs is not None
         )
-        if need == 0:
+        if need == 0 and self._roomy:
             return ADMIT_PROFILED
-        if need > self._tightest_now or need > self._best_idle:
+        if (
+            need == 0
+            or need > self._tightest_now
+            or need > self._best_idle
+            or step + self._margin_max > self._tightest_now  # its step may not fit: decide looks
+        ):
             return None
         return Decision("admit", "fits", need_bytes=need, limit_bytes=self._tightest_now)
 
@@ -202,11 +219,18 @@ class Guard:
             return None
         prompt = getattr(request, "prompt_token_ids", None)
         prompt_tokens = len(prompt) if prompt is not None else 0
+        fast: Decision | None = None
         if self._needs_nothing_extra(params, prompt_tokens, self.engine):
             # The common request (no logprobs, fits the profiled step): what `decide` answers
-            # without building its estimate, which is most of a decision's cost (bench/guard.py).
-            decision = ADMIT_PROFILED if self._any_fresh() else ADMIT_BLIND
-        elif (fast := self._admits(params, prompt_tokens)) is not None:
+            # without building its estimate, which is most of a decision's cost (bench/guard.py),
+            # unless an engine cannot run a full profiled step now (fragmentation, a neighbour).
+            if not self._any_fresh():
+                fast = ADMIT_BLIND
+            elif self._roomy:
+                fast = ADMIT_PROFILED
+        else:
+            fast = self._admits(params, prompt_tokens)
+        if fast is not None:
             decision = fast
         else:
             shape = RequestShape(
@@ -216,7 +240,9 @@ class Guard:
                 logprobs=int(params.logprobs or 0) if params.logprobs is not None else 0,
                 prompt_logprobs=params.prompt_logprobs is not None,
             )
-            decision = decide(shape, self.model, self.engine, self.fresh(), self.kv_margin)
+            decision = decide(
+                shape, self.model, self.engine, self.fresh(), self.kv_margin, self.step_margin
+            )
         self.last = decision
         key = (decision.action, decision.reason)
         counter = self._counters.get(key)

@@ -6,14 +6,20 @@ prompt token of a prefill chunk x the vocabulary x 4 B: 8K tokens x 128K vocab =
 longer than the profiled step when chunked prefill is off, and top `logprobs` (an FP32
 log-softmax row per sequence, `n`/`best_of` of them). Sampling itself is profiled (a logits row
 for each of `max_num_seqs` sequences), so a request with none of these needs nothing extra and is
-always admitted. The guard estimates those
+always admitted while the engine can still run its profiled step. The guard estimates those
 from the request and the model, compares them with the engine's live headroom (published by the
-engine: free device memory plus allocator cache that is reserved but free, minus the profiled
-step), and decides:
+engine: free device memory plus allocator cache that is reserved but free and not split into
+fragments, minus the profiled step), and decides:
 
 - admit: it fits now;
 - defer: it fits on this engine, not now (a neighbour, fragmentation): 503 + Retry-After, the
   gateway retries elsewhere or later;
+- defer too: the engine cannot run this request's prefill step now. Its profiled step is budgeted
+  only while nothing else holds the memory it was profiled in: when allocator fragmentation or a
+  neighbour eats the room the step's activations need (`now` falls towards zero or below), a
+  request whose prefill fills the step (a long prompt's chunk, or a short prompt near the budget)
+  waits until `now` covers its step plus a margin (`STEP_MARGIN` of the idle headroom, never more
+  than the idle headroom itself, so a request that fits an idle engine never waits forever);
 - reject: it can never fit on this engine: 400 naming the parameter and the limit (the field
   runbook's gateway input cap, automatic).
 
@@ -39,6 +45,10 @@ LOGIT_BYTES = 4  # vLLM computes (prompt) logprobs in FP32 (vllm/v1/sample/sampl
 # Llama-3-8B (hidden 4096; we found no public source to cite): an unchunked 30K-token prefill
 # needed 11.2 GB, a 2,048-token chunk 2.1 GB: (11.2e9 - 2.1e9) / (30,000 - 2,048) / 4096 ~ 79.5 B.
 ACT_BYTES_PER_TOKEN_PER_HIDDEN = (11.2e9 - 2.1e9) / (30_000 - 2_048) / 4096
+# A prefill step is admitted only while `now` leaves this share of the engine's idle headroom
+# beyond the step (the field's 15 % margin): the figures are up to a refresh old, fragmentation
+# can grow while a long prompt's chunks run, and decode tokens and other prompts share the step.
+STEP_MARGIN = 0.15
 
 
 @dataclass(frozen=True)
@@ -86,10 +96,18 @@ class Estimate:
     activation: int  # activations beyond the profiled step (unchunked long prompts)
     sampling: int  # FP32 log-softmax rows for top logprobs, one per n/best_of sequence
     kv_blocks: int  # KV blocks the request reserves over its life (with the margin)
+    # its largest prefill step's activations against the profiled step's (negative: smaller)
+    step: int = 0
+    step_tokens: int = 0
 
     @property
     def transient(self) -> int:
         return self.logits + self.activation + self.sampling
+
+    @property
+    def step_need(self) -> int:
+        """What its prefill step needs from `now` (the profiled step already counted)."""
+        return self.logits + self.step + self.sampling
 
     def dominant(self) -> tuple[str, str]:
         """(reason, parameter) of the largest transient part."""
@@ -117,6 +135,11 @@ def activation_bytes(tokens: int, model: ModelMemory) -> int:
     return int(ACT_BYTES_PER_TOKEN_PER_HIDDEN * model.hidden_size * max(0, tokens))
 
 
+def _signed_activation(tokens: int, act_per_token: float) -> int:
+    """Activations of `tokens` more (or, negative, fewer) tokens than the profiled step."""
+    return int(act_per_token * tokens) if tokens >= 0 else -int(act_per_token * -tokens)
+
+
 def estimate(
     req: RequestShape, model: ModelMemory, engine: EngineShape, kv_margin: float = 0.0
 ) -> Estimate:
@@ -133,7 +156,8 @@ def estimate(
     block = max(1, engine.block_size)
     blocks = math.ceil((req.prompt_tokens + req.max_tokens) / block)
     blocks += (sequences - 1) * math.ceil(req.max_tokens / block)  # forks share the prompt
-    return Estimate(logits, activation, sampling, math.ceil(blocks * (1 + kv_margin)))
+    step = _signed_activation(beyond_profile, ACT_BYTES_PER_TOKEN_PER_HIDDEN * model.hidden_size)
+    return Estimate(logits, activation, sampling, math.ceil(blocks * (1 + kv_margin)), step, chunk)
 
 
 @dataclass(frozen=True)
@@ -159,14 +183,19 @@ class TransientCosts:
         self, prompt_tokens: int, sequences: int, logprobs: bool, prompt_logprobs: bool
     ) -> int:
         """`estimate(...).transient` for the same request (bytes)."""
+        return self.needs(prompt_tokens, sequences, logprobs, prompt_logprobs)[0]
+
+    def needs(
+        self, prompt_tokens: int, sequences: int, logprobs: bool, prompt_logprobs: bool
+    ) -> tuple[int, int]:
+        """(`estimate(...).transient`, `estimate(...).step_need`) for the same request."""
         budget = self.max_num_batched_tokens
         chunk = min(prompt_tokens, budget) if self.chunked_prefill else prompt_tokens
         need = chunk * self.logit_row if prompt_logprobs else 0
-        if chunk > budget:
-            need += int(self.act_per_token * (chunk - budget))
         if logprobs:
             need += max(1, sequences) * self.logit_row
-        return need
+        step = _signed_activation(chunk - budget, self.act_per_token)
+        return need + max(0, step), need + step
 
 
 def _gib(n: int) -> str:
@@ -178,23 +207,65 @@ def max_prompt_for(limit: int, model: ModelMemory) -> int:
     return max(0, limit // (model.vocab_size * LOGIT_BYTES))
 
 
+def step_room(step_need: int, h: Headroom, step_margin: float = STEP_MARGIN) -> int:
+    """What `h.now` must be for a prefill step needing `step_need` beyond the profiled step:
+    the step plus the margin, but never more than the engine offers idle (so what fits an idle
+    engine is admitted there eventually). An engine without a positive idle figure cannot say:
+    no requirement."""
+    if h.idle <= 0:
+        return -(2**62)
+    return min(step_need + int(step_margin * h.idle), h.idle)
+
+
+def _short_for_step(
+    est: Estimate, headrooms: list[Headroom], step_margin: float
+) -> tuple[Headroom, int] | None:
+    """The engine (and the room it needs) that cannot run this request's prefill step now."""
+    worst: tuple[Headroom, int] | None = None
+    for h in headrooms:
+        room = step_room(est.step_need, h, step_margin)
+        if h.now < room and (worst is None or room - h.now > worst[1] - worst[0].now):
+            worst = (h, room)
+    return worst
+
+
+def _defer_step(est: Estimate, short: tuple[Headroom, int], step_margin: float) -> Decision:
+    h, room = short
+    return Decision(
+        "defer",
+        "prefill_step",
+        "prompt",
+        room,
+        h.now,
+        f"not enough GPU memory for this request's prefill step now (a {est.step_tokens}-token "
+        f"step; {_gib(room - h.now)} short with a {step_margin:.0%} margin; allocator "
+        "fragmentation or another process holds the rest): retry later or on another replica",
+        est,
+    )
+
+
 def decide(
     req: RequestShape,
     model: ModelMemory,
     engine: EngineShape,
     headrooms: list[Headroom],
     kv_margin: float | None = None,
+    step_margin: float = STEP_MARGIN,
 ) -> Decision:
     """Admit, defer or reject one request against the engines that may serve it.
 
     With data parallelism a request may land on any engine: it is rejected only when it fits
-    none of them even idle, deferred when it does not fit the tightest one now.
+    none of them even idle, deferred when it does not fit the tightest one now (its transient,
+    or its prefill step with the margin).
     """
     est = estimate(req, model, engine, kv_margin or 0.0)
     if not headrooms:
         return Decision("admit", "no_headroom_data", estimate=est)  # blind: never refuse
     need = est.transient
+    short = _short_for_step(est, headrooms, step_margin)
     if need == 0 and kv_margin is None:
+        if short is not None:  # fragmentation or a neighbour took the profiled step's room
+            return _defer_step(est, short, step_margin)
         return Decision("admit", "no_transient", estimate=est)  # the common request: profiled
     best_idle = max(h.idle for h in headrooms)
     if need > best_idle:
@@ -238,6 +309,8 @@ def decide(
             f"{_gib(max(0, tightest.now))} free): retry later or on another replica",
             est,
         )
+    if short is not None:
+        return _defer_step(est, short, step_margin)
     if kv_margin is not None:
         free = min(h.free_kv_blocks for h in headrooms)
         if est.kv_blocks > free:
