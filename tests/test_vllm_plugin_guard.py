@@ -425,3 +425,37 @@ def test_a_streamed_request_is_decided_when_generate_is_called():
     other.request_id, other.external_req_id = "cmpl-late-0", None
     InputProcessor.assign_request_id(other)
     assert guard.last is not None and guard.last.action == "admit"
+
+
+def test_a_gpu_worker_counts_no_fragments_in_its_headroom(monkeypatch):
+    """No GPU here: torch.cuda's two readings give what a fragmented H100 worker would (device
+    free, and memory_stats' byte counters) and the worker's formula runs on them unchanged."""
+    torch = pytest.importorskip("torch")
+    from oomguard.vllm_plugin.engine import worker_memory
+    from oomguard.vllm_plugin.guard import activation_bytes
+
+    stats = {
+        "reserved_bytes.all.current": 70 * GIB,
+        "allocated_bytes.all.current": 60 * GIB,
+        "inactive_split_bytes.all.current": 8 * GIB,  # free blocks inside segments in use
+    }
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(stats))
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    worker = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+            model_config=SimpleNamespace(
+                get_vocab_size=lambda: 128_256, get_hidden_size=lambda: 4096
+            ),
+        )
+    )
+    step = activation_bytes(8192, LLAMA3)
+    memory = worker_memory(worker)
+    # 10 GiB cached but free, 8 GiB of it fragments: 2 GiB + 2 GiB for the step
+    assert memory["now"] == 4 * GIB - step
+    assert memory["idle"] == (80 - 60 - 8) * GIB - step  # 8 GiB non-torch at the first reading
+    # expandable segments: PyTorch unmaps free pages and maps them where they are needed
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert worker_memory(worker)["now"] == 12 * GIB - step

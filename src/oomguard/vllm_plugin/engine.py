@@ -365,13 +365,28 @@ def _wrap_worker_execute(execute: Any) -> Any:
     return wrapper
 
 
+def _expandable_segments() -> bool:
+    """PyTorch's allocator maps and unmaps pages of one growing segment: no stranded splits."""
+    conf = (
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        + ","
+        + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    )
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
 def worker_memory(self: Any) -> dict[str, int]:
     """A GPU worker's transient headroom, from the caching allocator and the device.
 
-    now  = device free + reserved-but-free allocator cache - the profiled step's activations
+    now  = device free + reserved-but-free allocator cache that is not split into fragments
+           - the profiled step's activations
     idle = device total - allocated - non-torch memory at the first reading - the profiled step
-    (`idle` cannot tell a neighbour that started before the engine from the engine's own non-torch
-    memory; such a neighbour counts as the engine's.)
+    Fragments (`inactive_split_bytes`: free blocks inside segments still in use, which PyTorch
+    calls non-releasable) hold only allocations that fit in them, not a step's activations, so
+    they do not count (the twin's fragmentation is the same bytes); with expandable segments
+    PyTorch can unmap and reuse them, so they do. `idle` cannot tell a neighbour that started
+    before the engine from the engine's own non-torch memory; such a neighbour counts as the
+    engine's.
     """
     import torch
 
@@ -381,6 +396,9 @@ def worker_memory(self: Any) -> dict[str, int]:
     stats = torch.cuda.memory_stats()
     reserved = int(stats.get("reserved_bytes.all.current", 0))
     allocated = int(stats.get("allocated_bytes.all.current", 0))
+    fragments = (
+        0 if _expandable_segments() else int(stats.get("inactive_split_bytes.all.current", 0))
+    )
     if not hasattr(self, "_oomguard_non_torch"):
         self._oomguard_non_torch = max(0, total - free - reserved)
     config = self.vllm_config
@@ -388,7 +406,7 @@ def worker_memory(self: Any) -> dict[str, int]:
         int(config.scheduler_config.max_num_batched_tokens),
         ModelMemory(config.model_config.get_vocab_size(), config.model_config.get_hidden_size()),
     )
-    now = free + (reserved - allocated) - step
+    now = free + max(0, reserved - allocated - fragments) - step
     idle = total - allocated - self._oomguard_non_torch - step
     return {"now": int(now), "idle": int(idle)}
 
