@@ -135,6 +135,42 @@ def test_a_read_that_hangs_times_out_without_holding_up_the_others(local_server)
     assert took < 2.5
 
 
+def test_a_slow_engine_holds_a_pass_for_one_timeout_not_one_per_attempt(local_server):
+    """The fleet bench's 9.6 s pass beside a 3 s engine: a read that timed out was retried,
+    so a pass waited attempts x timeout + backoffs (3 + 0.2 + 3 + 0.4 + 3 s). All attempts
+    together now get one timeout; the next pass reads the engine again."""
+    server = local_server()
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def respond(handler):  # type: ignore[no-untyped-def]
+        who = handler.path.split("/")[1]
+        with lock:
+            calls[who] = calls.get(who, 0) + 1
+            n = calls[who]
+        if who == "slow":
+            time.sleep(1.5)
+        if who == "flaky" and n < 3:  # a fast failure is still retried within the timeout
+            return 503, b"engine call failed", "text/plain"
+        return 200, SERVING, "application/json"
+
+    server.responder = respond
+    act = PluginActuator(attempts=3, timeout=0.6, backoff=0.05)
+    try:
+        started = time.monotonic()
+        got = act.states(
+            [Target("slow", f"{base(server)}/slow"), Target("flaky", f"{base(server)}/flaky")]
+        )
+        took = time.monotonic() - started
+    finally:
+        act.close()
+    assert isinstance(got[0], ActuatorError) and got[0].reason == "timeout"
+    assert calls["slow"] == 1  # not asked again within the pass
+    assert got[1] == parse(STATE) and calls["flaky"] == 3
+    # before: 0.6 + 0.05 + 0.6 + 0.1 + 0.6 = 1.95 s at the least
+    assert took < 1.3, took
+
+
 def test_actuators_without_a_batch_read_are_read_one_by_one():
     engines = Engines.of("a", "b", "c")
     engines.down.add("c")
