@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -212,6 +213,88 @@ def test_resync_reads_spread_over_the_interval():
     steps = [b - a for a, b in zip([0, *per_tenth], per_tenth, strict=False)]
     assert all(120 <= s <= 280 for s in steps), steps
     assert per_tenth[-1] == 2000
+
+
+def paced_run(att: Attention, names: list[str], seconds: int, firing=None, loud=()):  # type: ignore[no-untyped-def]
+    """One pass a second for `seconds` (simulated time), every engine read settled as it was
+    (quiet, or `loud`: capped); the engines each pass read."""
+    from oomguard.remediator.decision import Verdict
+    from oomguard.remediator.policy import Desired
+
+    quiet = observed()
+    capped = observed(admission_cap=50)
+    passes = []
+    for t in range(seconds):
+        due = att.due(names, firing or {}, config_policy(), float(t))
+        att.read({n: {} for n in due})
+        for n in due:
+            o = capped if n in loud else quiet
+            att.settle(Verdict(n, o, Desired(False, o.admission_cap, "serving", "")), float(t))
+        passes.append(due)
+    return passes
+
+
+def observed(**changes):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from oomguard.remediator.policy import Observed
+
+    o = Observed.from_state(Engines.of("x").state(type("T", (), {"name": "x", "url": ""})()))
+    return replace(o, **changes)
+
+
+def test_the_resync_keeps_to_its_read_budget_but_attention_is_never_paced():
+    """2,000 engines, a 10 s resync and a budget of 50 reads/s: resynced every 40 s on average
+    (not 9 s), never more than 50 a second over a window, each quiet engine still read within
+    its period; the engine under an alert and the capped engine are read every pass."""
+    names = [f"e{i}" for i in range(2000)]
+    cfg = AttentionConfig(read_all_below=0, quiet_resync_seconds=10, resync_reads_per_second=50)
+    att = Attention(cfg, random.Random(3))
+    att.track({n: f"m{i // 100}" for i, n in enumerate(names)})
+    assert att.resync_period() == pytest.approx(2000 / 50 / 0.9)  # jitter 0.2: mean 0.9 x
+    fired = parse(payload(alert("OomguardMemoryPressure", "e7"))).alerts
+    passes = paced_run(att, names, 200, firing={"e7": fired}, loud={"e9"})
+    # the first passes read the engines never read (e7's alone first, then batches of 1000)
+    assert all("e7" in due and "e9" in due for due in passes[3:])  # attention: every pass
+    quiet = [[n for n in due if n not in ("e7", "e9")] for due in passes]
+    after_first = quiet[3:]
+    rate = sum(map(len, after_first[40:])) / len(after_first[40:])
+    assert 40 <= rate <= 55, rate  # the budget, on average (about 2000 / 40 s)
+    windows = [sum(map(len, after_first[i : i + 10])) for i in range(0, 190, 10)]
+    assert max(windows) <= 10 * 50 * 1.3, windows
+    last: dict[str, int] = {}
+    gaps = []
+    for t, due in enumerate(passes):
+        for n in due:
+            if n in last:
+                gaps.append(t - last[n])
+            last[n] = t
+    assert max(gaps) <= att.resync_period() + 1  # no quiet engine waits past its period
+    # no budget: the resync as configured, 10 s (about 2000 / 9 reads a second)
+    free = Attention(cfg.model_copy(update={"resync_reads_per_second": 0}), random.Random(3))
+    free.track({n: "m" for n in names})
+    assert free.resync_period() == 10
+    unpaced = [len(d) for d in paced_run(free, names, 60)[20:]]
+    assert sum(unpaced) / len(unpaced) > 150
+
+
+def test_a_paced_fleet_still_reads_and_acts_on_an_alert_at_once(tmp_path):
+    engines = Counting(Engines.of(*(f"e{i}" for i in range(300))))
+    c = make(
+        tmp_path,
+        engines,
+        attention={"read_all_below": 0, "quiet_resync_seconds": 1, "resync_reads_per_second": 0.01},
+    )
+    assert len(reads_in_a_pass(c, engines)) == 300  # first reads: all (under the batch size)
+    period = c.metrics.registry.get_sample_value("oomguard_remediator_resync_period_seconds")
+    # not 1 s: the budget paces the resync (about nine hours: no quiet engine is read here)
+    assert period == pytest.approx(300 / 0.01 / 0.9)
+    c.receive(parse(payload(alert("OomguardMemoryPressure", "e7"))))
+    assert reads_in_a_pass(c, engines) == {"e7": 1}
+    assert engines.engines["e7"].cap == 80
+    for _ in range(3):  # under its alert and just acted on: read every pass
+        assert "e7" in reads_in_a_pass(c, engines)
+    c.close()
 
 
 def config_policy():

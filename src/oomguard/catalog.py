@@ -478,6 +478,14 @@ _SPECS: tuple[MetricSpec, ...] = (
         component="remediator",
     ),
     _gauge(
+        "oomguard_remediator_resync_period_seconds",
+        "Longest interval between two reads of a quiet engine: quiet_resync_seconds, longer "
+        "where resync_reads_per_second paces a large fleet.",
+        "seconds",
+        (),
+        component="remediator",
+    ),
+    _gauge(
         "oomguard_remediator_targets",
         "Targets by read schedule: quiet (read on the slow resync) or attention (every pass).",
         "",

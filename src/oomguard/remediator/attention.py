@@ -15,9 +15,14 @@ taken out of service. An alert on an engine never read goes first (no batch in i
 
 Every other engine is quiet: its last state is still what the decision sees, and it is read again
 on a slow resync (`quiet_resync_seconds`, each engine at its own jittered time, so reads spread
-over the interval instead of arriving together). A quiet engine by definition needs no step, so
-deciding with its last state changes nothing; the resync is what notices a change made behind the
-remediator's back. Small fleets (fewer than `read_all_below` engines) are read every pass.
+over the interval instead of arriving together). The resync has a budget,
+`resync_reads_per_second`: a fleet too large to be resynced within `quiet_resync_seconds` at that
+rate is resynced more slowly (the interval grows with the fleet: 10,000 engines at 100 reads/s,
+every 100 s on average), so the remediator's idle CPU stays bounded whatever the fleet's size.
+Only quiet engines are paced: an engine under attention is read every pass. A quiet engine by
+definition needs no step, so deciding with its last state changes nothing; the resync is what
+notices a change made behind the remediator's back. Small fleets (fewer than `read_all_below`
+engines) are read every pass.
 
 A webhook that changes an engine's alerts wakes the loop at once. When many engines are under
 attention (more than `focus_above`), that pass is focused: it reads and decides only the engines
@@ -71,6 +76,14 @@ class AttentionConfig(BaseModel):
         description="When more engines than this are under attention, the pass a webhook wakes "
         "reads and decides only the engines whose alerts it changed (their models' other "
         "engines on their last states); the rest follow on the next tick.",
+    )
+    resync_reads_per_second: float = Field(
+        100.0,
+        ge=0,
+        description="Budget of the quiet resync: when reading every engine within "
+        "quiet_resync_seconds would take more reads per second than this, the resync interval "
+        "grows to engines / this rate (on average). Engines under attention are never paced. "
+        "0: no budget.",
     )
     first_read_batch: int = Field(
         1000,
@@ -282,7 +295,7 @@ class Attention:
             self._loud.add(name)
             return
         self._loud.discard(name)
-        period = self.config.quiet_resync_seconds
+        period = self.resync_period()
         if name in self._quiet_until:  # keeps its place in the spread, give or take the jitter
             until = now + period * (1 - self.config.jitter * self._rng.random())
         else:  # newly quiet: a random place in the interval, so a fleet's reads spread out
@@ -292,6 +305,19 @@ class Attention:
         if len(self._heap) > 2 * len(self._quiet_until) + 64:  # drop stale entries
             self._heap = [(t, n) for t, n in self._heap if self._quiet_until.get(n) == t]
             heapq.heapify(self._heap)
+
+    def resync_period(self) -> float:
+        """The longest interval between two reads of a quiet engine: `quiet_resync_seconds`, or
+        longer where the fleet would otherwise be resynced faster than `resync_reads_per_second`.
+        The intervals are jittered into [period x (1 - jitter), period], so the budget is set by
+        their mean. Sized by every tracked engine, not the quiet ones only: the rate stays under
+        the budget from the first pass, while the fleet's first reads settle it."""
+        c = self.config
+        period = c.quiet_resync_seconds
+        if c.resync_reads_per_second > 0:
+            mean = len(self._order) / c.resync_reads_per_second
+            period = max(period, mean / (1 - c.jitter / 2))
+        return period
 
     def wake(self, name: str) -> None:
         """Read this engine on the next pass (its quiet state may be out of date)."""

@@ -232,7 +232,11 @@ class Convergence:
             self.metrics.reads.inc(len(states))
         else:
             self.metrics.observe_pass(
-                time.monotonic() - started, len(states), len(self.fleet.targets), att.quiet
+                time.monotonic() - started,
+                len(states),
+                len(self.fleet.targets),
+                att.quiet,
+                att.resync_period(),
             )
         return again
 

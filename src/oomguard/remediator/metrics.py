@@ -104,6 +104,11 @@ class RemediatorMetrics:
             _help("oomguard_remediator_engine_reads_total"),
             registry=r,
         )
+        self.resync_period = Gauge(
+            "oomguard_remediator_resync_period_seconds",
+            _help("oomguard_remediator_resync_period_seconds"),
+            registry=r,
+        )
         self.targets = Gauge(
             "oomguard_remediator_targets",
             _help("oomguard_remediator_targets"),
@@ -156,8 +161,11 @@ class RemediatorMetrics:
             self._modes.pop(target, None)
             self._targets.pop(target, None)
 
-    def observe_pass(self, seconds: float, read: int, targets: int, quiet: int) -> None:
+    def observe_pass(
+        self, seconds: float, read: int, targets: int, quiet: int, resync_period: float
+    ) -> None:
         self.pass_duration.set(seconds)
+        self.resync_period.set(resync_period)
         self.engines_read.set(read)
         self.reads.inc(read)
         self.targets.labels("quiet").set(quiet)
