@@ -370,19 +370,17 @@ def test_quoted_commands_are_accepted(doc, command, tmp_path):
         pytest.fail(f"{where}: the CLI rejects it (exit {exc.code})")
 
 
-# -- the remediator's config table against its loader ------------------------------------------
+# -- the config tables against their loaders ---------------------------------------------------
 KEY = re.compile(r"^[a-z_][a-z_.\[\]]*$")
 
 
-def _loader_fields() -> dict[str, object]:
-    """Every key the remediator's config loader accepts (dotted, `[]` for a list item), with its
-    default (None where it has none or it is built by a factory)."""
+def _loader_fields(config: type) -> dict[str, object]:
+    """Every key a config loader accepts (dotted, `[]` for a list item), with its default (None
+    where it has none or it is built by a factory)."""
     import typing
 
     from pydantic import BaseModel
     from pydantic_core import PydanticUndefined
-
-    from oomguard.remediator.config import RemediatorConfig
 
     def models(annotation: object) -> list[type[BaseModel]]:
         found = [m for a in typing.get_args(annotation) for m in models(a)]
@@ -402,28 +400,32 @@ def _loader_fields() -> dict[str, object]:
                 keys[prefix + name] = None if default is PydanticUndefined else default
         return keys
 
-    return walk(RemediatorConfig, "")
+    return walk(config, "")
 
 
-def _documented_fields() -> dict[str, str]:
-    """The keys docs/remediator.md's Safety and Configuration tables name, with the default each
-    row gives. In a cell `a.b.c` / `d` / `e`, a bare name takes the last dotted name's prefix."""
-    text = (ROOT / "docs" / "remediator.md").read_text()
+def _documented_fields(doc: str, sections: dict[str, str]) -> dict[str, str]:
+    """The keys the tables under these headings name (each heading's rows take its prefix), with
+    the default each row gives. In a cell `a.b.c` / `d` / `e`, a bare name takes the last dotted
+    name's prefix. A list (`vllm[]`) or a pointer (`safety.*`) names no key of its own."""
+    text = (ROOT / doc).read_text()
     documented: dict[str, str] = {}
-    for section in ("## Safety", "## Configuration"):
-        body = text.split(section, 1)[1].split("\n## ", 1)[0]
+    for heading, section_prefix in sections.items():
+        body = text.split(f"\n{heading}\n", 1)[1]
+        body = re.split(r"\n#+ ", body, maxsplit=1)[0]
         for row in re.findall(r"(?m)^\| (.+?) \| (.+?) \|", body):
             names = [n for n in re.findall(r"`([^`]+)`", row[0]) if KEY.match(n)]
             defaults = [d.strip().strip("`") for d in row[1].split(" / ")]
             if len(defaults) != len(names):
                 defaults = ["–"] * len(names)
-            prefix = ""
+            prefix = section_prefix
             for name, default in zip(names, defaults, strict=True):
                 if "." in name:
-                    prefix = name.rsplit(".", 1)[0] + "."
+                    prefix = section_prefix + name.rsplit(".", 1)[0] + "."
+                    name = section_prefix + name
                 else:
                     name = prefix + name
-                documented[name] = default
+                if not name.endswith(("[]", "*")):
+                    documented[name] = default
     return documented
 
 
@@ -436,18 +438,41 @@ def _same_default(doc: str, actual: object) -> bool:
         try:
             return float(doc.replace(",", "")) == float(actual)
         except ValueError:
-            return True  # written with a unit (`1 MiB`)
+            return True  # written with a unit (`1 MiB`, `2 GiB`)
     return doc == ('""' if actual == "" else str(actual))
 
 
-def test_the_remediator_config_table_is_the_loader():
-    loader = _loader_fields()
-    documented = {k: v for k, v in _documented_fields().items() if not k.endswith("*")}
-    assert "policy.readmit_stall_seconds" in documented  # the parse found the tables
+def _remediator_documented() -> dict[str, str]:
+    return _documented_fields("docs/remediator.md", {"## Safety": "", "## Configuration": ""})
+
+
+def _table_is_the_loader(documented: dict[str, str], loader: dict[str, object], doc: str) -> None:
     assert sorted(set(documented) - set(loader)) == [], "documented, but the loader refuses it"
-    assert sorted(set(loader) - set(documented)) == [], "accepted, but not in docs/remediator.md"
+    assert sorted(set(loader) - set(documented)) == [], f"accepted, but not in {doc}"
     wrong = {k: (d, loader[k]) for k, d in documented.items() if not _same_default(d, loader[k])}
     assert wrong == {}, "documented default differs from the loader's (doc, loader)"
+
+
+def test_the_remediator_config_table_is_the_loader():
+    from oomguard.remediator.config import RemediatorConfig
+
+    documented = _remediator_documented()
+    assert "policy.readmit_stall_seconds" in documented  # the parse found the tables
+    _table_is_the_loader(documented, _loader_fields(RemediatorConfig), "docs/remediator.md")
+
+
+def test_the_exporter_config_table_is_the_loader():
+    from oomguard.exporter.config import ExporterConfig
+
+    documented = _documented_fields(
+        "docs/configuration.md",
+        {
+            "## `oomguard exporter`": "",
+            "### `pressure` (also `src/oomguard/thresholds.py`)": "pressure.",
+        },
+    )
+    assert "pressure.kv_budget_margin" in documented and "vllm[].url" in documented
+    _table_is_the_loader(documented, _loader_fields(ExporterConfig), "docs/configuration.md")
 
 
 def test_the_example_config_uses_only_documented_keys():
@@ -465,7 +490,7 @@ def test_the_example_config_uses_only_documented_keys():
             return {k for name, v in value.items() for k in keys(v, f"{prefix}{name}.")}
         return {prefix.removesuffix(".")}
 
-    assert keys(example) - set(_documented_fields()) == set()
+    assert keys(example) - set(_remediator_documented()) == set()
 
 
 def test_the_runbooks_config_check_validates_and_starts_nothing(tmp_path):
