@@ -9,7 +9,7 @@ the plugin's state, admission, drain and resume routes for every engine under it
    the slow resync): state reads per second and remediator CPU (utime+stime from /proc) over a
    window, after the first reads are done; RSS; the last pass's duration. 10,000 engines twice,
    back to back: the 60 s resync unpaced (`resync_reads_per_second: 0`, as before the budget),
-   then the defaults (paced to 100 reads/s: every 100 s on average).
+   then the defaults (paced to 50 reads/s: every 200 s on average).
 2. 1 % of the 10,000 under firing alerts (each capped and read every pass), then webhook ->
    cap: post one more alert, time until the stand-in receives the admission PUT.
 3. Takeover: two replicas elect a leader on a Lease (the Kubernetes API stand-in of the tests,
@@ -507,7 +507,7 @@ def run_case(
         finally:
             small.stop()
         # before and after the resync's read budget, back to back (the machine is noisy):
-        # the 60 s resync unpaced, then the defaults (60 s, paced to 100 reads/s)
+        # the 60 s resync unpaced, then the defaults (60 s, paced to 50 reads/s)
         unpaced = {"attention": {"resync_reads_per_second": 0}}
         for key, extra in (("idle_fleet_unpaced", unpaced), ("idle_fleet", {})):
             base = fleet.stats()["reads"]
@@ -535,7 +535,7 @@ def met(results: dict[str, Any]) -> dict[str, bool]:
     out: dict[str, bool] = {}
     i, i300 = results.get("idle_fleet"), results.get("idle_fleet_resync_300s")
     f, t = results.get("one_percent_firing"), results.get("takeover")
-    if i:  # the shipped defaults: 60 s resync, paced to 100 reads/s (every 100 s at 10,000)
+    if i:  # the shipped defaults: 60 s resync, paced to 50 reads/s (every 200 s at 10,000)
         out["idle_cpu_under_5_percent_defaults"] = i["cpu_percent_of_a_core"] < 5
     unpaced = results.get("idle_fleet_unpaced")
     if unpaced:  # before the read budget: every 60 s whatever the fleet's size

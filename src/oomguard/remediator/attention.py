@@ -17,8 +17,8 @@ Every other engine is quiet: its last state is still what the decision sees, and
 on a slow resync (`quiet_resync_seconds`, each engine at its own jittered time, so reads spread
 over the interval instead of arriving together). The resync has a budget,
 `resync_reads_per_second`: a fleet too large to be resynced within `quiet_resync_seconds` at that
-rate is resynced more slowly (the interval grows with the fleet: 10,000 engines at 100 reads/s,
-every 100 s on average), so the remediator's idle CPU stays bounded whatever the fleet's size.
+rate is resynced more slowly (the interval grows with the fleet: 10,000 engines at 50 reads/s,
+every 200 s on average), so the remediator's idle CPU stays bounded whatever the fleet's size.
 Only quiet engines are paced: an engine under attention is read every pass. A quiet engine by
 definition needs no step, so deciding with its last state changes nothing; the resync is what
 notices a change made behind the remediator's back. Small fleets (fewer than `read_all_below`
@@ -78,7 +78,7 @@ class AttentionConfig(BaseModel):
         "engines on their last states); the rest follow on the next tick.",
     )
     resync_reads_per_second: float = Field(
-        100.0,
+        50.0,
         ge=0,
         description="Budget of the quiet resync: when reading every engine within "
         "quiet_resync_seconds would take more reads per second than this, the resync interval "
