@@ -86,30 +86,36 @@ def _is_plain(r: SimpleNamespace) -> bool:
 
 def measure(engines: int, reqs: list[SimpleNamespace], rounds: int) -> dict[str, float]:
     """Per-decision cost of the mix, and of its plain and its logprobs requests alone, timed in
-    interleaved rounds so that a busy moment of the shared machine hits all three alike."""
+    interleaved rounds so that a busy moment of the shared machine hits all three alike; and of
+    the mix while one engine is pressed (fragmentation has taken its profiled step's room: every
+    request goes through the full decision, long prompts are deferred)."""
     guard = Guard("observe")
     guard.update([engine_report(e, (3 + e) * 2**30) for e in range(engines)])
+    pressed = Guard("observe")
+    pressed.update([engine_report(e, -(2**27) if e == 0 else 7 * 2**30) for e in range(engines)])
     sets = {
-        "mix": reqs,
-        "plain": [r for r in reqs if _is_plain(r)],
-        "logprobs": [r for r in reqs if not _is_plain(r)],
+        "mix": (guard, reqs),
+        "plain": (guard, [r for r in reqs if _is_plain(r)]),
+        "logprobs": (guard, [r for r in reqs if not _is_plain(r)]),
+        "pressed": (pressed, reqs),
     }
     samples: dict[str, list[float]] = {k: [] for k in sets}
     for _ in range(rounds):
-        for kind, batch in sets.items():
+        for kind, (deciding, batch) in sets.items():
             start = time.perf_counter_ns()
             for r in batch:
-                guard.check(r)
+                deciding.check(r)
             samples[kind].append((time.perf_counter_ns() - start) / len(batch) / 1000)
     return {
         "engines": engines,
         "requests_per_round": len(reqs),
-        "plain_share": round(len(sets["plain"]) / len(reqs), 3),
+        "plain_share": round(len(sets["plain"][1]) / len(reqs), 3),
         "rounds": rounds,
         "us_per_decision_median": round(statistics.median(samples["mix"]), 2),
         "us_per_decision_max_round": round(max(samples["mix"]), 2),
         "us_plain_median": round(statistics.median(samples["plain"]), 2),
         "us_logprobs_median": round(statistics.median(samples["logprobs"]), 2),
+        "us_pressed_mix_median": round(statistics.median(samples["pressed"]), 2),
     }
 
 
@@ -122,8 +128,30 @@ def machine_speed() -> float:
     return (time.perf_counter_ns() - start) / 1_000_000
 
 
+def guard_decisions(url: str) -> dict[str, float]:
+    """`oomguard_guard_decisions_total` on one engine's /metrics, as 'action/reason': count
+    (the engine as it is at the end; a restarted engine counts from its restart)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "oomguard_guard_decisions":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = f"{sample.labels['action']}/{sample.labels['reason']}"
+                out[key] = out.get(key, 0) + sample.value
+    return out
+
+
 def run_trace(name: str, config: str) -> dict[str, Any]:
-    """One trace with one configuration on the twin fleet: the outcome, as recorded."""
+    """One trace with one configuration on the twin fleet: the outcome, as recorded, and the
+    guard's decisions on each engine (what it deferred and why)."""
     from oomguard.twin.runner import Fleet
     from oomguard.twin.traces import Trace
 
@@ -133,6 +161,7 @@ def run_trace(name: str, config: str) -> dict[str, Any]:
         fleet.start()
         fleet.replay()
         outcome = asdict(fleet.outcome())
+        outcome["guard_decisions"] = [guard_decisions(e.url) for e in fleet.engines]
     finally:
         fleet.stop()
     never_fit = [r for r in outcome["refusals"] if NEVER_FIT in r]
@@ -204,7 +233,9 @@ def main() -> None:
         note="Guard.check per request in the API server (observe mode, with its counter); "
         "logging of non-admit decisions is off at the default WARNING level of this script. "
         "plain: no logprobs (the hook's shortcut); logprobs: requests with prompt_logprobs, "
-        "logprobs or n (cached constants; defers go through the full decision).",
+        "logprobs or n (cached constants; defers go through the full decision); pressed: the mix "
+        "while engine 0 cannot run its profiled step (now -128 MiB of 7 GiB idle), every "
+        "request through the full decision, prefill steps that do not fit deferred.",
         **({"traces": previous["traces"]} if "traces" in previous else {}),
     )
     for r in results:
