@@ -1,4 +1,8 @@
-"""The outcome benchmark runs in CI (`--quick`, one trace): real vLLM twins, three configs."""
+"""The outcome benchmark runs in CI: one trace, the oomguard configuration, on real vLLM twins.
+
+vLLM alone crashing on the same kind of incident is proven by the demo's side-by-side run
+(tests/test_demo.py) and the twin's physics (tests/test_twin_physics.py); running the `default`
+configuration here as well cost another two vLLM starts and a reload (about 3 minutes)."""
 
 from __future__ import annotations
 
@@ -28,8 +32,6 @@ def test_quick_outcome_benchmark_on_the_neighbour_trace(repo_root, tmp_path):
             "--compression",
             "20",
             "--config",
-            "default",
-            "--config",
             "oomguard",
             "--out",
             str(out),
@@ -41,12 +43,10 @@ def test_quick_outcome_benchmark_on_the_neighbour_trace(repo_root, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())["traces"]["neighbour-growth"]
     outcomes = result["outcomes"]
-    assert set(outcomes) == {"default", "oomguard"}
-    for o in outcomes.values():
-        assert o["requests"] == outcomes["default"]["requests"] > 100  # the same seeded trace
-    # the physics: 8.6 GiB of neighbour is more than the headroom of a full prefill chunk
-    assert outcomes["default"]["crashes"] >= 1
-    # oomguard drained engine 0 before that (its peer kept serving) and brought it back
+    assert set(outcomes) == {"oomguard"}
+    assert outcomes["oomguard"]["requests"] > 100
+    # 8.6 GiB of neighbour is more than the headroom of a full prefill chunk: oomguard drained
+    # engine 0 before that (its peer kept serving) and brought it back
     assert outcomes["oomguard"]["crashes"] == 0 and outcomes["oomguard"]["lost"] == 0
     assert "engine-0:drain" in outcomes["oomguard"]["actions"]
     assert "engine-0:resume" in outcomes["oomguard"]["actions"]
