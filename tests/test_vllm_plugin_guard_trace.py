@@ -1,8 +1,10 @@
 """The request guard on a twin trace (issue 16): the trace runner serves the twin model folder
 with its offline tokenizer, so prompt_logprobs requests run through the real vLLM server (they
-were refused under --skip-tokenizer-init); with vLLM's defaults a prompt_logprobs request whose
-FP32 logits do not fit kills the engine with a CUDA OOM, with the guard enforcing it is answered
-400 naming the parameter and the limit, and the engine serves on.
+were refused under --skip-tokenizer-init); with the guard enforcing, a prompt_logprobs request
+whose FP32 logits do not fit is answered 400 naming the parameter and the limit, the ones that fit
+are served, and the engine serves on. Without the guard such a request kills the engine with a
+CUDA OOM: tests/test_vllm_plugin_guard_server.py (observe mode) shows that on the real server,
+and bench/guard.py runs the defaults on the whole prompt-logprobs trace.
 
 The smallest such comparison: one engine, an A100 40 GB twin at gpu_memory_utilization 0.92 (the
 prompt-logprobs trace's GPU): 3.16 GiB free beyond a full 8,192-token step, so the logits of a
@@ -66,7 +68,7 @@ def run(config: str, tmp_path) -> Fleet:
 
 
 @pytest.mark.timeout(1500)
-def test_defaults_crash_on_prompt_logits_the_enforcing_guard_answers_400(tmp_path):
+def test_the_enforcing_guard_answers_400_to_never_fit_prompt_logits_and_serves_the_rest(tmp_path):
     require_vllm()
     reqs = requests(TRACE)
     fits = [r for r in reqs if r.prompt_logprobs and r.prompt_tokens == 4000]
@@ -89,11 +91,3 @@ def test_defaults_crash_on_prompt_logits_the_enforcing_guard_answers_400(tmp_pat
     for refusal in o.refusals:
         assert refusal.startswith("prompt_logprobs: ")
         assert f"at most {LIMIT} tokens" in refusal
-
-    default = run("default", tmp_path)
-    o = default.outcome()
-    assert fitting(default) == ["ok"] * len(fits)  # the tokenizer path works
-    assert o.crashes >= 1  # the first never-fit request killed the engine
-    state = tmp_path / "default" / "engine0" / "state"  # where `oomguard serve` keeps vLLM's log
-    log = "".join(p.read_text(errors="replace") for p in state.glob("*.log"))
-    assert "CUDA out of memory" in log and "8000 prompt-logprob tokens" in log
