@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -112,6 +113,17 @@ def test_reads_run_in_parallel_up_to_the_concurrency_limit(local_server):
     assert took < 32 * 0.2 / 2, took  # one at a time would take 6.4 s; 8 at once about 0.8 s
 
 
+def timed_states(act: PluginActuator, server: Any, *names: str) -> tuple[list, float]:
+    """One batch read of the named engines on `server` (each at /NAME), its results and its
+    wall time; the actuator is closed after."""
+    try:
+        started = time.monotonic()
+        got = act.states([Target(n, f"{base(server)}/{n}") for n in names])
+        return got, time.monotonic() - started
+    finally:
+        act.close()
+
+
 def test_a_read_that_hangs_times_out_without_holding_up_the_others(local_server):
     server = local_server()
 
@@ -122,14 +134,7 @@ def test_a_read_that_hangs_times_out_without_holding_up_the_others(local_server)
 
     server.responder = respond
     act = PluginActuator(attempts=1, timeout=0.5)
-    try:
-        started = time.monotonic()
-        got = act.states(
-            [Target("hang", f"{base(server)}/hang"), Target("ok", f"{base(server)}/ok")]
-        )
-        took = time.monotonic() - started
-    finally:
-        act.close()
+    got, took = timed_states(act, server, "hang", "ok")
     assert isinstance(got[0], ActuatorError) and got[0].reason == "timeout"
     assert got[1] == parse(STATE)
     assert took < 2.5
@@ -156,14 +161,7 @@ def test_a_slow_engine_holds_a_pass_for_one_timeout_not_one_per_attempt(local_se
 
     server.responder = respond
     act = PluginActuator(attempts=3, timeout=0.6, backoff=0.05)
-    try:
-        started = time.monotonic()
-        got = act.states(
-            [Target("slow", f"{base(server)}/slow"), Target("flaky", f"{base(server)}/flaky")]
-        )
-        took = time.monotonic() - started
-    finally:
-        act.close()
+    got, took = timed_states(act, server, "slow", "flaky")
     assert isinstance(got[0], ActuatorError) and got[0].reason == "timeout"
     assert calls["slow"] == 1  # not asked again within the pass
     assert got[1] == parse(STATE) and calls["flaky"] == 3
