@@ -59,7 +59,7 @@ generate: setup
 
 test: setup setup-vllm system-deps lint typecheck
 	$(BIN)/oomguard generate --check
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=25
 
 # The quick lane: no apt, no torch, no vLLM, no network. Tests that start processes or need PyPI
 # are marked (pyproject.toml); tests/fast_lane.py makes vLLM and torch count as absent, so the
