@@ -31,6 +31,7 @@ from bench.outcome import (
     trouble_starts_s,
     with_horizon,
 )
+from oomguard.contract import DRAINING_MESSAGE
 from oomguard.twin.runner import ClosedLoop, Gateway, Outcome, _Sent
 from oomguard.twin.traces import Request, Trace
 from tests.conftest import free_port
@@ -45,14 +46,20 @@ class Engine:
     now: int = 0
     peak: int = 0
     prompts: list[tuple[int, ...]] = field(default_factory=list)
-    draining_until: float = 0.0  # monotonic: until then, every request answered 503 (a drain)
+    refusing_until: float = 0.0  # monotonic: until then, every request answered 503
+    says_draining: bool = False  # the 503 is the plugin's drain refusal, not another 503
     refused: int = 0  # 503s answered
 
     async def completions(self, request: HttpRequest) -> Response:
         body = await request.json()
-        if time.monotonic() < self.draining_until:
+        if time.monotonic() < self.refusing_until:
             self.refused += 1
-            return Response(status_code=503, headers={"Retry-After": "2"})
+            error = {"error": {"message": DRAINING_MESSAGE, "code": 503}}
+            return Response(
+                json.dumps(error) if self.says_draining else b"",
+                status_code=503,
+                headers={"Retry-After": "2"},
+            )
         self.prompts.append(tuple(body["prompt"][:8]))
 
         async def stream() -> AsyncIterator[bytes]:
@@ -282,12 +289,12 @@ def test_crashes_are_counted_from_the_oom_records(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("engines", [0.3], indirect=True)
 def test_users_wait_for_their_own_engine_while_the_trace_fails_over(engines):
-    # engine 0 drains (503) for most of the load: its users wait for it instead of drifting to
-    # the peer (at the 15:52 run 12 of engine 0's 64 were left in it before its crash), so the
-    # engine under test holds its users' requests at the incident; the trace's own request
-    # fails over to the peer, as a gateway does
+    # engine 0 answers 503 (not a drain: the guard deferring, say) for most of the load: its
+    # users wait for it instead of drifting to the peer (at the 15:52 run 12 of engine 0's 64
+    # were left in it before its crash), so the engine under test holds its users' requests at
+    # the incident; the trace's own request fails over to the peer, as a gateway does
     e, urls = engines
-    e[0].draining_until = time.monotonic() + 2.0  # x10: 20 trace s, the load runs 30
+    e[0].refusing_until = time.monotonic() + 2.0  # x10: 20 trace s, the load runs 30
     samples: list[list[int]] = []
     gateway = replay(urls, LOAD, samples, e, trace=True)
     users = [s for s in gateway.sent if s.user is not None]
@@ -303,3 +310,23 @@ def test_users_wait_for_their_own_engine_while_the_trace_fails_over(engines):
     assert e[0].refused <= 4 * 20 / 2 * 2
     trace_request = [s for s in gateway.sent if s.user is None]
     assert [s.engine for s in trace_request] == [1] and trace_request[0].status == "ok"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engines", [0.3], indirect=True)
+def test_users_of_a_draining_engine_go_to_the_peer_and_come_back(engines):
+    # a drain is the incident under test: a gateway re-sends the draining replica's requests to
+    # its peer at once (the 20:02 neighbour-growth run kept 64 users waiting through a 300 s
+    # drain, their output lost to TTFT); once the drain ends they are engine 0's again
+    e, urls = engines
+    e[0].refusing_until = time.monotonic() + 1.5  # x10: 15 trace s of the 30 the load runs
+    e[0].says_draining = True
+    gateway = replay(urls, LOAD, [], e, trace=False)
+    users = [s for s in gateway.sent if s.user is not None]
+    assert e[0].refused > 0  # the drain was seen
+    during = [s for s in users if s.user % 2 == 0 and s.request.at_s < 10]
+    # served by the peer, without waiting for the drain's end (15 trace s in)
+    assert during and all(s.status == "ok" and s.engine == 1 for s in during)
+    assert all(s.first_token_s < 15 for s in during)
+    after = [s for s in users if s.user % 2 == 0 and s.request.at_s > 20]
+    assert after and all(s.engine == 0 and s.status == "ok" for s in after)

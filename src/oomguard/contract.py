@@ -16,6 +16,10 @@ ACTION_LABEL = "oomguard_action"
 
 # The oomguard plugin's HTTP API inside vLLM's API server: state, ready, admission, drain, resume.
 API_PREFIX = "/oomguard/v1"
+# How every refusal of a draining replica begins (the door's 503, a queued request shed): a
+# gateway, and the twin's, re-sends such a request to a peer.
+DRAINING = "this replica is draining"
+DRAINING_MESSAGE = f"{DRAINING}; retry on another replica"
 
 # Environment variables read inside vLLM (plugin, executor) and set by its launchers.
 PLUGIN_TOKEN_ENV = "OOMGUARD_PLUGIN_TOKEN"

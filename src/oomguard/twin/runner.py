@@ -44,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, TARGET_ENV
+from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, DRAINING, TARGET_ENV
 from oomguard.engine_state import parse as parse_state
 from oomguard.exporter.main import Exporter
 from oomguard.remediator.config import StandaloneConfig
@@ -150,7 +150,9 @@ class Gateway:
     ) -> None:
         """Send one request until served, lost or `deadline` (trace s). Until `sticky_until` it
         stays on engine k mod n (a closed-loop user waits for its own engine, honouring
-        Retry-After); otherwise a 503 or a refused connection goes to the next engine."""
+        Retry-After) unless that engine is draining: a drain is the incident under test, and a
+        gateway re-sends a draining replica's requests to a peer. Otherwise a 503 or a refused
+        connection goes to the next engine."""
         r = s.request
         body = {
             "model": self.model,
@@ -169,11 +171,12 @@ class Gateway:
             # same as for any k (FP32 log-softmax over the whole vocabulary per prompt token)
             body["prompt_logprobs"] = 0
         attempt = 0
+        drained = False  # its engine answered that it drains: this request no longer waits there
         # a client waits PATIENCE_S from its arrival, and always makes its first attempt (a busy
         # event loop may start this task late)
         deadline = max(deadline, r.at_s + PATIENCE_S)
         while attempt == 0 or self.now() < deadline:
-            sticky = self.now() < sticky_until
+            sticky = not drained and self.now() < sticky_until
             s.engine = (k + (0 if sticky else attempt)) % len(self.urls)
             url = self.urls[s.engine]
             attempt += 1
@@ -183,7 +186,10 @@ class Gateway:
                 async with self._stream(client, f"{url}/v1/completions", body) as resp:
                     if resp.status_code == 503:
                         retry_after = _retry_after(resp.headers.get("retry-after"))
-                        await self._backoff(sticky, retry_after)
+                        drained = drained or DRAINING in (await resp.aread()).decode(
+                            errors="replace"
+                        )
+                        await self._backoff(sticky and not drained, retry_after)
                         continue
                     if resp.status_code != 200:
                         s.detail = _error_detail(await resp.aread())
@@ -202,7 +208,8 @@ class Gateway:
                     if failed and s.first_token_s is None:
                         # ended before its first token (a drain ended it while queued): nothing
                         # reached the user yet, so a gateway retries it elsewhere
-                        await self._backoff(sticky, retry_after)
+                        drained = True
+                        await self._backoff(False, retry_after)
                         continue
                     if s.tokens:
                         self._end(s, "ok")

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from oomguard.contract import (
     API_PREFIX,
+    DRAINING_MESSAGE,
     PLUGIN_ALLOW_UNAUTHENTICATED_ENV,
     PLUGIN_RETRY_AFTER_ENV,
     PLUGIN_TOKEN_ENV,
@@ -372,7 +373,7 @@ class DrainGate:
         return JSONResponse(
             {
                 "error": {
-                    "message": "this replica is draining; retry on another replica",
+                    "message": DRAINING_MESSAGE,
                     "type": "ServiceUnavailable",
                     "code": 503,
                 }

@@ -33,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.contract import INITIAL_CAP_ENV
+from oomguard.contract import DRAINING, INITIAL_CAP_ENV
 from oomguard.engine_state import EngineCoreState, SinceCapChange
 
 log = logging.getLogger("oomguard.vllm_plugin")
@@ -120,7 +120,7 @@ def _wrap_preempt(preempt: Any) -> Any:
 
 
 SHED_CODE = "oomguard_draining"
-SHED_MESSAGE = "this replica is draining; the request was not started: retry on another replica"
+SHED_MESSAGE = f"{DRAINING}; the request was not started: retry on another replica"
 
 
 def _draining(scheduler: Any) -> bool:
