@@ -23,7 +23,9 @@ requests that brings the pressure) until the pressure ends, N closed-loop users 
 N requests at the incident whatever the machine's speed (the issue's >= 64), and checks that
 every engine did. A user waits for its own engine while the load runs (503: after Retry-After;
 refused: after 10 trace s) instead of failing over to the peer as the trace's requests do, so
-the engine under test still holds its users' requests at its incident. An open-loop rate
+the engine under test still holds its users' requests at its incident; once that engine answers
+that it drains (the incident, with oomguard), its users' requests go to the peer as a gateway
+re-sends them. An open-loop rate
 sized by Little's law on the twin's roofline cannot promise
 that here: on a 2-core machine vLLM's own CPU time per step with 64 sequences is longer than the
 twin's compressed step at any compression that fits a 10-minute run, so the engines fall behind

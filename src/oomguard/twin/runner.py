@@ -6,8 +6,8 @@ physics, and its offline tokenizer, so prompt_logprobs requests run), each
 under `oomguard serve` (a crash reloads the model after the trace's `reload_s`), behind a gateway
 that balances requests and, like a real one, sends a request to another engine when one answers
 503 (draining) or refuses the connection (restarting); a closed-loop user (the outcome
-benchmark's in-flight load) waits for its own engine instead. The trace's GPU events hit
-engine 0's GPU; the others are its healthy peers. Configurations:
+benchmark's in-flight load) waits for its own engine instead, unless that engine drains. The
+trace's GPU events hit engine 0's GPU; the others are its healthy peers. Configurations:
 
 - `default`: vLLM's flags from the trace, no oomguard (crashes restart with the same flags);
 - `static`: the same with `max_num_seqs` 48, as conservative operators run it;
@@ -126,7 +126,8 @@ class _Sent:
 
 class Gateway:
     """Round-robin over engines; 503 or a refused connection go to the next engine (a
-    closed-loop user's request stays on its own engine while the load runs)."""
+    closed-loop user's request stays on its own engine while the load runs, unless the engine
+    answers that it drains)."""
 
     def __init__(
         self, urls: list[str], compression: float, t0: float, model: str = str(TINY_MODEL)
