@@ -99,9 +99,14 @@ def test_lowering_the_cap_under_load_keeps_the_engine_alive_and_cuts_preemptions
     assert capped["result"]["admission_cap"] == 2 and not capped["result"]["clamped"]
     # lowering the cap never preempts or aborts: what runs keeps running, nothing new joins
     assert capped["max_after"] <= max(2, capped["at_change"])
-    assert capped["preemptions"] < uncapped["preemptions"]
     # the counters the remediator's staged re-admission reads
     since = capped["after"]["since_cap_change"]
+    # preemptions after the change: fewer than with no cap, and none at all when what ran at
+    # the change fits the pool (on a loaded machine many requests may be in before the change,
+    # so the run's total is not compared: it depends on how fast the client got the cap in)
+    assert since["preemptions"] < uncapped["preemptions"]
+    if capped["at_change"] * -(-(600 + 100) // 16) <= KV_BLOCKS:
+        assert since["preemptions"] == 0
     assert since["admitted"] > 0
     assert since["admitted"] + capped["at_change"] <= since["finished"] <= 64
     assert capped["after"]["admission_cap"] == 2
