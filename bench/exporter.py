@@ -156,6 +156,7 @@ def measure(args: argparse.Namespace) -> dict:
             text=True,
         )
         try:
+            assert servers.stdout is not None  # stdout=PIPE
             ports = [int(p) for p in servers.stdout.readline().split()]
             poller = build_poller(ports, tmp / "alloc", cgroup, interval=1.0)
             for state in poller.states:
@@ -262,7 +263,8 @@ def measure(args: argparse.Namespace) -> dict:
                 f"{last / 1e6:.2f} MB at the end ({(last - first) / 1e3:+.1f} kB)"
             )
         finally:
-            servers.stdin.close()
+            if servers.stdin is not None:
+                servers.stdin.close()
             servers.wait(10)
     return results
 

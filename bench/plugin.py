@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import psutil
@@ -150,7 +151,7 @@ def main() -> int:
     on_us, off_us = statistics.median(cost["on"]), statistics.median(cost["off"])
     step_us = off_us
     wrapper_us = wrapper_overhead_us(200_000)
-    results = {
+    results: dict[str, Any] = {
         "engine_cpu_us_per_step": {"plugin_on": cost["on"], "plugin_off": cost["off"]},
         "end_to_end_overhead_percent": 100 * (on_us - off_us) / off_us,
         "mean_step_cpu_us_plugin_off": step_us,

@@ -29,6 +29,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -221,7 +222,7 @@ def main() -> int:
         if rem:
             rem.stop()
         engine.stop()
-    results = {
+    results: dict[str, Any] = {
         "storm": {
             "storms": 3,
             "alerts_per_storm": payloads * per,

@@ -30,8 +30,9 @@ def alert(
     **labels: str,
 ) -> dict[str, Any]:
     all_labels = {"alertname": name, "target": target, "instance": "node-1:9840", "engine": "0"}
-    if ACTIONS.get(name):
-        all_labels["oomguard_action"] = ACTIONS[name]
+    action = ACTIONS.get(name)
+    if action:
+        all_labels["oomguard_action"] = action
     all_labels.update(labels)
     return {
         "status": status,
