@@ -229,11 +229,14 @@ BEFORE_S = 5.0  # trace seconds before the incident at which the clients' reques
 
 def gateway_held(sent: list[_Sent], at: float, engines: int) -> list[int]:
     """Requests the clients had in each engine at `at` (trace seconds): arrived by then, not
-    ended by then, counted at the engine they were last sent to."""
+    ended by then, counted at the engine they had been sent to by then (a request a drain sent
+    on to the peer later was in its first engine until then)."""
     held = [0] * engines
     for s in sent:
-        if s.request.at_s <= at and (s.done_s is None or s.done_s > at) and s.engine >= 0:
-            held[s.engine % engines] += 1
+        if s.request.at_s <= at and (s.done_s is None or s.done_s > at):
+            engine = s.engine_at(at)
+            if engine >= 0:
+                held[engine % engines] += 1
     return held
 
 

@@ -264,6 +264,21 @@ def test_the_clients_requests_in_each_engine_at_the_incident():
     assert gateway_held(sent, 55.0, 2) == [2, 2]
 
 
+def test_a_request_is_counted_in_the_engine_it_was_in_at_the_time():
+    # the 20:44 neighbour-growth run: engine 0's count fell from 72 to 36 before its drain while
+    # it answered nothing but 200s; its queued requests were answered the drain's 503 (or shed)
+    # long after they were sent, went on to the peer, and were counted there all along
+    moved = held_request(10, None, 1)
+    moved.path = [(10.0, 0), (60.0, 1)]  # in engine 0 until the drain answered at 60
+    late = held_request(40, None, 0)
+    late.path = [(56.0, 0)]  # arrived at 40, sent at 56 (a busy event loop started it late)
+    sent = [moved, late, held_request(20, None, 0)]  # no path (a stand-in): its engine
+    assert gateway_held(sent, 55.0, 2) == [2, 0]
+    assert gateway_held(sent, 59.0, 2) == [3, 0]
+    assert gateway_held(sent, 65.0, 2) == [2, 1]
+    assert moved.engine_at(5.0) == -1 and moved.engine_at(60.0) == 1
+
+
 def test_crashes_are_counted_from_the_oom_records(tmp_path):
     # the supervisor took a CUDA OOM under 64 streams for a plain exit (its log tail held only
     # the failed requests' tracebacks); the plugin's OOM record is the ground truth
@@ -328,5 +343,10 @@ def test_users_of_a_draining_engine_go_to_the_peer_and_come_back(engines):
     # served by the peer, without waiting for the drain's end (15 trace s in)
     assert during and all(s.status == "ok" and s.engine == 1 for s in during)
     assert all(s.first_token_s < 15 for s in during)
+    # each was in engine 0 until the drain answered, then in the peer
+    assert all([e for _, e in s.path] == [0, 1] for s in during)
+    first = during[0]
+    assert gateway_held([first], first.path[0][0], 2) == [1, 0]
+    assert gateway_held([first], first.path[1][0], 2) == [0, 1]
     after = [s for s in users if s.user % 2 == 0 and s.request.at_s > 20]
     assert after and all(s.engine == 0 and s.status == "ok" for s in after)

@@ -122,6 +122,21 @@ class _Sent:
     engine: int = -1  # the engine it was last sent to
     detail: str = ""  # a refused request: the error's parameter and message
     user: int | None = None  # the closed-loop user that sent it (None: a trace request)
+    # (trace seconds, engine) of each attempt: where it was at any moment, not only at its end
+    path: list[tuple[float, int]] = field(default_factory=list)
+
+    def engine_at(self, t: float) -> int:
+        """The engine the request was in at `t`: the last one sent to by then (-1: none yet).
+        A request that moved (a drain's 503 or shed answered long after it was sent, on a busy
+        machine) was in its first engine until then, not in the last one all along."""
+        if not self.path:
+            return self.engine
+        engine = -1
+        for at, e in self.path:
+            if at > t:
+                break
+            engine = e
+        return engine
 
 
 class Gateway:
@@ -179,6 +194,7 @@ class Gateway:
         while attempt == 0 or self.now() < deadline:
             sticky = not drained and self.now() < sticky_until
             s.engine = (k + (0 if sticky else attempt)) % len(self.urls)
+            s.path.append((self.now(), s.engine))
             url = self.urls[s.engine]
             attempt += 1
             accepted = False  # the engine answered 200: the request is in it
