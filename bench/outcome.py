@@ -136,20 +136,29 @@ def trouble_end_s(trace: Trace) -> float:
 
 def inflight_load(trace: Trace, inflight: int, engines: int = 2) -> ClosedLoop | None:
     """`inflight` closed-loop users per engine, from INCIDENT_LEAD_S before the trouble starts
-    until it ends (None for a trace without trouble: do-no-harm)."""
+    until it ends (None for a trace without trouble: do-no-harm). A trace whose pressure ends
+    only with a restart (fragmentation-creep: its trouble is hours of steady traffic) keeps
+    them to the horizon: the pressure ends when the restarted engine is up, so the load still
+    runs through the restart and the re-admission, as production traffic would."""
     start = trouble_starts_s(trace)
     if not inflight or start is None:
         return None
     begin = max(0.0, start - INCIDENT_LEAD_S)
+    end = horizon_s(trace) if trace.pressure_ends_with_restart else trouble_end_s(trace)
     return ClosedLoop(
         users=inflight * engines,
         start_s=begin,
-        end_s=max(begin + 1, trouble_end_s(trace)),
+        end_s=max(begin + 1, end),
         prompt_tokens=INFLIGHT_PROMPT,
         output_tokens=INFLIGHT_OUTPUT,
         ramp_s=min(10.0, INCIDENT_LEAD_S / 2),
         seed=trace.seed,
     )
+
+
+def horizon_s(trace: Trace) -> float:
+    """The fixed horizon: the end of the trouble plus a crash's reload plus HORIZON_MARGIN_S."""
+    return max(trace.duration_s, trouble_end_s(trace) + trace.reload_s + HORIZON_MARGIN_S)
 
 
 def with_horizon(trace: Trace, inflight: int = 0) -> Trace:
@@ -158,7 +167,7 @@ def with_horizon(trace: Trace, inflight: int = 0) -> Trace:
     trouble starts until it ends, so each engine holds about that many requests at the
     incident if it keeps its clock."""
     trouble_end = trouble_end_s(trace)
-    horizon = max(trace.duration_s, trouble_end + trace.reload_s + HORIZON_MARGIN_S)
+    horizon = horizon_s(trace)
     phases = [
         p.model_copy(update={"end_s": horizon}) if p.end_s >= trace.duration_s else p
         for p in trace.phases
@@ -214,14 +223,50 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome, crash_s: float | None = None
         "inflight_decode_slowdown": slowdown(fleet, trace),
         "timeline": timeline(fleet),
     }
-    end = trace.pressure_ends_s
-    if end is not None:
+    if trace.pressure_ends_s is not None or trace.pressure_ends_with_restart:
         # a re-trigger: engine 0 leaves full admission again after it first got back to it
         back = fleet.recovered_at()
         after = [v for v in history if back is not None and v.t > back]
         out["retriggered"] = any(v.up and v.mode in ("capped", "draining") for v in after)
         out["recovery_s"] = o.recovery_s
+    if trace.pressure_ends_with_restart:
+        out["restart_chain"] = restart_chain(fleet, wall0, first_action, crash_s)
     return out
+
+
+def restart_chain(
+    fleet: Fleet, wall0: float, first_action: float | None, crash_s: float | None
+) -> dict[str, float | None]:
+    """Engine 0's way out of a pressure that only a restart ends (trace seconds): oomguard's
+    first action, its drain, the restart decided (the sequence then waits until nothing runs or
+    waits), the restart begun (the old process stopped, the new one started; after a crash: the
+    crash), the restarted engine ready (the pressure's end), and full admission. The reload
+    (begun -> ready: a model reload, minutes in production) is the restart's cost, kept apart
+    from the re-admission (ready -> full admission: the recovery)."""
+    acted: dict[str, float] = {}
+    if fleet.audit.exists():
+        for line in fleet.audit.read_text().splitlines():
+            e = json.loads(line)
+            if e.get("target") != fleet.names[0] or e.get("result") not in ("ok", "started"):
+                continue
+            key = f"{e['event']}:{e.get('action')}"
+            acted.setdefault(key, (e["time"] - wall0) * fleet.c)
+    begun = acted.get("restart:restart", crash_s)
+    ready, full = fleet.pressure_ended_at(), fleet.recovered_at()
+
+    def r(x: float | None) -> float | None:
+        return round(x, 1) if x is not None else None
+
+    return {
+        "first_action_s": r(first_action),
+        "drain_s": r(acted.get("acted:drain")),
+        "restart_decided_s": r(acted.get("acted:restart")),
+        "restart_begun_s": r(begun),
+        "engine_ready_s": r(ready),
+        "full_admission_s": r(full),
+        "reload_s": r(ready - begun) if ready is not None and begun is not None else None,
+        "readmission_s": r(full - ready) if full is not None and ready is not None else None,
+    }
 
 
 BEFORE_S = 5.0  # trace seconds before the incident at which the clients' requests are counted
@@ -336,7 +381,7 @@ def judge(
         # refusal with its reason, not a request lost to a crash or a drain
         "oomguard_zero_lost_besides_refusals": o.lost - o.lost_why.get("HTTP 400", 0) == 0,
     }
-    if trace.pressure_ends_s is not None:
+    if trace.pressure_ends_s is not None or trace.pressure_ends_with_restart:
         checks["recovery_within_60s"] = o.recovery_s is not None and o.recovery_s <= 60
         checks["no_retrigger_during_recovery"] = not extra["oomguard"].get("retriggered", False)
     if "default" not in outcomes or "static" not in outcomes:
@@ -468,6 +513,7 @@ def summary(o: Outcome, x: dict[str, Any]) -> str:
         f"{o.preemptions}  in flight at incident {x.get('inflight_at_incident_per_engine')} "
         f"(engine 0 peak {x.get('inflight_peak')})  slowdown {x.get('inflight_decode_slowdown')}"
         f"  recovery {o.recovery_s}  actions {len(o.actions)}"
+        + (f"  restart chain {x['restart_chain']}" if x.get("restart_chain") else "")
     )
 
 

@@ -87,7 +87,8 @@ class Outcome:
     good_tokens: int = 0
     ttft_p99_s: float | None = None
     preemptions: int = 0
-    recovery_s: float | None = None  # pressure end -> engine 0 back at full admission
+    recovery_s: float | None = None  # pressure end -> engine 0 back at full admission (a
+    # trace whose pressure ends only with a restart: the restarted engine 0 up -> full admission)
     actions: list[str] = field(default_factory=list)
     lost_why: dict[str, int] = field(default_factory=dict)  # why requests were lost, counted
     refusals: list[str] = field(default_factory=list)  # each HTTP 400's "param: message"
@@ -551,10 +552,10 @@ class Fleet:
         )
         asyncio.run(gateway.replay(reqs, trace.duration_s + 120, self.load))
         self.sent = list(gateway.sent)  # the trace's requests (the recovery watch adds its own)
-        if trace.pressure_ends_s is not None:
+        if trace.pressure_ends_s is not None or trace.pressure_ends_with_restart:
             # keep watching (with light traffic, so staged re-admission can proceed) until
             # engine 0 is back at full admission, for at most `recovery_watch_s`
-            end = max(trace.duration_s, trace.pressure_ends_s) + self.recovery_watch_s
+            end = max(trace.duration_s, trace.pressure_ends_s or 0.0) + self.recovery_watch_s
             tail = [
                 Request(at, 256, 16, False)
                 for at in range(int(gateway.now()) + 1, int(end), max(1, int(c / 2)))
@@ -573,9 +574,24 @@ class Fleet:
             thread.join(15)
         self.done = True
 
+    def pressure_ended_at(self) -> float | None:
+        """When engine 0's pressure ended (trace s): the trace's `pressure_ends_s`, or, where it
+        ends only with a restart (fragmentation lives in the process), when engine 0's first
+        restarted process answered its plugin's state: ready, on a clean allocator. None
+        before then (never restarted: the pressure never ended)."""
+        if self.trace.pressure_ends_s is not None:
+            return self.trace.pressure_ends_s
+        if not self.trace.pressure_ends_with_restart:
+            return None
+        for views in list(self.history):
+            v = views[0]
+            if v.generation > 1 and v.up:  # generation 1: the process the fleet started
+                return v.t
+        return None
+
     def recovered_at(self) -> float | None:
         """Trace time when engine 0 was first back at full admission after the pressure ended."""
-        end = self.trace.pressure_ends_s
+        end = self.pressure_ended_at()
         if end is None:
             return None
         for views in list(self.history):
@@ -707,9 +723,9 @@ class Fleet:
         o.goodput_tokens_per_s = round(o.good_tokens / trace.duration_s, 2)
         o.preemptions = self._preempt_total
         o.crashes = len(self.crash_times)
-        back = self.recovered_at()
-        if back is not None and trace.pressure_ends_s is not None:
-            o.recovery_s = round(back - trace.pressure_ends_s, 1)
+        back, ended = self.recovered_at(), self.pressure_ended_at()
+        if back is not None and ended is not None:
+            o.recovery_s = round(back - ended, 1)
         if self.audit.exists():
             for line in self.audit.read_text().splitlines():
                 entry = json.loads(line)

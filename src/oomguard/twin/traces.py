@@ -67,6 +67,14 @@ class Trace(BaseModel):
     )
     ttft_slo_s: float = Field(10.0, gt=0, description="A request counts for goodput within it.")
 
+    @property
+    def pressure_ends_with_restart(self) -> bool:
+        """No `pressure_ends_s`, and fragmentation to the end: it lives in the engine process
+        (the twin starts a restarted one from zero), so the pressure ends only when a restarted
+        engine is up with a clean allocator (the outcome runner measures recovery from there)."""
+        last = max(self.gpu_events, key=lambda p: p.at_s, default=None)
+        return self.pressure_ends_s is None and last is not None and last.fragmentation_gib > 0
+
     @classmethod
     def load(cls, name_or_path: str | Path) -> Trace:
         path = Path(name_or_path)
