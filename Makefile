@@ -57,9 +57,10 @@ lint: setup
 generate: setup
 	$(BIN)/oomguard generate
 
+# pytest on 2 workers (pytest-xdist; tests/conftest.py: a file is a unit, the longest go first).
 test: setup setup-vllm system-deps lint typecheck
 	$(BIN)/oomguard generate --check
-	$(BIN)/python -m pytest -ra --durations=25
+	$(BIN)/python -m pytest -ra --durations=25 -n 2 --dist loadgroup --no-loadscope-reorder
 
 # The quick lane: no apt, no torch, no vLLM, no network. Tests that start processes or need PyPI
 # are marked (pyproject.toml); tests/fast_lane.py makes vLLM and torch count as absent, so the

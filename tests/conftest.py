@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -12,6 +13,49 @@ import pytest
 
 # the wheel and its installed virtualenv, one each per session (test_packaging.py, test_demo.py)
 from tests.wheel_env import installed, wheel  # noqa: F401
+
+# vLLM picks its platform once per process, at the first import that asks; with no GPU only this
+# variable makes it the CPU. Set before any test imports vLLM here, in whatever order they run (a
+# test that imports the twin's executor first would otherwise leave vLLM without a device type).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+# -- parallel runs (`make test`: pytest -n 2 --dist loadgroup --no-loadscope-reorder) -----------
+# xdist's unit of work is a test file (module fixtures start a vLLM or a stack once), except that
+# every test using the wheel or its venv is one unit: a worker builds them for itself. The longest
+# units (minutes each, several vLLMs) go first so that the two workers end together; xdist hands
+# out units in collection order, each to the first worker that runs low.
+LONG_FIRST = (  # by their time in a 2-worker run (22:03 UTC), longest first
+    "wheel",  # the wheel, its venv, the full demo, a PyPI resolve: 7 min
+    "test_incidents_induced.py",
+    "test_restart.py",
+    "test_vllm_plugin_dp.py",
+    "test_outcome_bench.py",
+    "test_preflight.py",
+    "test_live_stack.py",
+    "test_vllm_plugin.py",
+    "test_vllm_plugin_guard_server.py",
+    "test_vllm_plugin_guard_trace.py",
+    "test_incidents.py",
+    "test_remediator_e2e.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # one process: the plain order
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            shared = {"wheel", "installed"} & set(getattr(item, "fixturenames", ()))
+            item.add_marker(pytest.mark.xdist_group("wheel" if shared else item.path.name))
+
+    def rank(item: pytest.Item) -> int:
+        mark = item.get_closest_marker("xdist_group")
+        name = str(mark.args[0]) if mark and mark.args else ""
+        return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: each file keeps its own order
+
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VLLM_FIXTURE = FIXTURES / "vllm" / "vllm-dp2-multiproc.constructed.prom"

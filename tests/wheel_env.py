@@ -1,6 +1,7 @@
 """The built wheel and a fresh virtualenv with it installed, shared by the tests that need them
 (tests/test_packaging.py, tests/test_demo.py): one build and one install per session, since each
-takes minutes on a busy 2-core machine. tests/conftest.py registers the fixtures."""
+takes minutes on a busy 2-core machine. tests/conftest.py registers the fixtures and, under
+pytest-xdist, keeps every test that uses them on one worker (so one build there too)."""
 
 from __future__ import annotations
 
