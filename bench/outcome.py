@@ -388,12 +388,9 @@ def judge(
         return checks  # a partial run (--config): the comparisons need all three
     d, s = outcomes["default"], outcomes["static"]
     best_static = max(d.goodput_tokens_per_s, s.goodput_tokens_per_s)
-    checks["goodput_vs_best_static"] = (
-        round(o.goodput_tokens_per_s / best_static, 3) if best_static else None
-    )
-    checks["goodput_at_least_95pct_of_best_static"] = (
-        checks["goodput_vs_best_static"] is not None and checks["goodput_vs_best_static"] >= 0.95
-    )
+    ratio = round(o.goodput_tokens_per_s / best_static, 3) if best_static else None
+    checks["goodput_vs_best_static"] = ratio
+    checks["goodput_at_least_95pct_of_best_static"] = ratio is not None and ratio >= 0.95
     if d.crashes:
         checks["above_defaults_where_defaults_crash"] = (
             o.goodput_tokens_per_s > d.goodput_tokens_per_s
