@@ -15,10 +15,13 @@ Reported per trace and configuration: CUDA OOM crashes, requests lost (and why),
 objective), preemptions, p99 TTFT, the requests engine 0 held (running + queued) at the incident
 (its first crash, or oomguard's first action on it) and at its peak, and the recovery: the time
 from the end of the pressure to engine 0 back at full admission, with no re-trigger (a second
-drain or lowering of engine 0 after the pressure ended counts as oscillation).
+drain or lowering of engine 0 after the pressure ended counts as oscillation). Where the pressure
+ends only with a restart (fragmentation-creep), it ends when engine 0's restarted process is up,
+and the restart's chain is recorded with the reload apart (`restart_chain`).
 
 `--inflight N` adds, from a minute before the trouble starts (the GPU trouble, or the phase of
-requests that brings the pressure) until the pressure ends, N closed-loop users per engine
+requests that brings the pressure) until the pressure ends (to the horizon where only a restart
+ends it), N closed-loop users per engine
 (long outputs; each user sends its next request as soon as the last ends), so each engine holds
 N requests at the incident whatever the machine's speed (the issue's >= 64), and checks that
 every engine did. A user waits for its own engine while the load runs (503: after Retry-After;
