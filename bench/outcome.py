@@ -334,11 +334,9 @@ def slowdown(fleet: Fleet, trace: Trace) -> float | None:
 
 def oom_times(fleet: Fleet, target: str | None = None) -> list[float]:
     """Trace seconds of every CUDA OOM in the fleet, from the records the plugin's OOM observer
-    writes as the step fails. The supervisor classifies an exit by its log tail, and under 64
-    streams the API server's tracebacks of the failed requests push the OOM line out of it: the
-    exit is recorded as a plain `exited` (and the flags are not lowered). The supervisor's
-    exit time is also late: it sees the exit when vLLM's API server has ended its streams and
-    shut down (80 trace s after the OOM at x15 with 64 streams). `target`: one engine's only."""
+    writes as the step fails. The supervisor's exit time is late: it sees the exit when vLLM's
+    API server has ended its streams and shut down (80 trace s after the OOM at x15 with 64
+    streams). `target`: one engine's only."""
     times = []
     for path in sorted((fleet.work / "allocator" / "incidents").glob("oom-*.json")):
         try:
@@ -362,7 +360,7 @@ def run(
         fleet.replay()
         ooms = oom_times(fleet)
         if ooms and len(ooms) >= len(fleet.crash_times):
-            # the OOMs as they happened, with those the supervisor took for a plain exit
+            # the OOMs as they happened (the supervisor's exit times come late)
             fleet.crash_times = ooms
         o = fleet.outcome()
         first = min(oom_times(fleet, fleet.names[0]), default=None)
