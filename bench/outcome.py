@@ -199,14 +199,18 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome, crash_s: float | None = None
     wall0 = time.time() - (time.monotonic() - fleet.t0)  # the audit log's clock at trace 0
     steps: list[str] = []
     first_action = None
-    if fleet.audit.exists():
-        for line in fleet.audit.read_text().splitlines():
-            e = json.loads(line)
-            if e["event"] == "acted" and e["target"] == fleet.names[0]:
-                at_s = (e["time"] - wall0) * fleet.c
-                first_action = at_s if first_action is None else first_action
-                cap = (e.get("after") or {}).get("cap")
-                steps.append(f"{at_s:.1f} {e['action']}" + (f" {cap}" if cap is not None else ""))
+    # engine 0's audit entries, each with its trace time (the remediator's own clock)
+    lines = fleet.audit.read_text().splitlines() if fleet.audit.exists() else []
+    audited = [
+        ((e["time"] - wall0) * fleet.c, e)
+        for e in map(json.loads, lines)
+        if e.get("target") == fleet.names[0]
+    ]
+    for at_s, e in audited:
+        if e["event"] == "acted":
+            first_action = at_s if first_action is None else first_action
+            cap = (e.get("after") or {}).get("cap")
+            steps.append(f"{at_s:.1f} {e['action']}" + (f" {cap}" if cap is not None else ""))
     at = crash_s if crash_s is not None else (fleet.crash_times or [first_action])[0]
     if at is None:  # neither a crash nor an action: the trouble itself
         at = incident_s(trace) if incident_s(trace) is not None else pressure_phase_s(trace)
@@ -233,27 +237,27 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome, crash_s: float | None = None
         out["retriggered"] = any(v.up and v.mode in ("capped", "draining") for v in after)
         out["recovery_s"] = o.recovery_s
     if trace.pressure_ends_with_restart:
-        out["restart_chain"] = restart_chain(fleet, wall0, first_action, crash_s)
+        out["restart_chain"] = restart_chain(fleet, audited, first_action, crash_s)
     return out
 
 
 def restart_chain(
-    fleet: Fleet, wall0: float, first_action: float | None, crash_s: float | None
+    fleet: Fleet,
+    audited: list[tuple[float, dict[str, Any]]],
+    first_action: float | None,
+    crash_s: float | None,
 ) -> dict[str, float | None]:
     """Engine 0's way out of a pressure that only a restart ends (trace seconds): oomguard's
     first action, its drain, the restart decided (the sequence then waits until nothing runs or
     waits), the restart begun (the old process stopped, the new one started; after a crash: the
     crash), the restarted engine ready (the pressure's end), and full admission. The reload
     (begun -> ready: a model reload, minutes in production) is the restart's cost, kept apart
-    from the re-admission (ready -> full admission: the recovery)."""
+    from the re-admission (ready -> full admission: the recovery). `audited`: engine 0's audit
+    entries with their trace times."""
     acted: dict[str, float] = {}
-    if fleet.audit.exists():
-        for line in fleet.audit.read_text().splitlines():
-            e = json.loads(line)
-            if e.get("target") != fleet.names[0] or e.get("result") not in ("ok", "started"):
-                continue
-            key = f"{e['event']}:{e.get('action')}"
-            acted.setdefault(key, (e["time"] - wall0) * fleet.c)
+    for at_s, e in audited:
+        if e.get("result") in ("ok", "started"):
+            acted.setdefault(f"{e['event']}:{e.get('action')}", at_s)
     begun = acted.get("restart:restart", crash_s)
     ready, full = fleet.pressure_ended_at(), fleet.recovered_at()
 
@@ -332,20 +336,25 @@ def slowdown(fleet: Fleet, trace: Trace) -> float | None:
     return round(ratios[len(ratios) // 2], 2) if ratios else None
 
 
-def oom_times(fleet: Fleet, target: str | None = None) -> list[float]:
-    """Trace seconds of every CUDA OOM in the fleet, from the records the plugin's OOM observer
-    writes as the step fails. The supervisor's exit time is late: it sees the exit when vLLM's
-    API server has ended its streams and shut down (80 trace s after the OOM at x15 with 64
-    streams). `target`: one engine's only."""
-    times = []
-    for path in sorted((fleet.work / "allocator" / "incidents").glob("oom-*.json")):
+def oom_records(fleet: Fleet) -> list[tuple[float, str]]:
+    """(trace seconds, engine) of every CUDA OOM in the fleet, in time order, from the records
+    the plugin's OOM observer writes as the step fails. The supervisor's exit time is late: it
+    sees the exit when vLLM's API server has ended its streams and shut down (80 trace s after
+    the OOM at x15 with 64 streams)."""
+    found = []
+    for path in (fleet.work / "allocator" / "incidents").glob("oom-*.json"):
         try:
             record = json.loads(path.read_text())
-            if record.get("target") in ([target] if target else fleet.names):
-                times.append(fleet.trace_time(float(record["timestamp"])))
+            if record.get("target") in fleet.names:
+                found.append((fleet.trace_time(float(record["timestamp"])), record["target"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return sorted(times)
+    return sorted(found)
+
+
+def oom_times(fleet: Fleet, target: str | None = None) -> list[float]:
+    """Trace seconds of every CUDA OOM in the fleet (`target`: one engine's only)."""
+    return [t for t, engine in oom_records(fleet) if target in (None, engine)]
 
 
 def run(
@@ -358,12 +367,12 @@ def run(
     try:
         fleet.start()
         fleet.replay()
-        ooms = oom_times(fleet)
+        ooms = oom_records(fleet)
         if ooms and len(ooms) >= len(fleet.crash_times):
             # the OOMs as they happened (the supervisor's exit times come late)
-            fleet.crash_times = ooms
+            fleet.crash_times = [t for t, _ in ooms]
         o = fleet.outcome()
-        first = min(oom_times(fleet, fleet.names[0]), default=None)
+        first = next((t for t, engine in ooms if engine == fleet.names[0]), None)
         return o, {"guard_mode": mode or "off", **engine0(fleet, trace, o, first)}
     finally:
         fleet.stop()
