@@ -230,7 +230,7 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome, crash_s: float | None = None
         "inflight_decode_slowdown": slowdown(fleet, trace),
         "timeline": timeline(fleet),
     }
-    if trace.pressure_ends_s is not None or trace.pressure_ends_with_restart:
+    if trace.pressure_ends:
         # a re-trigger: engine 0 leaves full admission again after it first got back to it
         back = fleet.recovered_at()
         after = [v for v in history if back is not None and v.t > back]
@@ -391,7 +391,7 @@ def judge(
         # refusal with its reason, not a request lost to a crash or a drain
         "oomguard_zero_lost_besides_refusals": o.lost - o.lost_why.get("HTTP 400", 0) == 0,
     }
-    if trace.pressure_ends_s is not None or trace.pressure_ends_with_restart:
+    if trace.pressure_ends:
         checks["recovery_within_60s"] = o.recovery_s is not None and o.recovery_s <= 60
         checks["no_retrigger_during_recovery"] = not extra["oomguard"].get("retriggered", False)
     if "default" not in outcomes or "static" not in outcomes:

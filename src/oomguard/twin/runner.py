@@ -552,7 +552,7 @@ class Fleet:
         )
         asyncio.run(gateway.replay(reqs, trace.duration_s + 120, self.load))
         self.sent = list(gateway.sent)  # the trace's requests (the recovery watch adds its own)
-        if trace.pressure_ends_s is not None or trace.pressure_ends_with_restart:
+        if trace.pressure_ends:
             # keep watching (with light traffic, so staged re-admission can proceed) until
             # engine 0 is back at full admission, for at most `recovery_watch_s`
             end = max(trace.duration_s, trace.pressure_ends_s or 0.0) + self.recovery_watch_s

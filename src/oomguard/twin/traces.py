@@ -75,6 +75,11 @@ class Trace(BaseModel):
         last = max(self.gpu_events, key=lambda p: p.at_s, default=None)
         return self.pressure_ends_s is None and last is not None and last.fragmentation_gib > 0
 
+    @property
+    def pressure_ends(self) -> bool:
+        """The pressure ends, at `pressure_ends_s` or with a restart: recovery is measured."""
+        return self.pressure_ends_s is not None or self.pressure_ends_with_restart
+
     @classmethod
     def load(cls, name_or_path: str | Path) -> Trace:
         path = Path(name_or_path)
