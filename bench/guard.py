@@ -197,7 +197,7 @@ def record_trace(name: str, config: str) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     traces = data.setdefault("traces", {})
     entry = traces.setdefault(name, {"outcomes": {}})
-    entry["outcomes"][config] = outcome
+    entry["outcomes"][config] = {**outcome, "provenance": record.provenance("guard")}
     if set(TRACE_CONFIGS) <= set(entry["outcomes"]):
         entry["summary"] = summary(entry["outcomes"])
     RESULTS.write_text(json.dumps(data, indent=2) + "\n")

@@ -131,6 +131,7 @@ def real_cell(gpu: str, name: str) -> dict[str, object]:
     row["agrees"] = agree
     row["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     row["load_average"] = round(os.getloadavg()[0], 1)
+    row["provenance"] = record.provenance("matrix-real")  # cells run at different commits
     return row
 
 

@@ -490,6 +490,7 @@ def main() -> int:
                 "closed_loop": asdict(load) if load is not None else None,
                 "outcomes": {c: {**o.__dict__, **extra[c]} for c, o in outcomes.items()},
                 "targets": checks,
+                "provenance": record.provenance("outcome"),  # traces run at different commits
             }
             record.write(
                 args.out,
