@@ -249,3 +249,53 @@ def test_state_timelines_map_values_to_words(dashboard):
             # one word per mode, not the pressure words (every mode used to read "caution")
             assert words == {"serving", "capped", "readmitting", "draining", "restarting", "held"}
         assert len(words) == len(options), p["title"]
+
+
+def test_no_query_uses_the_deprecated_interval_factor(dashboard):
+    """Grafana ignores `intervalFactor` for Prometheus (and drops it on save); grafanalib writes
+    it on every target."""
+    assert "intervalFactor" not in json.dumps(dashboard)
+
+
+def test_every_filter_variable_names_a_label_its_series_carry(dashboard):
+    """`label=~"$var"` on a series without that label drops every series once a value is
+    chosen (the remediator's leader and pass series have no `target`)."""
+    from tests.series_labels import ANY, carried, selectors
+
+    exprs = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [(v["name"], v["query"]) for v in dashboard["templating"]["list"][1:]]
+    for where, expr in exprs:
+        for metric, matchers in selectors(expr):
+            for label, value in matchers.items():
+                if "$" in value and carried(metric) != ANY:
+                    assert label in carried(metric), (where, metric, label)
+        for metric, label in re.findall(r"label_values\(([\w:]+)\{[^}]*\},\s*(\w+)\)", expr):
+            assert label in carried(metric), (where, metric, label)
+
+
+def test_every_drill_down_link_uses_labels_its_series_carry(dashboard):
+    """A link's ${__field.labels.X} needs X on every series of the panel (a GPU panel
+    aggregated by node has no `target`; the remediator's mode per target has no node)."""
+    from tests.series_labels import labels
+
+    checked = 0
+    for panel in dashboard["panels"]:
+        for x in panel["fieldConfig"]["defaults"].get("links", []):
+            for label in re.findall(r"\$\{__field\.labels\.(\w+)\}", x["url"]):
+                for t in panel["targets"]:
+                    carried = labels(substitute_grafana(t["expr"]))
+                    assert label in carried, (panel["title"], label, sorted(carried))
+                    checked += 1
+    if dashboard["uid"] != "oomguard-node":
+        assert checked
+
+
+def test_the_label_checks_catch_a_wrong_label():
+    """The two checks above fail on the shapes they were written for."""
+    from tests.series_labels import carried, labels
+
+    assert "target" not in carried("oomguard_remediator_leader")
+    gpu = 'min by (cluster, instance, gpu) (oomguard_gpu_headroom_bytes{job="x"})'
+    assert "target" not in labels(gpu) and "instance" in labels(gpu)
+    mode = 'max by (cluster, target) (oomguard_remediator_target_mode{mode="held"})'
+    assert "instance" not in labels(mode)

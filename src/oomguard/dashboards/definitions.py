@@ -51,16 +51,26 @@ class Sel:
         # vLLM's own series, scraped from each server (their instance is the pod, not the node)
         self.vllm = f'job="{t.vllm_job}", {self.cl}, model_name=~"$model", engine=~"$engine"'
         self.rem = f'job="{t.remediator_job}", {self.cl}, target=~"$target"'
+        # the remediator's own series (leader, passes, pause, webhooks) carry no target label
+        self.remediator = f'job="{t.remediator_job}", {self.cl}'
         self.exporters = f'job="{t.exporter_job}", {self.cl}'
 
 
-def _to_node(what: str = "this engine") -> list[dict[str, Any]]:
-    """Drill down to the node dashboard for the clicked series, keeping time and cluster."""
+def _to_node(
+    by: tuple[str, ...] = ("instance", "target"), what: str = "this engine"
+) -> list[dict[str, Any]]:
+    """Drill down to the node dashboard for the clicked series, keeping time and cluster.
+
+    `by`: the node dashboard's variables the link sets, each from the clicked series' label of
+    the same meaning (`node` from `instance`): only labels the panel's series carry, or Grafana
+    would pass the literal `${__field.labels...}` and the node dashboard would show nothing.
+    """
+    variables = {"instance": "node", "target": "target"}
+    params = "".join(f"&var-{variables[label]}=${{__field.labels.{label}}}" for label in by)
     return [
         link(
             f"Node and engine: {what}",
-            f"/d/{NODE_UID}/?${{__url_time_range}}&${{cluster:queryparam}}"
-            "&var-node=${__field.labels.instance}&var-target=${__field.labels.target}",
+            f"/d/{NODE_UID}/?${{__url_time_range}}&${{cluster:queryparam}}{params}",
         )
     ]
 
@@ -240,7 +250,7 @@ def fleet(t: AlertThresholds | None = None) -> dict[str, Any]:
                 "{{instance}} GPU {{gpu}} {{GPU_I_ID}}",
             )
         ],
-        links=_to_node("this node"),
+        links=_to_node(("instance",), "this node"),
     )
     L.timeseries(
         "Free memory of the fullest GPU per node",
@@ -260,14 +270,14 @@ def fleet(t: AlertThresholds | None = None) -> dict[str, Any]:
                 "B",
             ),
         ],
-        links=_to_node("this node"),
+        links=_to_node(("instance",), "this node"),
     )
     L.levels(
         "Pressure level per node",
         "Highest GPU pressure level on each node: -1 blind, 0 ok to 3 critical "
         "(gpu:oomguard_gpu_pressure_level:max).",
         [target(f"max by ({s.c}, instance) ({gpu_level})", "{{instance}}")],
-        links=_to_node("this node"),
+        links=_to_node(("instance",), "this node"),
     )
     L.table(
         "Engines now: pressure level and reason",
@@ -635,7 +645,7 @@ def remediation(t: AlertThresholds | None = None) -> dict[str, Any]:
         "Remediation paused",
         "1 while the remediator's global pause is on (oomguard_remediator_paused).",
         "bool_on_off",
-        [target(f'max(oomguard_remediator_paused{{job="{t.remediator_job}", {s.cl}}})')],
+        [target(f"max(oomguard_remediator_paused{{{s.remediator}}})")],
         steps=ORANGE_FROM_1,
         w=6,
     )
@@ -669,7 +679,8 @@ def remediation(t: AlertThresholds | None = None) -> dict[str, Any]:
         "(oomguard_remediator_target_mode).",
         [target(_mode_code(s), "{{target}}")],
         mappings=MODE_MAPPINGS,
-        links=_to_node(),
+        # the remediator's series name the target, not the node it runs on
+        links=_to_node(("target",)),
     )
     L.timeseries(
         "Capacity withheld per engine",
@@ -725,7 +736,7 @@ def remediation(t: AlertThresholds | None = None) -> dict[str, Any]:
         [
             target(
                 f"sum by (outcome) (rate(oomguard_remediator_webhook_requests_total"
-                f'{{job="{t.remediator_job}", {s.cl}}}[$__rate_interval]))',
+                f"{{{s.remediator}}}[$__rate_interval]))",
                 "{{outcome}}",
             )
         ],
@@ -736,7 +747,7 @@ def remediation(t: AlertThresholds | None = None) -> dict[str, Any]:
         "Remediator replicas that hold the leader Lease and act (oomguard_remediator_leader): "
         "1 is right, 0 means nothing acts.",
         "none",
-        [target(f"sum(oomguard_remediator_leader{{{s.rem}}})")],
+        [target(f"sum(oomguard_remediator_leader{{{s.remediator}}})")],
         steps=RED_BELOW_1,
         w=6,
     )
@@ -746,8 +757,10 @@ def remediation(t: AlertThresholds | None = None) -> dict[str, Any]:
         "engines it read (oomguard_remediator_engines_read, right axis in the legend).",
         "s",
         [
-            target(f"oomguard_remediator_pass_duration_seconds{{{s.rem}}}", "pass seconds", "A"),
-            target(f"oomguard_remediator_engines_read{{{s.rem}}}", "engines read", "B"),
+            target(
+                f"oomguard_remediator_pass_duration_seconds{{{s.remediator}}}", "pass seconds", "A"
+            ),
+            target(f"oomguard_remediator_engines_read{{{s.remediator}}}", "engines read", "B"),
         ],
         w=18,
     )

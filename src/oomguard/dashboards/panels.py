@@ -53,7 +53,9 @@ LEVEL_STEPS: list[dict[str, Any]] = [
 # grafanalib 0.7.1 leftovers the current dashboard model does not have
 LEGACY_DASHBOARD_KEYS = ("__inputs", "hideControls", "rows", "sharedCrosshair", "style")
 LEGACY_PANEL_KEYS = ("editable", "error", "height", "minSpan", "span")
-LEGACY_TARGET_KEYS = ("metric", "query", "step", "target")
+# `intervalFactor` is deprecated (Grafana ignores it for Prometheus since 7.x and drops it on
+# save); grafanalib still writes it on every target
+LEGACY_TARGET_KEYS = ("intervalFactor", "metric", "query", "step", "target")
 LEGACY_VARIABLE_KEYS = ("tags", "tagsQuery", "tagValuesQuery", "useTags")
 LEGACY_TABLE_KEYS = ("color", "columns", "fontSize", "mappings")  # the Angular table's
 
