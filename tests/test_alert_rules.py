@@ -11,7 +11,7 @@ from oomguard import manifests as k8s
 from oomguard.alerts.cases import cases, expr_cases
 from oomguard.alerts.generate import RULE_TESTS, RULES, prometheus_config
 from oomguard.alerts.rules import all_alerts, all_recording_rules, rule_groups
-from oomguard.catalog import exported_names
+from oomguard.catalog import CATALOG, exported_names
 from oomguard.contract import ACTIONS
 from oomguard.thresholds import AlertThresholds
 from tests.conftest import VLLM_FIXTURE
@@ -105,6 +105,30 @@ def test_promtool_unit_tests_can_fail(repo_root, tmp_path):
             "or increase(oomguard_remediator_reconcile_errors_total[10m]) > 2",
         ),
         ("OomguardHostOomKill", "increase(oomguard_host_oom_kills_total[10m]) > 0"),
+        # matched series by series: an exporter rollout (a new `pod` label on the same counter)
+        # read as a counter born non-zero: a page and a restart order with no OOM
+        (
+            "OomguardCudaOomObserved",
+            "increase(oomguard_allocator_ooms_total[5m]) > 0 or (oomguard_allocator_ooms_total "
+            "> 0 unless oomguard_allocator_ooms_total offset 5m)",
+        ),
+        (
+            "OomguardIncidentClassified",
+            "increase(oomguard_incidents_total[15m]) > 0 or (oomguard_incidents_total > 0 "
+            "unless oomguard_incidents_total offset 15m)",
+        ),
+        (
+            "OomguardHostOomKill",
+            "increase(oomguard_host_oom_kills_total[10m]) > 0 or (oomguard_host_oom_kills_total "
+            "> 0 unless oomguard_host_oom_kills_total offset 10m)",
+        ),
+        # compared by identity but `ignoring` nothing new: an OOM during the rollout (old pod at
+        # 1, new at 2) is missed
+        (
+            "OomguardCudaOomObserved",
+            "increase(oomguard_allocator_ooms_total[5m]) > 0 or (oomguard_allocator_ooms_total "
+            "> 0 unless ignoring (pod) oomguard_allocator_ooms_total offset 5m)",
+        ),
         # the job prometheus-operator gives a PodMonitor without relabeling: never matches
         ("OomguardExporterDown", 'up{job="oomguard/oomguard-exporter"} == 0'),
         # joined on `target` with the names the manifests used to give (vllm vs vllm-llama-3-8b)
@@ -123,6 +147,46 @@ def test_the_cases_catch_the_old_rules(repo_root, tmp_path, alert, old_expr):
     rule["expr"] = old_expr
     r = promtool_on(tmp_path, rules, tests, alert)
     assert r.returncode != 0 and alert in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def _series(text: str) -> tuple[str, dict[str, str]]:
+    name, _, inner = text.partition("{")
+    return name, dict(re.findall(r'(\w+)="([^"]*)"', inner))
+
+
+def _counters_read(expr: str) -> set[str]:
+    """Counters an expression reads, through the recording rules it uses."""
+    recorded = {r.record: r.expr for r in all_recording_rules(T)}
+    out = set()
+    for name in metric_names(expr):
+        if name in recorded:
+            out |= _counters_read(recorded[name])
+        elif name in CATALOG:
+            if CATALOG[name].type == "counter":
+                out.add(name)
+        elif name.endswith(("_total", "_bucket", "_count")):  # vLLM's, Alertmanager's
+            out.add(name)
+    return out
+
+
+@pytest.mark.parametrize(
+    "alert", sorted({a.name for a in ALERTS if _counters_read(a.expr)}), ids=str
+)
+def test_every_counter_based_alert_has_a_rollout_case(alert):
+    """A pod replaced with its counters unchanged (a new `pod` label on the same series) is
+    a quiet case of every alert that reads a counter: a rollout is no event."""
+    counters = _counters_read(next(a.expr for a in ALERTS if a.name == alert))
+    rolled = []
+    for case in cases(T):
+        if case.alert != alert or case.firing:
+            continue
+        by_metric: dict[str, set[str]] = {}
+        for text in case.series:
+            name, labels = _series(text)
+            by_metric.setdefault(name, set()).add(labels.get("pod", ""))
+        if any(len(by_metric.get(c, ())) > 1 for c in counters):
+            rolled.append(case.eval_time)
+    assert rolled, f"{alert}: no quiet case where a pod of {sorted(counters)} is replaced"
 
 
 def test_every_alert_has_a_firing_and_a_quiet_case():

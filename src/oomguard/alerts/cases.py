@@ -16,6 +16,10 @@ from oomguard.thresholds import AlertThresholds
 GIB = 1024**3
 NODE = k8s.NODE
 MODEL = k8s.MODEL
+# replacement pods in the rollout cases (a DaemonSet or Deployment rollout)
+NEW_EXPORTER_POD = "oomguard-exporter-9mq4t"
+NEW_REMEDIATOR_POD = "oomguard-remediator-5d9c8f-h6n2v"
+NEW_VLLM_POD = "vllm-llama-3-8b-6f7d9-p4z7c"
 
 
 def _arg(container_args: list[str], flag: str) -> str:
@@ -73,6 +77,15 @@ class Labels:
         self.vllm_engine = {**self.vllm, "model_name": MODEL, "engine": "0"}
         # on Kubernetes `instance` of the exporter's series is the node's name
         self.eng = f"engine 0 of {self.target} on {self.exp['instance']}"
+
+    @staticmethod
+    def rolled(labels: dict[str, str], pod: str, ip: str | None = None) -> dict[str, str]:
+        """The same series served by a replacement pod: a new `pod` label (and, where the
+        instance is the pod's address, a new address)."""
+        out = {**labels, "pod": pod}
+        if ip is not None:
+            out["instance"] = f"{ip}:{labels['instance'].rsplit(':', 1)[1]}"
+        return out
 
 
 def cases(t: AlertThresholds | None = None) -> list[Case]:
@@ -141,6 +154,17 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     idle = {preempted: "0+0.25x40", finished: "0+0.5x40"}
     add(Case("OomguardPreemptionRateHigh", "15m", calm))
     add(Case("OomguardPreemptionRateHigh", "30m", idle))
+    # the exporter rolls at 10m: counters already high, unchanged, under a new pod label
+    new_engine = L.rolled(L.engine, NEW_EXPORTER_POD)
+    rolled = {
+        preempted: "900x10 stale",
+        finished: "9000x10 stale",
+        sel("oomguard_vllm_preemptions_total", new_engine): "_x10 900x20",
+        sel(
+            "oomguard_vllm_requests_finished_total", {**new_engine, "finished_reason": "stop"}
+        ): "_x10 9000x20",
+    }
+    add(Case("OomguardPreemptionRateHigh", "16m", rolled))
     add(
         Case(
             "OomguardPreemptionRateHigh",
@@ -314,10 +338,10 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     # process that dies of its first OOM is born at 1: increase() alone never sees it.
     ooms = sel("oomguard_allocator_ooms_total", L.rank)
 
-    def oom_fired(n: str) -> list[dict[str, str]]:
+    def oom_fired(n: str, labels: dict[str, str] | None = None) -> list[dict[str, str]]:
         return [
             {
-                **L.rank,
+                **(labels or L.rank),
                 "severity": "critical",
                 "oomguard_action": "restart",
                 "description": f"Rank 0 (pid 42) of {L.target} on {NODE} hit a CUDA out-of-memory "
@@ -330,18 +354,30 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardCudaOomObserved", "5m", {ooms: "_x3 1x15"}, oom_fired("1")))  # born at 1
     add(Case("OomguardCudaOomObserved", "12m", {ooms: "_x3 1x15"}))  # the same OOM, long ago
     add(Case("OomguardCudaOomObserved", "8m", {ooms: "2x12"}))  # old OOMs of a live process
+    # the exporter's DaemonSet rolls at 10m: the same counter under a new `pod` label is no OOM,
+    # a rise after it pages at once, and so does an OOM during the rollout (old 1, new 2)
+    ooms_new = sel("oomguard_allocator_ooms_total", L.rolled(L.rank, NEW_EXPORTER_POD))
+    rank_new = L.rolled(L.rank, NEW_EXPORTER_POD)
+    rolled = {ooms: "1x10 stale", ooms_new: "_x10 1x20"}
+    add(Case("OomguardCudaOomObserved", "11m", rolled))
+    add(Case("OomguardCudaOomObserved", "14m", rolled))
+    rose = {**rolled, ooms_new: "_x10 1x7 2x10"}  # the next OOM at 17m
+    add(Case("OomguardCudaOomObserved", "18m", rose, oom_fired("1", rank_new)))
+    seam = {**rolled, ooms_new: "_x10 2x20"}
+    add(Case("OomguardCudaOomObserved", "12m", seam, oom_fired("1", rank_new)))
 
     # the classified incident: a ticket whose runbook link opens the section of its type
-    def incident(kind: str) -> str:
+    def incident(kind: str, pod: str | None = None) -> str:
+        exp = L.rolled(L.exp, pod) if pod else L.exp
         return sel(
             "oomguard_incidents_total",
-            {**L.exp, "Hostname": NODE, "target": L.target, "engine": "0", "type": kind},
+            {**exp, "Hostname": NODE, "target": L.target, "engine": "0", "type": kind},
         )
 
-    def incident_fired(kind: str) -> list[dict[str, str]]:
+    def incident_fired(kind: str, pod: str | None = None) -> list[dict[str, str]]:
         return [
             {
-                **L.exp,
+                **(L.rolled(L.exp, pod) if pod else L.exp),
                 "Hostname": NODE,
                 "target": L.target,
                 "engine": "0",
@@ -362,6 +398,20 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     killed = incident("host_oom")
     add(Case("OomguardIncidentClassified", "5m", {killed: "_ _ 1x10"}, incident_fired("host_oom")))
     add(Case("OomguardIncidentClassified", "30m", {spike: "1x40"}))  # an old incident
+    # an exporter rollout at 20m serves the same records under a new pod: no new incident; the
+    # next one (at 30m) alerts at once
+    spike_new = incident("long_prompt", NEW_EXPORTER_POD)
+    rolled = {spike: "1x20 stale", spike_new: "_x20 1x30"}
+    add(Case("OomguardIncidentClassified", "21m", rolled))
+    add(Case("OomguardIncidentClassified", "28m", rolled))
+    add(
+        Case(
+            "OomguardIncidentClassified",
+            "31m",
+            {**rolled, spike_new: "_x20 1x10 2x10"},
+            incident_fired("long_prompt", NEW_EXPORTER_POD),
+        )
+    )
 
     tokens = sel("oomguard_vllm_generation_tokens_total", L.engine)
     add(
@@ -380,16 +430,23 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         )
     )
     add(Case("OomguardEngineRestarted", "10m", {tokens: "0+100x15"}))
+    tokens_new = sel("oomguard_vllm_generation_tokens_total", L.rolled(L.engine, NEW_EXPORTER_POD))
+    # the exporter rolled at 5m; the engine did not restart
+    add(
+        Case(
+            "OomguardEngineRestarted",
+            "10m",
+            {tokens: "0+100x5 stale", tokens_new: "_x5 600+100x10"},
+        )
+    )
 
     # host OOM kills, read from the kubepods cgroup the DaemonSet mounts (the v2 root has none)
     host = sel("oomguard_host_oom_kills_total", {**L.exp, "Hostname": NODE, "cgroup": L.cgroup})
 
-    def host_fired(n: str) -> list[dict[str, str]]:
+    def host_fired(n: str, labels: dict[str, str] | None = None) -> list[dict[str, str]]:
         return [
             {
-                **L.exp,
-                "Hostname": NODE,
-                "cgroup": L.cgroup,
+                **(labels or {**L.exp, "Hostname": NODE, "cgroup": L.cgroup}),
                 "severity": "warning",
                 "description": f"The kernel killed a process of cgroup {L.cgroup} on {NODE} for "
                 f"exceeding host memory ({n}): exit code 137, no traceback.",
@@ -399,6 +456,19 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardHostOomKill", "5m", {host: "0 0 1x10"}, host_fired("1")))
     add(Case("OomguardHostOomKill", "5m", {host: "_ _ 1x10"}, host_fired("1")))  # born at 1
     add(Case("OomguardHostOomKill", "25m", {host: "2x30"}))
+    host_labels_new = {**L.rolled(L.exp, NEW_EXPORTER_POD), "Hostname": NODE, "cgroup": L.cgroup}
+    host_new = sel("oomguard_host_oom_kills_total", host_labels_new)
+    rolled = {host: "2x20 stale", host_new: "_x20 2x20"}  # the exporter rolled at 20m
+    add(Case("OomguardHostOomKill", "21m", rolled))
+    add(Case("OomguardHostOomKill", "25m", rolled))
+    add(
+        Case(
+            "OomguardHostOomKill",
+            "33m",
+            {**rolled, host_new: "_x20 2x12 3x5"},  # a kill at 33m
+            host_fired("1", host_labels_new),
+        )
+    )
 
     up = sel("oomguard_vllm_up", {**L.exp, "target": L.target})
     add(
@@ -632,6 +702,36 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardRemediationFailing", "5m", {failed: "0 0 1x10"}, failing))
     add(Case("OomguardRemediationFailing", "5m", {failed: "_ _ 1x10"}, failing))
     add(Case("OomguardRemediationFailing", "5m", {failed: "0x12"}))
+    # the remediator's Deployment rolls at 30m: its counters live in the process, so the new
+    # pod (a new address too) starts again at 0: nothing new; its own first failure pages
+    new_rem = L.rolled(L.rem_target, NEW_REMEDIATOR_POD, "10.0.4.2")
+    failed_new = sel(
+        "oomguard_remediator_actions_total", {**new_rem, "action": "lower_cap", "result": "failed"}
+    )
+    errors_old = sel("oomguard_remediator_reconcile_errors_total", L.rem_target)
+    errors_new = sel("oomguard_remediator_reconcile_errors_total", new_rem)
+    rolled = {
+        failed: "3x30 stale",
+        errors_old: "7x30 stale",
+        failed_new: "_x30 0x20",
+        errors_new: "_x30 0x20",
+    }
+    add(Case("OomguardRemediationFailing", "32m", rolled))
+    add(
+        Case(
+            "OomguardRemediationFailing",
+            "32m",
+            {**rolled, failed_new: "_x30 1x20"},
+            [
+                {
+                    **failing[0],
+                    **new_rem,
+                    "description": f"The remediator on {new_rem['instance']} failed on target "
+                    f"{L.target} (1 in 10 minutes): the engine is not protected.",
+                }
+            ],
+        )
+    )
 
     limited = sel("oomguard_remediator_safety_limited_total", {**L.rem_target, "limit": "cooldown"})
     held_back = [
@@ -647,6 +747,13 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardRemediationLimited", "5m", {limited: "0 0 1x10"}, held_back))
     add(Case("OomguardRemediationLimited", "5m", {limited: "_ _ 1x10"}, held_back))
     add(Case("OomguardRemediationLimited", "25m", {limited: "3x30"}))
+    limited_new = sel(
+        "oomguard_remediator_safety_limited_total",
+        {**L.rolled(L.rem_target, NEW_REMEDIATOR_POD, "10.0.4.2"), "limit": "cooldown"},
+    )
+    add(
+        Case("OomguardRemediationLimited", "32m", {limited: "3x30 stale", limited_new: "_x30 0x20"})
+    )
 
     paused = sel("oomguard_remediator_paused", L.rem)
     add(
@@ -723,6 +830,15 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         )
     )
     add(Case("OomguardRemediatorUnauthorized", "5m", {unauth: "0x10"}))
+    unauth_new = sel(
+        "oomguard_remediator_webhook_requests_total",
+        {**L.rolled(L.rem, NEW_REMEDIATOR_POD, "10.0.4.2"), "outcome": "unauthorized"},
+    )
+    add(
+        Case(
+            "OomguardRemediatorUnauthorized", "12m", {unauth: "3x10 stale", unauth_new: "_x10 0x20"}
+        )
+    )
 
     am = {**L.cluster, "instance": "10.0.3.4:9093", "job": "alertmanager-main"}
     am_failed = sel("alertmanager_notifications_failed_total", {**am, "integration": "webhook"})
@@ -744,10 +860,23 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         )
     )
     add(Case("OomguardAlertmanagerWebhookFailing", "8m", {am_failed: "0x10"}))
+    am_new = {**am, "instance": "10.0.3.9:9093", "pod": "alertmanager-main-1"}
+    am_failed_new = sel(
+        "alertmanager_notifications_failed_total", {**am_new, "integration": "webhook"}
+    )
+    rolled = {
+        sel(
+            "alertmanager_notifications_failed_total",
+            {**am, "pod": "alertmanager-main-0", "integration": "webhook"},
+        ): "2x10 stale",
+        am_failed_new: "_x10 2x20",
+    }
+    add(Case("OomguardAlertmanagerWebhookFailing", "18m", rolled))
 
     # -- SLOs on vLLM's own series (job vllm) ---------------------------------------------------
-    def success(reason: str) -> str:
-        return sel("vllm:request_success_total", {**L.vllm_engine, "finished_reason": reason})
+    def success(reason: str, pod: str | None = None) -> str:
+        engine = L.rolled(L.vllm_engine, pod, "10.0.5.3") if pod else L.vllm_engine
+        return sel("vllm:request_success_total", {**engine, "finished_reason": reason})
 
     model = {**L.cluster, "model_name": MODEL}
 
@@ -786,12 +915,26 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             {success("error"): "0x70", success("abort"): "0+5x70", success("stop"): "0+95x70"},
         )
     )
+    # the vLLM pod is replaced at 30m: its counters start again on the new pod; no burn
+    add(
+        Case(
+            "OomguardRequestErrorBudgetBurn",
+            "65m",
+            {
+                success("error"): "0x30 stale",
+                success("stop"): "0+100x30 stale",
+                success("error", NEW_VLLM_POD): "_x30 0x40",
+                success("stop", NEW_VLLM_POD): "_x30 0+100x40",
+            },
+        )
+    )
 
-    def ttft(good: str) -> dict[str, str]:
-        bucket = {**L.vllm_engine, "le": repr(t.slo_ttft_seconds)}
+    def ttft(good: str, pod: str | None = None, values: str = "0+{}x70") -> dict[str, str]:
+        engine = L.rolled(L.vllm_engine, pod, "10.0.5.3") if pod else L.vllm_engine
+        bucket = {**engine, "le": repr(t.slo_ttft_seconds)}
         return {
-            sel("vllm:time_to_first_token_seconds_bucket", bucket): f"0+{good}x70",
-            sel("vllm:time_to_first_token_seconds_count", L.vllm_engine): "0+100x70",
+            sel("vllm:time_to_first_token_seconds_bucket", bucket): values.format(good),
+            sel("vllm:time_to_first_token_seconds_count", engine): values.format(100),
         }
 
     slow = f"requests waiting over {t.slo_ttft_seconds:g} s for their first token"
@@ -815,6 +958,9 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         )
     )
     add(Case("OomguardTTFTBudgetBurn", "65m", ttft("99")))
+    # the vLLM pod is replaced at 30m, its histogram starting again: no burn
+    rolled = {**ttft("99", values="0+{}x30 stale"), **ttft("99", NEW_VLLM_POD, "_x30 0+{}x40")}
+    add(Case("OomguardTTFTBudgetBurn", "65m", rolled))
 
     add(
         Case(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from oomguard.catalog import CATALOG
 from oomguard.thresholds import AlertThresholds
 
 # The burn-rate windows of the SRE Workbook (chapter 5, "Alerting on SLOs"), for a 30-day SLO:
@@ -71,13 +72,43 @@ def runbook_url(t: AlertThresholds, name: str) -> str:
 
 
 def new_or_increased(metric: str, window: str) -> str:
-    """True for a counter that grew within the window, including a series born non-zero.
+    """True for a process's own counter that grew within the window, including a series born
+    non-zero.
 
-    `increase()` needs two samples, so a counter whose first sample is already 1 (a process
-    that died of its first OOM, a remediator that failed its first action) is invisible to it.
-    The second arm catches that first sample: non-zero now, and no series `window` ago.
+    `increase()` needs two samples, so a counter whose first sample is already 1 (a remediator
+    that failed its first action) is invisible to it. The second arm catches that first sample:
+    non-zero now, and no series `window` ago. For counters a process keeps in memory (the
+    remediator's): a new pod is a new process whose counters start again, so a new series is a
+    new counter and the scrape's identity (`pod`, `instance`) belongs to it.
     """
     return f"(increase({metric}[{window}]) > 0 or ({metric} > 0 unless {metric} offset {window}))"
+
+
+def rose_since(metric: str, window: str, identity: tuple[str, ...]) -> str:
+    """True for a counter that rose within the window, judged by `identity`, not by the scrape.
+
+    For counters the exporter reads from files that outlive it (the allocator hand-off, incident
+    records, cgroup files): a new exporter pod serves the same values under a new `pod` label, a
+    new series for Prometheus. Comparing series by series would call every such counter "born
+    non-zero" at each rollout. Instead, the value now is compared with the highest one `window`
+    ago of any series with the same identity (the exporter's own labels plus cluster, job and
+    instance), 0 where there was none: a counter born non-zero (a process that died of its first
+    OOM) still counts, and so does an event during the rollout itself (old pod at 1, new at 2).
+    `increase()` covers a rise within one series, counter resets included.
+    """
+    on = ", ".join(identity)
+    return (
+        f"(increase({metric}[{window}]) > 0\n"
+        f" or {metric} - on ({on}) group_left ()\n"
+        f"   max by ({on}) ({metric} offset {window} or 0 * {metric}) > 0)"
+    )
+
+
+def exporter_identity(t: AlertThresholds, metric: str) -> tuple[str, ...]:
+    """What names one of the exporter's series whichever pod serves it: the cluster, the job, the
+    node (`instance`; the manifests set it to the node's name) and the labels the exporter
+    writes itself (the catalog's)."""
+    return (t.cluster_label, "job", "instance", *CATALOG[metric].labels)
 
 
 def _num(x: float) -> str:
@@ -241,7 +272,11 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         # -- pages: one per incident -----------------------------------------------------------
         Alert(
             "OomguardCudaOomObserved",
-            new_or_increased("oomguard_allocator_ooms_total", "5m"),
+            rose_since(
+                "oomguard_allocator_ooms_total",
+                "5m",
+                exporter_identity(t, "oomguard_allocator_ooms_total"),
+            ),
             "critical",
             "A vLLM worker hit a CUDA out-of-memory error.",
             "Rank {{ $labels.rank }} (pid {{ $labels.pid }}) of {{ $labels.target }} on "
@@ -253,7 +288,9 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         # the forensics that follow (a ticket): which type of OOM, and the runbook section
         Alert(
             "OomguardIncidentClassified",
-            new_or_increased("oomguard_incidents_total", "15m"),
+            rose_since(
+                "oomguard_incidents_total", "15m", exporter_identity(t, "oomguard_incidents_total")
+            ),
             "warning",
             "An OOM incident was recorded and its type named.",
             "An incident of type {{ $labels.type }} was recorded for {{ $labels.target }} "
@@ -370,7 +407,11 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardHostOomKill",
-            new_or_increased("oomguard_host_oom_kills_total", "10m"),
+            rose_since(
+                "oomguard_host_oom_kills_total",
+                "10m",
+                exporter_identity(t, "oomguard_host_oom_kills_total"),
+            ),
             "warning",
             "The kernel OOM killer killed a process in a serving cgroup.",
             "The kernel killed a process of cgroup {{ $labels.cgroup }} on "
