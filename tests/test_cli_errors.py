@@ -167,3 +167,24 @@ def test_help_shows_percent_signs_as_written(command):
     r = oomguard(command, "--help")
     assert r.returncode == 0, r.stderr
     assert "%%" not in r.stdout, r.stdout
+
+
+def test_serve_without_a_token_refuses_a_network_address(tmp_path):
+    """--allow-unauthenticated is for loopback: on 0.0.0.0 anyone could restart vLLM."""
+    marker = tmp_path / "started"
+    r = oomguard(
+        "serve",
+        "--allow-unauthenticated",
+        "--listen",
+        "0.0.0.0:0",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--",
+        "sh",
+        "-c",
+        f"touch {marker}",
+        "--max-num-seqs",
+        "8",
+    )
+    one_line_error(r, "--allow-unauthenticated", "0.0.0.0:0", "--token-file")
+    assert not marker.exists()

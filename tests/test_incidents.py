@@ -837,12 +837,19 @@ def test_a_dcgm_file_without_the_xid_count_says_xids_were_not_checked(tmp_path):
     assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
-def test_a_missing_default_directory_says_where_else_to_look(tmp_path):
-    """The directory appears with the first OOM record: an on-call who runs the runbook's bare
-    `oomguard incidents` on the wrong node (or with another layout) learns how to point it."""
+def test_a_missing_default_directory_is_nothing_recorded_yet(tmp_path):
+    """The directory appears with the first OOM record: on a healthy box the runbook's bare
+    `oomguard incidents` says there is nothing yet and exits 0 (a cron job or a script must not
+    fail for it); the note says where it looked and how to point it elsewhere (the wrong node,
+    another layout). A DIR given and missing is a typo: exit 2."""
     env = {"OOMGUARD_INCIDENT_DIR": "", "OOMGUARD_ALLOCATOR_DIR": str(tmp_path / "nowhere")}
     r = cli("--since", "1h", env=env)
-    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.strip() == "no incidents"
     [line] = r.stderr.strip().splitlines()
-    assert str(tmp_path / "nowhere" / "incidents") in line
+    assert "nothing recorded yet" in line and str(tmp_path / "nowhere" / "incidents") in line
     assert "OOMGUARD_INCIDENT_DIR" in line and "first OOM record" in line
+    r = cli("--json", env=env)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"incidents": [], "invalid_files": {}}
+    r = cli(str(tmp_path / "typo"), env=env)
+    assert r.returncode == 2 and "no such directory" in r.stderr, (r.stdout, r.stderr)

@@ -69,3 +69,26 @@ def test_secret_files_are_reread_on_change_and_kept_when_unreadable(tmp_path):
     assert secret.get() == "two"
     path.unlink()
     assert secret.get() == "two"
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:9849", "10.0.0.5:9849", "gpu-1:9849"])
+def test_no_authentication_is_refused_beyond_loopback(tmp_path, listen):
+    """Anyone who reaches the port could drain, pause or restart engines: allow_unauthenticated
+    passes only on a loopback address (it passed `--check` on 0.0.0.0 before)."""
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"listen: '{listen}'\nauth: {{allow_unauthenticated: true}}\n"
+        "targets: [{name: a, url: 'http://x'}]\n"
+    )
+    with pytest.raises(ConfigError, match="only for a remediator bound to loopback"):
+        load(path)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:9849", "127.0.0.2:9849", "localhost:9849", ":9849"])
+def test_no_authentication_on_loopback_is_allowed(tmp_path, listen):
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"listen: '{listen}'\nauth: {{allow_unauthenticated: true}}\n"
+        "targets: [{name: a, url: 'http://x'}]\n"
+    )
+    assert load(path).auth.allow_unauthenticated

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from oomguard import units
 from oomguard.digits import decimal
 from oomguard.errors import BudgetError
 
@@ -117,33 +117,8 @@ MARLIN_METHODS = ("awq", "gptq", "awq_marlin", "gptq_marlin")
 MARLIN_REDUCE_ROWS = 1024
 
 
-# -- sizes ------------------------------------------------------------------------------------
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-    "TB": 1e12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """'80GiB' -> 85899345920; '24GB' -> 24e9; '512B' -> 512. A bare number is refused: the
-    unit is what tells 80 GiB from 80 bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", text):
-            raise ValueError(
-                f"size {text.strip()!r} has no unit: write it with one, e.g. "
-                f"{text.strip()}GiB, {text.strip()}GB or {text.strip()}MiB"
-            )
-        raise ValueError(f"not a size: {text!r} (examples: 80GiB, 24GB, 81559MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+# -- sizes: one parser for every flag and config (oomguard.units); re-exported for callers ----
+parse_size = units.parse_size
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -17,8 +17,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from oomguard import __version__
+from oomguard.contract import SERVE_STATE_DIR, TWIN_GPU_FILE_ENV
 from oomguard.digits import decimal
 from oomguard.errors import BudgetError, ConfigError
+from oomguard.units import duration_arg, size_arg
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -88,9 +90,9 @@ def _add_exporter(sub: Any) -> None:
     )
     p.add_argument(
         "--interval",
-        type=float,
-        metavar="SECONDS",
-        help="poll interval, 0.1 to 60 seconds (default 1)",
+        type=duration_arg,
+        metavar="DURATION",
+        help="poll interval, 100ms to 60s; a plain number is seconds (default 1s)",
     )
     p.add_argument("--hostname", help="Hostname label value (default $NODE_NAME or host name)")
     p.add_argument(
@@ -532,15 +534,21 @@ def _run_incidents(args: argparse.Namespace) -> int:
             )
     from oomguard.vllm_plugin.oom import directories
 
+    directory = args.directory or directories()[1]
     try:
-        loaded = load(args.directory or directories()[1], missing_ok=False)
+        loaded = load(directory, missing_ok=False)
     except IncidentDirError as exc:
         if args.directory or exc.reason != "not_found":
             raise ConfigError(str(exc)) from None
-        raise ConfigError(
-            f"{exc} (the default; it appears with the first OOM record: pass DIR or set "
-            "OOMGUARD_INCIDENT_DIR where the engines write theirs)"
-        ) from None
+        # The default directory appears with the first OOM record: a healthy box has none yet.
+        # Not an error (a script or a cron job must not page for it); DIR that is missing is.
+        print(
+            f"oomguard incidents: nothing recorded yet: {directory} does not exist (it appears "
+            "with the first OOM record; pass DIR or set OOMGUARD_INCIDENT_DIR where the engines "
+            "write theirs)",
+            file=sys.stderr,
+        )
+        loaded = load(directory, missing_ok=True)
     found = incidents(loaded, xids)
     if since is not None:
         found = [i for i in found if i.timestamp >= since]
@@ -744,45 +752,119 @@ def _add_serve(sub: Any) -> None:
         "restarting after a crashloop. Example: oomguard serve --token-file /etc/oomguard/"
         "supervisor-token -- vllm serve /models/llama --max-num-seqs 64",
     )
-    p.add_argument("--listen", default="127.0.0.1:9851", metavar="HOST:PORT")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:9851",
+        metavar="HOST:PORT",
+        help="address of the supervisor's API (default %(default)s)",
+    )
     p.add_argument("--token-file", metavar="FILE", help="bearer token for the supervisor's API")
     p.add_argument(
         "--allow-unauthenticated",
         action="store_true",
-        help="serve the API without a token (loopback-only single boxes)",
+        help="serve the API without a token: only with --listen on a loopback address",
     )
-    p.add_argument("--state-dir", default="/var/lib/oomguard/serve", metavar="DIR")
-    p.add_argument("--max-crashes", type=int, default=5, help="within --crash-window, then stop")
-    p.add_argument("--crash-window", type=float, default=600.0, metavar="SECONDS")
     p.add_argument(
-        "--restart-delay", type=float, default=5.0, metavar="SECONDS", help="after a crash"
+        "--state-dir",
+        default=SERVE_STATE_DIR,
+        metavar="DIR",
+        help="flags in force (flags.json), vLLM's log, exit records (default %(default)s, the "
+        "unit's StateDirectory)",
     )
-    p.add_argument("--stop-timeout", type=float, default=60.0, metavar="SECONDS")
+    p.add_argument(
+        "--max-crashes",
+        type=int,
+        default=5,
+        metavar="N",
+        help="crashes within --crash-window before it stops restarting (default %(default)s)",
+    )
+    p.add_argument(
+        "--crash-window",
+        type=duration_arg,
+        default=600.0,
+        metavar="DURATION",
+        help="window of --max-crashes (default 10m)",
+    )
+    p.add_argument(
+        "--restart-delay",
+        type=duration_arg,
+        default=5.0,
+        metavar="DURATION",
+        help="wait after a crash before starting vLLM again (default 5s)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=duration_arg,
+        default=60.0,
+        metavar="DURATION",
+        help="SIGTERM, then SIGKILL after this long (default 1m)",
+    )
     p.add_argument(
         "--max-restarts",
         type=int,
         default=6,
-        help="requested restarts allowed within --restart-window; beyond it the API answers 429",
+        metavar="N",
+        help="requested restarts allowed within --restart-window; beyond it the API answers 429 "
+        "(default %(default)s)",
     )
-    p.add_argument("--restart-window", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument(
+        "--restart-window",
+        type=duration_arg,
+        default=600.0,
+        metavar="DURATION",
+        help="window of --max-restarts (default 10m)",
+    )
     p.add_argument(
         "--keep-flags-on-crash",
         action="store_true",
         help="restart a crashed vLLM with the same flags and full admission (a plain restart "
         "policy; the default lowers the flags after a CUDA OOM and starts capped)",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-max-size",
+        type=size_arg,
+        default=100 * 2**20,
+        metavar="SIZE",
+        help="rotate vLLM's log (<state-dir>/vllm.log) when it would pass this size "
+        "(default 100MiB)",
+    )
+    p.add_argument(
+        "--log-backups",
+        type=int,
+        default=5,
+        metavar="N",
+        help="rotated logs kept: vllm.log.1 (newest) to vllm.log.N (default %(default)s)",
+    )
+    p.add_argument(
+        "--twin-gpu",
+        metavar="FILE",
+        default=os.environ.get(TWIN_GPU_FILE_ENV) or None,
+        help="rehearse without a GPU: run vLLM on the model-free executor over the twin GPU in "
+        f"FILE (docs/twin.md; default ${TWIN_GPU_FILE_ENV})",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="(default %(default)s)",
+    )
     p.add_argument("vllm", nargs=argparse.REMAINDER, help="-- vllm serve MODEL [flags...]")
     p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from oomguard.remediator.config import AuthConfig
+    from oomguard.remediator.config import AuthConfig, is_loopback
     from oomguard.remediator.supervisor import Supervisor, serve
 
     argv = args.vllm[1:] if args.vllm[:1] == ["--"] else args.vllm
     if args.token_file is None and not args.allow_unauthenticated:
         raise ConfigError("give --token-file (or --allow-unauthenticated on a loopback-only box)")
+    if args.allow_unauthenticated and not is_loopback(args.listen):
+        # anyone who reaches the port could restart vLLM with other flags
+        raise ConfigError(
+            f"--allow-unauthenticated is only for a loopback --listen (127.0.0.1), not "
+            f"{args.listen}: give --token-file"
+        )
     if args.token_file:
         _check_secret_file("--token-file", args.token_file)
     _check_listen("--listen", args.listen)  # before vLLM starts, not after its minutes of loading
@@ -796,6 +878,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         adjust_on_crash=not args.keep_flags_on_crash,
         max_restarts=args.max_restarts,
         restart_window_seconds=args.restart_window,
+        log_max_bytes=args.log_max_size,
+        log_backups=args.log_backups,
     )
     auth = AuthConfig(
         bearer_token_file=args.token_file, allow_unauthenticated=args.allow_unauthenticated

@@ -1,8 +1,13 @@
-"""Loading YAML configuration into validated models, with errors an operator can act on."""
+"""Loading YAML configuration into validated models, with errors an operator can act on.
+
+Every key named `*_seconds` takes a duration (`30`, `30s`, `500ms`, `1h30m`) and every key named
+`*_bytes` a size (`2147483648`, `2GiB`, `24GB`), in every section of every config (oomguard.units).
+"""
 
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -10,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from oomguard.errors import ConfigError
+from oomguard.units import config_value
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -30,8 +36,46 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def _models(annotation: object) -> list[type[BaseModel]]:
+    """The config models inside a field's type (`Section`, `Section | None`, `list[Section]`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def with_units(model: type[BaseModel], data: object, where: str, problems: list[str]) -> object:
+    """`data` with every `*_seconds` and `*_bytes` value written with a unit turned into a number,
+    section by section as `model` nests them; a value that is not a duration or size is named
+    in `problems` by its dotted path. Unknown keys are left for the model to refuse."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for key, value in data.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue
+        path = f"{where}{key}"
+        try:
+            out[key] = config_value(key, value)
+        except ValueError as exc:
+            problems.append(f"  {path}: {exc}")
+            continue
+        for sub in _models(field.annotation)[:1]:
+            if isinstance(value, list):
+                out[key] = [
+                    with_units(sub, item, f"{path}.{i}.", problems) for i, item in enumerate(value)
+                ]
+            else:
+                out[key] = with_units(sub, value, f"{path}.", problems)
+    return out
+
+
 def validate(model: type[M], data: dict[str, Any], source: str) -> M:
     """Validate `data`; a ConfigError lists every wrong field by its dotted path."""
+    wrong: list[str] = []
+    data = typing.cast(dict[str, Any], with_units(model, data, "", wrong))
+    if wrong:
+        raise ConfigError(f"invalid configuration in {source}:\n" + "\n".join(wrong))
     try:
         return model.model_validate(data)
     except ValidationError as exc:

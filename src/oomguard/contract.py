@@ -34,4 +34,13 @@ TARGET_ENV = "OOMGUARD_TARGET"  # the target name in hand-off files and incident
 # Where ranks publish allocator statistics for the exporter (src/oomguard/handoff.py: the format).
 HANDOFF_DIR = "/run/oomguard/allocator"
 
+# `oomguard serve`'s state (flags in force, vLLM's log, exit records): the single-box unit's
+# StateDirectory (deploy/single-box/oomguard-vllm.service), apart from the remediator's.
+SERVE_STATE_DIR = "/var/lib/oomguard-serve"
+
+# A twin GPU's state file (oomguard.twin.gpufile): set, `oomguard exporter` reads that simulated
+# GPU instead of NVML and `oomguard serve` runs vLLM on the model-free executor over it. A
+# rehearsal of the whole stack without a GPU (docs/single-box.md).
+TWIN_GPU_FILE_ENV = "OOMGUARD_TWIN_GPU_FILE"
+
 # The plugin's state document (GET {API_PREFIX}/state): oomguard.engine_state.EngineState.

@@ -7,6 +7,7 @@ restart.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections import Counter
 from pathlib import Path
@@ -22,6 +23,18 @@ from oomguard.remediator.flags import FlagLimits
 from oomguard.remediator.leader import LeaderElectionConfig
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether HOST:PORT binds only this machine (127.0.0.0/8, ::1, localhost; an empty host is
+    the remediator's 127.0.0.1 default). 0.0.0.0, :: and any other name reach the network."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if host in ("", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 class SecretFile:
@@ -191,6 +204,12 @@ class RemediatorConfig(BaseModel):
             raise ValueError(f"target names must be unique: {', '.join(dupes)}")
         if self.mode == "standalone" and self.standalone is None:
             raise ValueError("mode standalone needs a standalone: section")
+        if self.auth.allow_unauthenticated and not is_loopback(self.listen):
+            # anyone who reaches the port could drain, pause or restart engines
+            raise ValueError(
+                f"auth.allow_unauthenticated is only for a remediator bound to loopback "
+                f"(127.0.0.1), not {self.listen}: set auth.bearer_token_file or auth.basic"
+            )
         return self
 
     @property

@@ -73,6 +73,7 @@ from oomguard.remediator.flags import (
     apply,
     read,
 )
+from oomguard.remediator.logfile import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, RotatingLog
 
 log = logging.getLogger("oomguard.supervisor")
 
@@ -212,6 +213,8 @@ class Supervisor:
         max_restarts: int = 6,
         restart_window_seconds: float = 600.0,
         cgroup_dir: str | None = None,
+        log_max_bytes: int = DEFAULT_MAX_BYTES,
+        log_backups: int = DEFAULT_BACKUPS,
     ) -> None:
         if not argv:
             raise ConfigError("nothing to run: give the vLLM command after --")
@@ -221,7 +224,8 @@ class Supervisor:
         self.limits = limits or FlagLimits()
         self.store = FlagStore(state_dir / "flags.json")
         self.flags = self.store.load(read(argv, 0))
-        self.log_path = state_dir / "vllm.log"
+        self.log_path = state_dir / "vllm.log"  # rotated by size (logfile.py)
+        self.log_max_bytes, self.log_backups = log_max_bytes, log_backups
         self.max_crashes, self.window = max_crashes, crash_window_seconds
         self.restart_delay, self.stop_timeout = restart_delay, stop_timeout
         self.readmit_start = readmit_start
@@ -279,10 +283,9 @@ class Supervisor:
     def _watch(self, child: subprocess.Popen[bytes], generation: int) -> None:
         assert child.stdout is not None
         oom_line_seen = False
-        with self.log_path.open("ab") as out:
+        with RotatingLog(self.log_path, self.log_max_bytes, self.log_backups) as out:
             for line in child.stdout:
                 out.write(line)
-                out.flush()
                 text = line.decode(errors="replace")
                 self._tail.append(text)
                 oom_line_seen = oom_line_seen or any(m in text for m in OOM_MARKERS)
