@@ -248,8 +248,17 @@ def test_kubernetes_manifests_leave_the_cluster_alertmanager_alone(tmp_path):
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert ("Secret", "alertmanager-main") not in kinds
     (amc,) = [o for o in objects if o["kind"] == "AlertmanagerConfig"]
-    assert amc["metadata"]["namespace"] == "oomguard"
+    # in the Alertmanager's namespace, which both stock installs select (docs/kubernetes.md)
+    assert amc["metadata"]["namespace"] == "monitoring"
     assert amc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "oomguard"
+    # the webhook's token Secret, which the walkthrough creates there
+    (hook,) = next(r for r in amc["spec"]["receivers"] if r["name"] == "remediator")[
+        "webhookConfigs"
+    ]
+    secret = hook["httpConfig"]["authorization"]["credentials"]["name"]
+    assert f"kubectl -n monitoring create secret generic {secret}" in " ".join(
+        (ROOT / "docs" / "kubernetes.md").read_text().split()
+    )
 
 
 # -- commands quoted in the reference docs and runbooks -----------------------------------------

@@ -96,10 +96,13 @@ def test_prometheus_rule_and_alertmanager_config_pass_promtool_and_amtool(repo_r
     namespace = amc["metadata"]["namespace"]
     alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
     assert all(r["labels"]["namespace"] == namespace for r in alerts)
-    # the same routes and inhibitions as the single box, in Alertmanager's own shape
+    # the same routes and inhibitions as the single box, in Alertmanager's own shape, the top
+    # route limited to oomguard's alerts (the cluster's own alerts share the namespace)
     spec = amc["spec"]
     single_box = alertmanager_config()
-    assert _plain_route(spec["route"]) == single_box["route"]
+    route = _plain_route(spec["route"])
+    assert route.pop("matchers") == ['alertname=~"Oomguard.+|Watchdog"']
+    assert route == single_box["route"]
     assert [
         {
             "source_matchers": _plain(r["sourceMatch"]),
@@ -110,7 +113,7 @@ def test_prometheus_rule_and_alertmanager_config_pass_promtool_and_amtool(repo_r
     ] == single_box["inhibit_rules"]
     # ... which amtool accepts, with receivers of the same names
     plain = {
-        "route": _plain_route(spec["route"]),
+        "route": route,
         "inhibit_rules": single_box["inhibit_rules"],
         "receivers": [{"name": r["name"]} for r in spec["receivers"]],
     }
@@ -122,7 +125,7 @@ def test_prometheus_rule_and_alertmanager_config_pass_promtool_and_amtool(repo_r
     (hook,) = next(r for r in spec["receivers"] if r["name"] == "remediator")["webhookConfigs"]
     assert hook["url"] == "http://oomguard-remediator.oomguard.svc:9849/v1/alertmanager"
     assert hook["httpConfig"]["authorization"]["credentials"] == {
-        "name": "oomguard-tokens",
+        "name": "oomguard-alertmanager-webhook",
         "key": "remediator-token",
     }
     assert hook["maxAlerts"] == 0 and hook["sendResolved"] is True
@@ -162,7 +165,8 @@ def test_the_pieces_fit_together(repo_root):
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["VLLM_PLUGINS"] == "oomguard" and "OOMGUARD_PLUGIN_TOKEN_FILE" in env
     assert container["readinessProbe"]["httpGet"]["path"] == "/oomguard/v1/ready"
-    assert config.targets[0].url.startswith(f"http://{vllm['metadata']['name']}.")
+    # the control Service, which keeps a drained (not ready) engine reachable
+    assert config.targets[0].url.startswith(f"http://{vllm['metadata']['name']}-control.")
     exporter = next(o for o in docs(repo_root, "exporter.yaml") if o["kind"] == "DaemonSet")
     assert exporter["spec"]["template"]["spec"]["hostPID"] is True
     dashboards = docs(repo_root, "dashboards.yaml")
@@ -461,10 +465,13 @@ def test_exporter_and_remediator_name_the_engine_alike(repo_root):
     (target,) = config.targets
     assert target.name == exporter_target == target.selector()["target"]
     vllm = next(o for o in docs(repo_root, "vllm-example.yaml") if o["kind"] == "Deployment")
-    env = {
-        e["name"]: e.get("value") for e in vllm["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
-    assert env["OOMGUARD_TARGET"] == exporter_target
+    template = vllm["spec"]["template"]
+    env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+    # the engine names itself from its pod's label (hand-off files, incident records), the
+    # label pod discovery names it by too
+    label = env["OOMGUARD_TARGET"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert label == "metadata.labels['oomguard.io/target']"
+    assert template["metadata"]["labels"]["oomguard.io/target"] == exporter_target
 
 
 def test_the_keda_example_scales_the_engine_on_recorded_capacity_withheld(repo_root):

@@ -4,6 +4,7 @@ guarantees (alerts select among discovered pods, never supply an address or a Se
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 
@@ -213,3 +214,178 @@ def test_alerts_select_among_discovered_pods_and_never_supply_an_address(tmp_pat
     finally:
         d.stop()
         standin.close()
+
+
+# -- one engine identity: discovered targets are named as the exporter names the engine --------
+def test_a_pod_is_named_by_its_target_label_as_the_exporter_names_its_engine():
+    from oomguard.manifests import TARGET_LABEL, VLLM_NAME, vllm_example
+    from oomguard.thresholds import AlertThresholds
+
+    cfg = DiscoveryConfig(namespaces=[NS])
+    # the generated example's pod: its label names it as the exporter's --vllm name does
+    deployment = next(o for o in vllm_example(AlertThresholds()) if o["kind"] == "Deployment")
+    example = pod("vllm-llama-3-8b-6f7d9-x8k2m")
+    example["metadata"]["labels"] = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pod_target(example, cfg).name == VLLM_NAME
+    assert pod_target(example, cfg).match == {"instance": "gpu-node-1"}
+    labelled = pod("vllm-0")
+    labelled["metadata"]["labels"][TARGET_LABEL] = "llama-a"
+    assert pod_target(labelled, cfg).name == "llama-a"
+    # no label: <namespace>:<pod>, as before; a bad one: no target at all
+    assert pod_target(pod("vllm-1"), cfg).name == "llm:vllm-1"
+    labelled["metadata"]["labels"][TARGET_LABEL] = "a b"
+    assert pod_target(labelled, cfg) is None
+    # one engine per GPU node, an exporter started with --vllm=$(NODE_NAME)=...
+    by_node = DiscoveryConfig(namespaces=[NS], target_name="node")
+    assert pod_target(pod("vllm-1"), by_node).name == "gpu-node-1"
+
+
+def test_two_pods_claiming_one_name_are_neither_a_target():
+    standin = KubeStandIn([], ROLE)
+    for name, ip in (("vllm-0", "10.0.0.1"), ("vllm-1", "10.0.0.2"), ("vllm-2", "10.0.0.3")):
+        p = pod(name, ip)
+        p["metadata"]["labels"]["oomguard.io/target"] = "llama-b" if name == "vllm-2" else "llama-a"
+        standin.put_pod(p)
+    d = discovery(standin)
+    d.start()
+    try:
+        assert d.wait_synced(10)
+        assert until(lambda: names(d) == ["llama-b"])
+        standin.delete_pod(NS, "vllm-1")  # the old pod of a rollout goes: the name is one pod's
+        assert until(lambda: names(d) == ["llama-a", "llama-b"])
+        assert d.targets()[0].url == "http://10.0.0.1:8000"
+    finally:
+        d.stop()
+        standin.close()
+
+
+# -- a drained engine stays reachable: its pod address, ready or not ----------------------------
+class PluginStandIn:
+    """The plugin's routes the remediator calls (state, drain, resume) and the readiness route
+    the kubelet probes: 503 while draining, as the plugin answers."""
+
+    def __init__(self) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.mode = "serving"
+        self.calls: list[tuple[str, str]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _state(self) -> dict:
+                return {
+                    "startup_max_num_seqs": 64,
+                    "admission_cap": 64,
+                    "mode": outer.mode,
+                    "running": 0,
+                    "waiting": 0,
+                    "since_cap_change": {
+                        "seconds": 60.0,
+                        "admitted": 0,
+                        "finished": 0,
+                        "preemptions": 0,
+                    },
+                }
+
+            def do_GET(self) -> None:
+                outer.calls.append(("GET", self.path))
+                if self.path == "/oomguard/v1/ready":
+                    self._send(503 if outer.mode == "draining" else 200, {})
+                else:
+                    self._send(200, self._state())
+
+            def do_POST(self) -> None:
+                outer.calls.append(("POST", self.path))
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                outer.mode = "draining" if self.path.endswith("/drain") else "serving"
+                self._send(200, {"state": self._state()})
+
+            def do_PUT(self) -> None:  # the admission cap: accepted, not modelled
+                outer.calls.append(("PUT", self.path))
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._send(200, {"state": self._state()})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.slow  # seconds: in make test, not in the 2-minute check lane
+def test_a_drained_engine_is_read_and_resumed_at_its_pod_address(tmp_path):
+    """Readiness answers 503 while the engine drains, so the kubelet marks the pod not ready
+    and the engine's Service drops it (tests/test_kube_conformance.py); discovery keeps the
+    pod as a target at its own address, so the remediator still reads and resumes it."""
+    import httpx
+
+    from oomguard.remediator.actuator import PluginActuator
+
+    engine, peer = PluginStandIn(), PluginStandIn()
+    standin = KubeStandIn([], ROLE)
+    serving = pod("vllm-0", "127.0.0.1", **{"oomguard.io/plugin-port": str(engine.port)})
+    serving["metadata"]["labels"]["oomguard.io/target"] = "llama-a"
+    serving["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    standin.put_pod(serving)
+    # a ready peer of the same model on another node: the last ready engine is never drained
+    other = pod("vllm-1", "127.0.0.1", **{"oomguard.io/plugin-port": str(peer.port)})
+    other["metadata"]["labels"]["oomguard.io/target"] = "llama-b"
+    other["spec"]["nodeName"] = "gpu-node-2"
+    standin.put_pod(other)
+    d = discovery(standin)
+    d.start()
+    actuator = PluginActuator(timeout=2, backoff=0.05)
+    try:
+        assert d.wait_synced(10)
+        cfg = config(tmp_path, "placeholder")
+        c = Controller(cfg, actuator, AuditLog(cfg.audit_log), RemediatorMetrics())
+        c.set_targets(d.targets())
+        c.receive(parse(payload(alert("OomguardMemoryCritical", "x", instance="gpu-node-1"))))
+        c.reconcile()
+        assert engine.mode == "draining" and ("POST", "/oomguard/v1/drain") in engine.calls
+        ready = f"http://127.0.0.1:{engine.port}/oomguard/v1/ready"
+        assert httpx.get(ready, timeout=2).status_code == 503
+        # the kubelet's probe fails: the pod is not ready, still running at its address
+        drained = copy.deepcopy(serving)
+        drained["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+        standin.put_pod(drained)
+        # a later event: once discovery has it, it has the not-ready one (a watch is in order)
+        marker = pod("vllm-9", "10.0.0.9")
+        marker["metadata"]["labels"]["oomguard.io/target"] = "llama-z"
+        standin.put_pod(marker)
+        assert until(lambda: "llama-z" in names(d))
+        assert [(t.name, t.url) for t in d.targets() if t.name != "llama-z"] == [
+            ("llama-a", f"http://127.0.0.1:{engine.port}"),
+            ("llama-b", f"http://127.0.0.1:{peer.port}"),
+        ]
+        c.set_targets(d.targets())
+        before = len(engine.calls)
+        c.reconcile()  # reads the drained engine
+        assert ("GET", "/oomguard/v1/state") in engine.calls[before:]
+        actuator.resume(c.target("llama-a"))  # and reaches it to resume
+        assert engine.mode == "serving"
+        c.close()
+    finally:
+        actuator.close()
+        d.stop()
+        standin.close()
+        engine.close()
+        peer.close()

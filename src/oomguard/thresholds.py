@@ -81,6 +81,44 @@ class PressureThresholds(BaseModel):
 
 
 _DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
+_K8S_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a namespace or ServiceAccount (RFC 1123 label)
+
+
+class KubernetesInstall(BaseModel):
+    """Where the cluster's prometheus-operator stack runs, for the Kubernetes manifests.
+
+    The defaults fit both stock installs (docs/kubernetes.md): kube-prometheus (jsonnet) runs
+    Prometheus as ServiceAccount `monitoring/prometheus-k8s` with Roles in three namespaces only,
+    so the manifests bind it a read-only Role in each namespace a PodMonitor scrapes;
+    kube-prometheus-stack (Helm) selects only PodMonitors and PrometheusRules labelled
+    `release: <its Helm release>`, so they carry that label.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prometheus_service_account: str = Field(
+        "prometheus-k8s",
+        pattern=_K8S_NAME,
+        description="Prometheus's ServiceAccount (kube-prometheus: prometheus-k8s; "
+        "kube-prometheus-stack: <release>-kube-prometheus-stack-prometheus, whose ClusterRole "
+        "already reads every namespace).",
+    )
+    prometheus_namespace: str = Field(
+        "monitoring", pattern=_K8S_NAME, description="The namespace of that ServiceAccount."
+    )
+    helm_release: str = Field(
+        "kube-prometheus-stack",
+        pattern=r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$",
+        max_length=63,
+        description="kube-prometheus-stack's Helm release name: the `release` label its default "
+        "selectors require on PodMonitors and PrometheusRules (empty: no label).",
+    )
+    alertmanager_namespace: str = Field(
+        "monitoring",
+        pattern=_K8S_NAME,
+        description="The namespace of the cluster's Alertmanager: the AlertmanagerConfig goes "
+        "there, which both stock installs select without a change to the Alertmanager.",
+    )
 
 
 class AlertThresholds(BaseModel):
@@ -101,6 +139,10 @@ class AlertThresholds(BaseModel):
         "oomguard-remediator", description="Prometheus job of the remediator."
     )
     vllm_job: str = Field("vllm", description="Prometheus job scraping vLLM's own /metrics.")
+    kubernetes: KubernetesInstall = Field(
+        default_factory=KubernetesInstall,
+        description="The prometheus-operator install the Kubernetes manifests are made for.",
+    )
     cluster_label: str = Field(
         "cluster",
         pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$",

@@ -8,7 +8,15 @@ configured token file, or one of the configured Secrets (mounted as files) that 
 the operator listed, never name another one, so a pod cannot make the remediator send it some
 other Secret's token. Alerts still only select among these targets by labels (by default
 `instance`, which the exporter's alerts set to the node name, against the pod's node); they never
-supply an address.
+supply an address. The address is the pod's own, ready or not: a drained engine answers its
+readiness probe with 503 and leaves its Service, and the remediator must still read and resume it.
+
+A target's name is the engine's one name, the `target` label of the exporter's series that the
+rules join the remediator's on: the pod's `oomguard.io/target` label (the generated vLLM example
+sets it, and OOMGUARD_TARGET from it), or with `target_name: node` the pod's node (one engine per
+GPU node, an exporter started with `--vllm=$(NODE_NAME)=...`). A pod without that label is named
+`<namespace>:<pod>`, which no exporter series carries. Two pods claiming one name are neither a
+target: an alert for that engine could not tell them apart.
 
 Each namespace is listed once, then watched from the list's resourceVersion through the official
 client (no polling of the whole list); a watch that ends is resumed from the last
@@ -20,6 +28,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +46,8 @@ if TYPE_CHECKING:  # config.py imports this module's DiscoveryConfig
 log = logging.getLogger("oomguard.remediator.discovery")
 
 PORT_ANNOTATION = "oomguard.io/plugin-port"
+TARGET_LABEL = "oomguard.io/target"
+_TARGET_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # the exporter's target names
 TOKEN_ANNOTATION = "oomguard.io/plugin-token-secret"
 MODEL_ANNOTATION = "oomguard.io/model"
 PodField = Literal["namespace", "pod", "node", "target"]
@@ -75,10 +86,33 @@ class DiscoveryConfig(BaseModel):
         "for alerts on series scraped from the vLLM pods themselves.",
     )
     watch_seconds: int = Field(300, ge=1, description="Each watch request's server timeout.")
+    target_name: Literal["label", "node"] = Field(
+        "label",
+        description=f"How a pod's target is named, as the exporter names its engine: the pod's "
+        f"{TARGET_LABEL} label (pods without it: <namespace>:<pod>), or its node's name.",
+    )
 
 
 def _name(namespace: str, pod: str) -> str:
     return f"{namespace}:{pod}"  # target names allow ':'; pod and namespace names do not
+
+
+def _target_name(
+    namespace: str, pod: str, node: str, labels: Mapping[str, Any], config: DiscoveryConfig
+) -> str | None:
+    """The engine's name (module docstring), or None when the pod cannot be named."""
+    if config.target_name == "node":
+        if not _TARGET_NAME.match(node):
+            log.warning("pod %s/%s has no usable node name %r: not a target", namespace, pod, node)
+            return None
+        return node
+    if TARGET_LABEL not in labels:
+        return _name(namespace, pod)
+    value = str(labels[TARGET_LABEL])
+    if not _TARGET_NAME.match(value):
+        log.warning("pod %s/%s: bad %s %r: not a target", namespace, pod, TARGET_LABEL, value)
+        return None
+    return value
 
 
 def pod_target(pod: Mapping[str, Any], config: DiscoveryConfig) -> TargetConfig | None:
@@ -121,13 +155,11 @@ def pod_target(pod: Mapping[str, Any], config: DiscoveryConfig) -> TargetConfig 
             return None
         token_file = config.token_secrets[secret]
     host = f"[{ip}]" if ":" in ip else ip
-    target = _name(namespace, name)
-    fields = {
-        "namespace": namespace,
-        "pod": name,
-        "node": str((pod.get("spec") or {}).get("nodeName") or ""),
-        "target": target,
-    }
+    node = str((pod.get("spec") or {}).get("nodeName") or "")
+    target = _target_name(namespace, name, node, labels, config)
+    if target is None:
+        return None
+    fields = {"namespace": namespace, "pod": name, "node": node, "target": target}
     model = annotations.get(MODEL_ANNOTATION) or labels.get(config.model_label) or ""
     try:
         return TargetConfig(
@@ -182,7 +214,11 @@ class PodDiscovery:
     def targets(self) -> list[TargetConfig]:
         with self._lock:
             found = [t for pods in self._pods.values() for t in pods.values() if t is not None]
-        return sorted(found, key=lambda t: t.name)
+        names = [t.name for t in found]
+        claimed = {n for n in names if names.count(n) > 1}
+        if claimed:  # an alert for that engine could not tell the pods apart
+            log.warning("several pods claim target names %s: none of them is a target", claimed)
+        return sorted((t for t in found if t.name not in claimed), key=lambda t: t.name)
 
     def wait_synced(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
