@@ -15,6 +15,7 @@ from oomguard.catalog import CATALOG, exported_names
 from oomguard.contract import ACTIONS
 from oomguard.thresholds import AlertThresholds
 from tests.conftest import VLLM_FIXTURE
+from tests.kube_state_metrics import KSM_LABELS
 from tests.promql import metric_names
 
 T = AlertThresholds()
@@ -27,7 +28,7 @@ VLLM_NAMES = {
     for line in VLLM_FIXTURE.read_text().splitlines()
     if line and not line.startswith("#")
 }
-THIRD_PARTY = VLLM_NAMES | {"alertmanager_notifications_failed_total"}
+THIRD_PARTY = VLLM_NAMES | {"alertmanager_notifications_failed_total"} | set(KSM_LABELS)
 
 
 def exprs(t: AlertThresholds = T) -> list[str]:
@@ -277,6 +278,7 @@ def test_every_job_the_rules_select_is_scraped_on_kubernetes_and_on_one_box():
     selected = set()
     for expr in exprs(t):
         selected |= set(re.findall(r'\bjob="([^"]+)"', expr))
+    selected -= {t.kube_state_metrics_job}  # the cluster's own, which both stock installs run
     assert selected == {"gpu-exporter", "gpu-remediator", "llm"}
     one_box = {job["job_name"] for job in prometheus_config(t)["scrape_configs"]}
     kubernetes = {

@@ -24,6 +24,7 @@ PAGES = {
     "OomguardModelUnavailable",
     "OomguardRemediatorDown",
     "OomguardRemediatorNoLeader",
+    "OomguardRemediatorCrashLooping",
     "OomguardRequestErrorBudgetBurn",
     "OomguardTTFTBudgetBurn",
 }

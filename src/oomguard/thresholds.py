@@ -143,6 +143,24 @@ class AlertThresholds(BaseModel):
         default_factory=KubernetesInstall,
         description="The prometheus-operator install the Kubernetes manifests are made for.",
     )
+    kube_state_metrics_job: str = Field(
+        "kube-state-metrics",
+        description="Prometheus job of kube-state-metrics (kube-prometheus and "
+        "kube-prometheus-stack both name it so); the DaemonSet and crash-loop alerts read it.",
+    )
+    exporter_daemonset: str = Field(
+        "oomguard-exporter", description="Name of the exporter's DaemonSet (deploy/kubernetes)."
+    )
+    remediator_deployment: str = Field(
+        "oomguard-remediator",
+        description="Name of the remediator's Deployment (deploy/kubernetes).",
+    )
+    gpu_node_resource: str = Field(
+        "nvidia_com_gpu",
+        pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$",
+        description="The GPU resource as kube-state-metrics spells it in kube_node_status_capacity "
+        "(nvidia.com/gpu becomes nvidia_com_gpu): nodes that have it should run an exporter.",
+    )
     cluster_label: str = Field(
         "cluster",
         pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$",

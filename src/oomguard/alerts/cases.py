@@ -582,6 +582,151 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         )
     )
     add(Case("OomguardRemediatorAbsent", "16m", {rem_up: "1x20"}))
+
+    # vLLM's own /metrics not scraped at all (the SLOs read it)
+    vllm_up = sel("up", L.vllm)
+    add(
+        Case(
+            "OomguardVllmScrapeAbsent",
+            "16m",
+            {exp_up: "1x20", sel("up", {**L.vllm, "job": "llm/vllm-llama-3-8b"}): "1x20"},
+            [
+                {
+                    "job": t.vllm_job,
+                    "severity": "warning",
+                    "description": f'Prometheus has no target with job="{t.vllm_job}": the scrape '
+                    "config or the PodMonitor does not find vLLM's own /metrics, so the SLO alerts "
+                    "cannot fire and requests lost in a crash are the only errors counted.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardVllmScrapeAbsent", "16m", {vllm_up: "1x20"}))
+
+    # -- kube-state-metrics, as kube-prometheus scrapes it (honorLabels: the object's own
+    # namespace and pod) -----------------------------------------------------------------------
+    ksm = {**L.cluster, "job": t.kube_state_metrics_job, "instance": "10.0.9.4:8443"}
+    ds = {**ksm, "namespace": k8s.NS, "daemonset": t.exporter_daemonset}
+    ds_out = {**L.cluster, "namespace": k8s.NS, "daemonset": t.exporter_daemonset}
+
+    def daemonset(**values: str) -> dict[str, str]:
+        return {sel(f"kube_daemonset_status_{k}", ds): v for k, v in values.items()}
+
+    def gpu_nodes(n: int) -> dict[str, str]:
+        return {
+            sel(
+                "kube_node_status_capacity",
+                {
+                    **ksm,
+                    "node": f"gpu-node-{i}",
+                    "resource": t.gpu_node_resource,
+                    "unit": "integer",
+                },
+            ): "8x20"
+            for i in range(1, n + 1)
+        }
+
+    def unscheduled(n: str) -> list[dict[str, str]]:
+        return [
+            {
+                **ds_out,
+                "severity": "warning",
+                "description": f"{n} GPU nodes of cluster prod-eu-1 have no pod of DaemonSet "
+                f"{k8s.NS}/{t.exporter_daemonset}: GPU memory there is not watched and nothing "
+                "protects their engines.",
+            }
+        ]
+
+    healthy = {
+        **gpu_nodes(4),
+        **daemonset(
+            desired_number_scheduled="4x20",
+            current_number_scheduled="4x20",
+            updated_number_scheduled="4x20",
+            number_available="4x20",
+            number_misscheduled="0x20",
+        ),
+    }
+    add(Case("OomguardExporterNotScheduled", "12m", healthy))
+    # a pod that cannot be placed (a taint the DaemonSet does not tolerate, no room)
+    pending = {**healthy, **daemonset(current_number_scheduled="3x20")}
+    add(Case("OomguardExporterNotScheduled", "8m", pending))  # for 10m
+    add(Case("OomguardExporterNotScheduled", "12m", pending, unscheduled("1")))
+    # two GPU nodes lack the label the DaemonSet's nodeSelector asks for: not even desired
+    unselected = {
+        **healthy,
+        **gpu_nodes(6),
+    }
+    add(Case("OomguardExporterNotScheduled", "12m", unselected, unscheduled("2")))
+
+    stuck = {
+        **healthy,
+        **daemonset(updated_number_scheduled="2x20", number_available="3x20"),
+    }
+    add(Case("OomguardExporterRolloutStuck", "12m", stuck))  # for 15m
+    add(
+        Case(
+            "OomguardExporterRolloutStuck",
+            "17m",
+            stuck,
+            [
+                {
+                    **ds_out,
+                    "severity": "warning",
+                    "description": f"DaemonSet {k8s.NS}/{t.exporter_daemonset} has not finished "
+                    "or progressed its rollout for 15 minutes: some GPU nodes run an old exporter, "
+                    "or none.",
+                }
+            ],
+        )
+    )
+    # a rollout that progresses one node every 2 minutes is not stuck
+    rolling = {**healthy, **daemonset(updated_number_scheduled="0 0 1 1 2 2 3 3 4x13")}
+    add(Case("OomguardExporterRolloutStuck", "17m", rolling))
+    add(Case("OomguardExporterRolloutStuck", "17m", healthy))
+
+    restarts_pod = {
+        **ksm,
+        "namespace": k8s.NS,
+        "pod": L.rem["pod"],
+        "uid": "6f1e0c9a-3b52-4f0e-9d7a-2c8e4b1f7a10",
+        "container": "remediator",
+    }
+    restarts = sel("kube_pod_container_status_restarts_total", restarts_pod)
+    add(
+        Case(
+            "OomguardRemediatorCrashLooping",
+            "20m",
+            {restarts: "0x5 1x3 2x3 3x10"},  # restarts 6, 10, 14 minutes in
+            [
+                {
+                    **L.cluster,
+                    "namespace": k8s.NS,
+                    "pod": L.rem["pod"],
+                    "container": "remediator",
+                    "severity": "critical",
+                    "description": f"Container remediator of pod {k8s.NS}/{L.rem['pod']} "
+                    "restarted 3 times in 15 minutes: between crashes it is not up long enough to "
+                    "act, and OomguardRemediatorDown may never fire.",
+                }
+            ],
+        )
+    )
+    # one restart (an OOM kill, a node drain) is not a loop; nor is a rollout's new pod
+    add(Case("OomguardRemediatorCrashLooping", "20m", {restarts: "0x5 1x20"}))
+    add(
+        Case(
+            "OomguardRemediatorCrashLooping",
+            "20m",
+            {
+                restarts: "0x10 stale",
+                sel(
+                    "kube_pod_container_status_restarts_total",
+                    {**restarts_pod, "pod": NEW_REMEDIATOR_POD},
+                ): "_x10 0x15",
+            },
+        )
+    )
     add(
         Case(
             "OomguardRemediatorDown",

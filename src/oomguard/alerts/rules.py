@@ -219,6 +219,9 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
     t = t or AlertThresholds()
     exp, rem = f'job="{t.exporter_job}"', f'job="{t.remediator_job}"'
     c = t.cluster_label
+    ksm, ksm_job = "kube_", f'job="{t.kube_state_metrics_job}"'
+    ds = "kube_daemonset_status"
+    ds_sel = f'{ksm_job}, daemonset="{t.exporter_daemonset}"'
     return [
         # -- the remediator's work orders (no page: the remediator acts on them) ---------------
         Alert(
@@ -445,6 +448,72 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f'Prometheus has no target with job="{t.exporter_job}": the scrape config or the '
             "PodMonitor does not find the exporters, so no GPU memory is watched.",
             for_="15m",
+        ),
+        Alert(
+            "OomguardVllmScrapeAbsent",
+            f'absent(up{{job="{t.vllm_job}"}})',
+            "warning",
+            "Prometheus scrapes no vLLM server at all.",
+            f'Prometheus has no target with job="{t.vllm_job}": the scrape config or the '
+            "PodMonitor does not find vLLM's own /metrics, so the SLO alerts cannot fire and "
+            "requests lost in a crash are the only errors counted.",
+            for_="15m",
+        ),
+        # -- on Kubernetes, from kube-state-metrics (both stock installs run it) ----------------
+        Alert(
+            "OomguardExporterNotScheduled",
+            # GPU nodes (kube_node_status_capacity of the GPU resource) beyond the exporter pods
+            # scheduled: the DaemonSet's nodeSelector misses them; or pods the DaemonSet wants
+            # but cannot place (taints, resources), as kubernetes-mixin's
+            # KubeDaemonSetNotScheduled reads it
+            f"count by ({c}) ({ksm}node_status_capacity{{{ksm_job}, "
+            f'resource="{t.gpu_node_resource}"}} > 0)\n'
+            f"- on ({c}) group_right ()\n"
+            f"  max by ({c}, namespace, daemonset) "
+            f"({ds}_current_number_scheduled{{{ds_sel}}}) > 0\n"
+            f"or\nmax by ({c}, namespace, daemonset) (\n"
+            f"  {ds}_desired_number_scheduled{{{ds_sel}}}\n"
+            f"  - {ds}_current_number_scheduled{{{ds_sel}}}\n"
+            ") > 0",
+            "warning",
+            "GPU nodes run no oomguard exporter.",
+            "{{ $value }} GPU nodes of cluster {{ $labels." + c + " }} have no pod of DaemonSet "
+            "{{ $labels.namespace }}/{{ $labels.daemonset }}: GPU memory there is not "
+            "watched and nothing protects their engines.",
+            for_="10m",
+        ),
+        Alert(
+            "OomguardExporterRolloutStuck",
+            # kubernetes-mixin's KubeDaemonSetRolloutStuck, for the exporter's DaemonSet
+            f"max by ({c}, namespace, daemonset) (\n"
+            f"  ({ds}_current_number_scheduled{{{ds_sel}}}\n"
+            f"   != {ds}_desired_number_scheduled{{{ds_sel}}})\n"
+            f"  or ({ds}_number_misscheduled{{{ds_sel}}} != 0)\n"
+            f"  or ({ds}_updated_number_scheduled{{{ds_sel}}}\n"
+            f"   != {ds}_desired_number_scheduled{{{ds_sel}}})\n"
+            f"  or ({ds}_number_available{{{ds_sel}}}\n"
+            f"   != {ds}_desired_number_scheduled{{{ds_sel}}})\n"
+            ")\n"
+            f"and on ({c}, namespace, daemonset)\n"
+            f"max by ({c}, namespace, daemonset) "
+            f"(changes({ds}_updated_number_scheduled{{{ds_sel}}}[5m])) == 0",
+            "warning",
+            "The oomguard exporter's rollout is stuck.",
+            "DaemonSet {{ $labels.namespace }}/{{ $labels.daemonset }} has not finished or "
+            "progressed its rollout for 15 minutes: some GPU nodes run an old exporter, or "
+            "none.",
+            for_="15m",
+        ),
+        Alert(
+            "OomguardRemediatorCrashLooping",
+            f"max by ({c}, namespace, pod, container) (increase("
+            f"{ksm}pod_container_status_restarts_total{{{ksm_job}, "
+            f'pod=~"{t.remediator_deployment}-.+", container="remediator"}}[15m])) > 2',
+            "critical",
+            "The oomguard remediator keeps restarting.",
+            "Container {{ $labels.container }} of pod {{ $labels.namespace }}/{{ $labels.pod }} "
+            "restarted {{ $value | humanize }} times in 15 minutes: between crashes it is not "
+            "up long enough to act, and OomguardRemediatorDown may never fire.",
         ),
         Alert(
             "OomguardRemediatorAbsent",
