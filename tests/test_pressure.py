@@ -324,16 +324,17 @@ def test_a_gpu_that_vanishes_is_blind_then_forgotten():
     src = [EngineSource("t", engine(0.9), ["GPU-a"])]
     levels(ev, [gpu(8 * GB)], src, now=0)
     g, e = levels(ev, [], src, now=10)
-    assert g == {("GPU-a", ""): (-1, "blind")}
-    assert e == {("t", "m", "0"): (-1, "blind")}  # its only GPU cannot be read
+    assert g == {("GPU-a", ""): (-1, "gpu_lost")}
+    assert e == {("t", "m", "0"): (-1, "gpu_lost")}  # its only GPU cannot be read
     g, _ = levels(ev, [], src, now=100)
     assert g == {}
 
 
 def test_gpu_listed_without_numbers_is_blind():
     broken = GpuMemory(ident(), None, None, None, None)
-    g, _ = levels(PressureEvaluator(), [broken], [])
-    assert g == {("GPU-a", ""): (-1, "blind")}
+    g, e = levels(PressureEvaluator(), [broken], [EngineSource("t", engine(0.9))])
+    assert g == {("GPU-a", ""): (-1, "gpu_unreadable")}
+    assert e == {("t", "m", "0"): (-1, "gpu_unreadable")}
 
 
 def test_engines_of_a_target_that_cannot_be_read_are_blind():
@@ -341,10 +342,11 @@ def test_engines_of_a_target_that_cannot_be_read_are_blind():
     two = [EngineSource("t", engine(0.9, "0")), EngineSource("t", engine(0.9, "1"))]
     levels(ev, [gpu(8 * GB)], two, now=0)
     _, e = levels(ev, [gpu(8 * GB)], [], now=5, blind=["t"])
-    assert e == {("t", "m", "0"): (-1, "blind"), ("t", "m", "1"): (-1, "blind")}
+    blind = (-1, "engine_unreachable")
+    assert e == {("t", "m", "0"): blind, ("t", "m", "1"): blind}
     # An engine that vanishes from a target still read is blind too.
     _, e = levels(ev, [gpu(8 * GB)], two[:1], now=6)
-    assert e == {("t", "m", "0"): (0, "ok"), ("t", "m", "1"): (-1, "blind")}
+    assert e == {("t", "m", "0"): (0, "ok"), ("t", "m", "1"): (-1, "engine_missing")}
     _, e = levels(ev, [gpu(8 * GB)], two[:1], now=200)
     assert e == {("t", "m", "0"): (0, "ok")}
 

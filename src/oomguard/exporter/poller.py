@@ -28,7 +28,7 @@ from oomguard.exporter.collectors.base import (
     Reading,
 )
 from oomguard.exporter.collectors.vllm import VllmReading
-from oomguard.exporter.pressure import EngineSource, PressureEvaluator
+from oomguard.exporter.pressure import NO_GPU_SOURCE, EngineSource, PressureEvaluator
 from oomguard.exporter.render import (
     Family,
     FamilyBuilder,
@@ -275,7 +275,13 @@ class Poller:
             if s.collector.name == "vllm" and s.collector.target not in fresh_targets
         }
         levels = self.pressure.evaluate(
-            [g for g, _ in gpus], engines, reports, now, processes, blind_targets
+            [g for g, _ in gpus],
+            engines,
+            reports,
+            now,
+            processes,
+            blind_targets,
+            self._gpu_problem(fresh_ids),
         )
         for g, source in gpus:
             g.add_to(out)
@@ -306,6 +312,29 @@ class Poller:
         snapshot = Snapshot(now, families, text)
         self.latest = snapshot  # one reference swap: scrapes never see half a snapshot
         return snapshot
+
+    def _gpu_problem(self, fresh_ids: set[int]) -> str | None:
+        """Why GPUs may be missing from this snapshot: when no GPU source read, the first one's
+        failure (in order of preference) as `<collector>_<reason>` (nvml_library_not_found: NVML
+        is absent; nvml_timeout: stuck or stale); `no_gpu_source` when none is configured; None
+        while a source reads. Engines with no GPU to be judged on are blind with it."""
+        sources = [s for s in self.states if s.collector.name in GPU_SOURCE_PRIORITY]
+        if not sources:
+            return NO_GPU_SOURCE
+        sources.sort(key=lambda s: GPU_SOURCE_PRIORITY.index(s.collector.name))
+        failures: list[str] = []
+        for state in sources:
+            result = state.result
+            if result is not None and result.error is not None:
+                reason = result.error
+            elif result is None or id(state) not in fresh_ids or result.reading is None:
+                reason = "timeout"  # stuck, stale, or no first result yet
+            elif result.reading.errors:
+                reason = sorted(result.reading.errors)[0]  # a GPU it lists cannot be read
+            else:
+                return None  # this one reads: a GPU it does not list is not its failure
+            failures.append(f"{state.collector.name}_{reason}")
+        return failures[0]
 
     def _merge_gpus(
         self, fresh: list[tuple[CollectorState, Any]]

@@ -22,7 +22,11 @@ A neighbour process, a leak or fragmentation eats the headroom; a healthy engine
 
 A GPU with no engine, or whose engines' plan is unknown, keeps a plain free-memory floor and goes
 no further than caution (reason free_below_floor). An engine takes the worst level of the GPUs
-it runs on and of its own allocator events. What cannot be read is blind (-1), never "ok".
+it runs on and of its own allocator events.
+
+What cannot be read is blind (-1), never "ok", from the first poll on: a GPU or an engine that
+was never read is blind exactly as one that stopped being readable, and the reason says why
+(BLIND_REASONS below; docs/pressure.md, "Blind is not healthy").
 """
 
 from __future__ import annotations
@@ -57,7 +61,25 @@ class Level:
 
 
 LEVEL_OK = Level(OK, "ok")
-LEVEL_BLIND = Level(BLIND, "blind")
+# Why a GPU or an engine is blind (level -1). Besides these, an engine is blind with the reason
+# of its GPU source when no GPU could be read at all: `<collector>_<error>` such as
+# `nvml_library_not_found` (NVML absent from the start), `nvml_timeout`, `dcgm_unreachable`.
+GPU_UNREADABLE = Level(BLIND, "gpu_unreadable")  # listed by its source without numbers
+GPU_LOST = Level(BLIND, "gpu_lost")  # read before, missing now
+ENGINE_UNREACHABLE = Level(BLIND, "engine_unreachable")  # its endpoint is down or stale
+ENGINE_MISSING = Level(BLIND, "engine_missing")  # its endpoint answers without this engine
+NO_GPU_SOURCE = "no_gpu_source"  # NVML off and no dcgm-exporter: nothing to judge against
+NO_GPUS_LISTED = "no_gpus_listed"  # the sources answer and list no GPU
+GPU_NOT_FOUND = "gpu_not_found"  # a GPU the engine runs on (configured, reported) is not listed
+BLIND_REASONS = (
+    GPU_UNREADABLE.reason,
+    GPU_LOST.reason,
+    ENGINE_UNREACHABLE.reason,
+    ENGINE_MISSING.reason,
+    NO_GPU_SOURCE,
+    NO_GPUS_LISTED,
+    GPU_NOT_FOUND,
+)
 
 
 @dataclass
@@ -220,12 +242,16 @@ class PressureEvaluator:
         now: float,
         processes: Sequence[tuple[GpuIdentity, int, float]] = (),
         blind_targets: Iterable[str] = (),
+        gpu_problem: str | None = None,
     ) -> Evaluation:
         """Levels of every GPU and engine from one snapshot of fresh readings.
 
         `gpus`, `engines`, `reports` and `processes` are what could be read now;
         `blind_targets` are vLLM targets whose reading is missing or stale: their engines, as
-        last seen, are reported blind for `blind_retention_seconds`.
+        last seen, are reported blind for `blind_retention_seconds`, and a target never read
+        is one blind engine (model and engine labels empty) until it answers. `gpu_problem` is
+        why a GPU may be missing from `gpus` (the GPU source's error, or that there is none;
+        None while every source reads): the reason of an engine that has no GPU to be judged on.
         """
         self._expire(now)
         readable = [g for g in gpus if g.total is not None and g.free is not None]
@@ -233,41 +259,49 @@ class PressureEvaluator:
             self._seen_gpus[g.identity.key] = (now, g.identity)
         # Listed without numbers, or seen before and missing now: blind, not healthy.
         readable_keys = {g.identity.key for g in readable}
-        unreadable = {
-            g.identity.key: g.identity for g in gpus if g.identity.key not in readable_keys
+        unreadable: dict[GpuKey, tuple[GpuIdentity, Level]] = {
+            g.identity.key: (g.identity, GPU_UNREADABLE)
+            for g in gpus
+            if g.identity.key not in readable_keys
         }
         for key, (_, ident) in self._seen_gpus.items():
             if key not in readable_keys:
-                unreadable.setdefault(key, ident)
-        known = [g.identity for g in readable] + list(unreadable.values())
+                unreadable.setdefault(key, (ident, GPU_LOST))
+        known = [g.identity for g in readable] + [ident for ident, _ in unreadable.values()]
         per_target = Counter(src.target for src in engines)
-        mapping = {
+        located = {
             src.key: self._locate(src, known, reports, processes, per_target[src.target] == 1)
             for src in engines
         }
+        mapping = {key: where for key, (where, _) in located.items()}
         plans = self._plans(readable, engines, mapping, reports, processes)
 
         gpu_out = [self._gpu_level(g, plans.get(g.identity.key), reports) for g in readable]
-        gpu_out.extend(GpuPressure(ident, LEVEL_BLIND) for ident in unreadable.values())
+        gpu_out.extend(GpuPressure(ident, level) for ident, level in unreadable.values())
         by_key = {gp.identity.key: gp for gp in gpu_out}
 
         engine_out: list[EnginePressure] = []
         fresh_keys = {src.key for src in engines}
         for src in engines:
             self._seen_engines[src.key] = now
-            located = mapping[src.key]
+            where, missing = located[src.key]
             level = self._held(self._held_engine, (src.target, src.engine.engine))
-            on = [by_key[eg.gpu.key] for eg in located] if located else list(by_key.values())
+            on = [by_key[eg.gpu.key] for eg in where] if where else list(by_key.values())
             for gp in on:
                 level = level.worse(gp.level)
-            if any(gp.level.level == BLIND for gp in on):
-                level = LEVEL_BLIND  # a GPU it may run on cannot be read: say so, do not guess
+            blind = [gp.level for gp in on if gp.level.level == BLIND]
+            if not on:  # no GPU at all: nothing to judge it on
+                level = Level(BLIND, gpu_problem or NO_GPUS_LISTED)
+            elif missing:  # a GPU it runs on was never read
+                level = Level(BLIND, gpu_problem or GPU_NOT_FOUND)
+            elif blind:
+                level = blind[0]  # a GPU it may run on cannot be read: say so, do not guess
             engine_out.append(
                 EnginePressure(
                     src.key,
                     level,
                     src.engine,
-                    located,
+                    where,
                     self.preemption_ratio(src.key),
                     self.projected_kv_ratio(src.engine),
                 )
@@ -275,10 +309,18 @@ class PressureEvaluator:
         _trim(self._seen_engines)
         _trim(self._seen_gpus)
         # Seen before, not in this snapshot: its target is down, or it vanished from the output.
-        watched = set(blind_targets) | {k[0] for k in fresh_keys}
+        down = set(blind_targets)
+        watched = down | {k[0] for k in fresh_keys}
+        reported = {k[0] for k in fresh_keys}
         for engine_key in self._seen_engines:
             if engine_key not in fresh_keys and engine_key[0] in watched:
-                engine_out.append(EnginePressure(engine_key, LEVEL_BLIND))
+                why = ENGINE_UNREACHABLE if engine_key[0] in down else ENGINE_MISSING
+                engine_out.append(EnginePressure(engine_key, why))
+                reported.add(engine_key[0])
+        # Never read (down since the start, or forgotten after blind_retention_seconds): one
+        # series for the target, blind, so that "cannot see it" is never an absent series.
+        for target in sorted(down - reported):
+            engine_out.append(EnginePressure((target, "", ""), ENGINE_UNREACHABLE))
         self._forget_history(fresh_keys)
         return Evaluation(gpu_out, engine_out)
 
@@ -290,13 +332,17 @@ class PressureEvaluator:
         reports: Sequence[AllocatorReport],
         processes: Sequence[tuple[GpuIdentity, int, float]],
         alone: bool,
-    ) -> list[EngineGpu]:
+    ) -> tuple[list[EngineGpu], bool]:
         """The GPUs an engine runs on: configured, else learned from its ranks' reports (device
         UUID, or its PIDs in the GPU's process list for MIG), else the node's only GPU for the
-        only engine of its endpoint (data-parallel engines never share one GPU)."""
+        only engine of its endpoint (data-parallel engines never share one GPU). The flag says
+        a GPU it runs on is not among `gpus` (never read): configured, or a whole GPU a rank
+        reported by UUID."""
         if src.gpus:
             wanted = set(src.gpus)
-            return [EngineGpu(g, "config") for g in gpus if g.gpu in wanted or g.uuid in wanted]
+            found = [EngineGpu(g, "config") for g in gpus if g.gpu in wanted or g.uuid in wanted]
+            named = {g.gpu.gpu for g in found} | {g.gpu.uuid for g in found}
+            return found, not wanted <= named
         ranks = [r for r in reports if (r.target, r.engine) == (src.target, src.engine.engine)]
         if ranks:
             uuids = {r.device_uuid for r in ranks}
@@ -307,11 +353,14 @@ class PressureEvaluator:
                 for g in gpus
                 if g.key in on_pids or (not g.gpu_instance_id and g.uuid in uuids)
             ]
-            if found:
-                return found
+            # a MIG rank reports its MIG UUID, which no GPU series carries: only whole GPUs count
+            listed = {g.uuid for g in gpus}
+            unseen = any(u.startswith("GPU-") and u not in listed for u in uuids)
+            if found or unseen:
+                return found, unseen
         if len(gpus) == 1 and alone:
-            return [EngineGpu(gpus[0], "single_gpu")]
-        return []  # unknown: the engine takes the worst level of the node's GPUs
+            return [EngineGpu(gpus[0], "single_gpu")], False
+        return [], False  # unknown: the engine takes the worst level of the node's GPUs
 
     def _plans(
         self,
