@@ -522,6 +522,22 @@ _SPECS: tuple[MetricSpec, ...] = (
         ("engine", "kind"),
         component="plugin",
     ),
+    _gauge(
+        "oomguard_guard_reserved_bytes",
+        "Transient GPU memory the request guard admitted for requests whose prefill is not "
+        "done yet (its ledger); later decisions see the headroom minus this.",
+        "bytes",
+        (),
+        component="plugin",
+    ),
+    _counter(
+        "oomguard_guard_reservations_released_total",
+        "Request guard reservations ended, by how (prefilled, ended, dropped, expired: no "
+        "path released it in time, which says a path leaks).",
+        "",
+        ("how",),
+        component="plugin",
+    ),
 )
 
 CATALOG: dict[str, MetricSpec] = {spec.name: spec for spec in _SPECS}

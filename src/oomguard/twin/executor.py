@@ -338,6 +338,8 @@ class ModelFreeWorker:
         self._logprobs: set[str] = set()  # requests that asked for prompt_logprobs
         # prompt ids and top-k of those requests, until their prompt logprobs are returned
         self._prompt_logprobs: dict[str, tuple[list[int], int]] = {}
+        # top-k of requests that asked for sampled-token `logprobs`, for their whole life
+        self._sample_logprobs: dict[str, int] = {}
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size or 16
         self.num_layers = model.get_num_layers(vllm_config.parallel_config)
@@ -384,16 +386,19 @@ class ModelFreeWorker:
             self._needed.pop(req_id, None)
             self._logprobs.discard(req_id)
             self._prompt_logprobs.pop(req_id, None)
+            self._sample_logprobs.pop(req_id, None)
         done_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids or []
             self._needed[new.req_id] = len(new.prefill_token_ids or prompt)
             done_before[new.req_id] = new.num_computed_tokens
             params = getattr(new, "sampling_params", None)
+            if params is not None and getattr(params, "logprobs", None) is not None:
+                self._sample_logprobs[new.req_id] = _top_k(int(params.logprobs))
             if params is not None and getattr(params, "prompt_logprobs", None) is not None:
                 self._logprobs.add(new.req_id)
                 top = int(params.prompt_logprobs)
-                self._prompt_logprobs[new.req_id] = (list(prompt), min(top if top >= 0 else 20, 20))
+                self._prompt_logprobs[new.req_id] = (list(prompt), _top_k(top))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             done_before[req_id] = cached.num_computed_tokens[i]
@@ -430,10 +435,32 @@ class ModelFreeWorker:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             prompt_logprobs_dict=prompt_logprobs,
+            logprobs=self._sampled_logprobs(req_ids),
         )
         remaining = step_seconds - (time.monotonic() - started)
         if remaining > 0:
             time.sleep(remaining)
+
+    def _sampled_logprobs(self, req_ids: list[str]) -> Any:
+        """What a GPU runner's sampler returns when a request in the batch asked for `logprobs`
+        (vllm/v1/sample/sampler.py): one row per scheduled request, in batch order, holding the
+        sampled token then the top-k (the batch's largest k). No model: the sampled token is
+        the top one (log-probability 0, rank 1) and the k - 1 others are the next token ids,
+        each less likely. None when no request asked (as on a GPU)."""
+        if not self._sample_logprobs or not any(r in self._sample_logprobs for r in req_ids):
+            return None
+        import numpy as np
+        from vllm.v1.outputs import LogprobsLists
+
+        k = max(self._sample_logprobs.get(r, 0) for r in req_ids)
+        ids = np.array([self.token_id, *(self.token_id + j for j in range(k))], dtype=np.int32)
+        values = np.array([0.0, *(-2.0 * j for j in range(k))], dtype=np.float32)
+        rows = len(req_ids)
+        return LogprobsLists(
+            logprob_token_ids=np.tile(ids, (rows, 1)),
+            logprobs=np.tile(values, (rows, 1)),
+            sampled_token_ranks=np.ones(rows, dtype=np.int32),
+        )
 
     def _prompt_logprob_tensors(self, req_id: str) -> Any:
         """What a GPU runner returns at the end of a prompt_logprobs prefill: for each prompt
@@ -467,6 +494,12 @@ class ModelFreeWorker:
             log.debug("model-free worker: ignoring %s", name)
 
         return noop
+
+
+def _top_k(requested: int) -> int:
+    """The top-k a GPU runner returns for a `logprobs`/`prompt_logprobs` value (-1: the whole
+    vocabulary, which vLLM bounds by `max_logprobs`, 20 by default)."""
+    return min(requested if requested >= 0 else 20, 20)
 
 
 def _run(call: Callable[[], Any], non_block: bool) -> Any:

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -54,6 +55,7 @@ from oomguard.vllm_plugin.guard import (
     decide,
     step_room,
 )
+from oomguard.vllm_plugin.ledger import Ledger
 
 log = logging.getLogger("oomguard.vllm_plugin.admission")
 
@@ -63,11 +65,17 @@ ADMIT_BLIND = Decision("admit", "no_headroom_data")
 
 _DECISIONS = spec("oomguard_guard_decisions_total")
 _HEADROOM = spec("oomguard_guard_headroom_bytes")
+_RESERVED = spec("oomguard_guard_reserved_bytes")
+_RELEASES = spec("oomguard_guard_reservations_released_total")
+# A reservation no path released ends after this long (seconds): the last resort, counted.
+RESERVATION_TTL = 120.0
 # prometheus_client adds `_total` to a counter's name itself.
 DECISIONS = Counter(
     _DECISIONS.name.removesuffix("_total"), _DECISIONS.help, list(_DECISIONS.labels)
 )
 HEADROOM = Gauge(_HEADROOM.name, _HEADROOM.help, list(_HEADROOM.labels), multiprocess_mode="min")
+RESERVED = Gauge(_RESERVED.name, _RESERVED.help, multiprocess_mode="livesum")
+RELEASES = Counter(_RELEASES.name.removesuffix("_total"), _RELEASES.help, list(_RELEASES.labels))
 
 
 class Guard:
@@ -81,6 +89,7 @@ class Guard:
         kv_margin: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         step_margin: float = STEP_MARGIN,
+        reservation_ttl: float = RESERVATION_TTL,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"OOMGUARD_GUARD_MODE must be one of {MODES}, not {mode!r}")
@@ -98,6 +107,8 @@ class Guard:
         self._best_idle = self._tightest_now = self._margin_max = 0
         self._roomy = True
         self._counters: dict[tuple[str, str], Any] = {}  # labelled children: no lookup per request
+        # transient memory admitted, not yet prefilled (vllm_plugin/ledger.py)
+        self.ledger = Ledger(reservation_ttl, clock)
 
     @classmethod
     def from_env(cls) -> Guard:
@@ -110,6 +121,9 @@ class Guard:
             if margin
             else None,
             step_margin=_env_number("OOMGUARD_GUARD_STEP_MARGIN", str(STEP_MARGIN), 0.0, 1.0),
+            reservation_ttl=_env_number(
+                "OOMGUARD_GUARD_RESERVATION_TTL_SECONDS", str(RESERVATION_TTL), 1.0, 86_400.0
+            ),
         )
 
     # -- engine figures ------------------------------------------------------------------------
@@ -170,10 +184,11 @@ class Guard:
             and (engine.chunked_prefill or prompt_tokens <= engine.max_num_batched_tokens)
         )
 
-    def _admits(self, params: Any, prompt_tokens: int) -> Decision | None:
+    def _admits(self, params: Any, prompt_tokens: int, reserved: int) -> Decision | None:
         """`decide`'s admit for a request that fits every engine now, from the cached figures
         (all of them fresh) and constants; None when `decide` must look (a refusal, a KV
-        budget, stale figures), so every refusal carries `decide`'s full reasons."""
+        budget, stale figures), so every refusal carries `decide`'s full reasons. `reserved`:
+        what the ledger holds (a request with a transient of its own fits only beside it)."""
         costs = self._costs
         if (
             costs is None
@@ -191,19 +206,21 @@ class Guard:
         )
         if need == 0 and self._roomy:
             return ADMIT_PROFILED
+        now = self._tightest_now - reserved
         if (
             need == 0
-            or need > self._tightest_now
+            or need > now
             or need > self._best_idle
-            or step + self._margin_max > self._tightest_now  # its step may not fit: decide looks
+            or step + self._margin_max > now  # its step may not fit: decide looks
         ):
             return None
-        return Decision("admit", "fits", need_bytes=need, limit_bytes=self._tightest_now)
+        return Decision("admit", "fits", need_bytes=need, limit_bytes=now)
 
     async def run(self, fetch: Callable[[], Awaitable[list[dict[str, Any]]]]) -> None:
         """Refresh the figures forever (a background task of the API server)."""
         while True:
             try:
+                self.sweep()
                 self.update(await fetch())
             except asyncio.CancelledError:
                 raise
@@ -212,14 +229,17 @@ class Guard:
             await asyncio.sleep(self.refresh)
 
     # -- decisions -----------------------------------------------------------------------------
-    def check(self, request: Any) -> Decision | None:
-        """Decide one EngineCoreRequest; raise in enforce mode. None: not a generate request."""
+    def check(self, request: Any, hold_as: str | None = None) -> Decision | None:
+        """Decide one EngineCoreRequest; raise in enforce mode. None: not a generate request.
+        An admitted request with a transient of its own is held in the ledger under
+        `hold_as` (when given; else the caller holds it once it knows its key: `hold`)."""
         params = getattr(request, "sampling_params", None)
         if params is None or self.model is None or self.engine is None:
             return None
         prompt = getattr(request, "prompt_token_ids", None)
         prompt_tokens = len(prompt) if prompt is not None else 0
         fast: Decision | None = None
+        reserved = self.ledger.held()
         if self._needs_nothing_extra(params, prompt_tokens, self.engine):
             # The common request (no logprobs, fits the profiled step): what `decide` answers
             # without building its estimate, which is most of a decision's cost (bench/guard.py),
@@ -229,7 +249,7 @@ class Guard:
             elif self._roomy:
                 fast = ADMIT_PROFILED
         else:
-            fast = self._admits(params, prompt_tokens)
+            fast = self._admits(params, prompt_tokens, reserved)
         if fast is not None:
             decision = fast
         else:
@@ -241,7 +261,13 @@ class Guard:
                 prompt_logprobs=params.prompt_logprobs is not None,
             )
             decision = decide(
-                shape, self.model, self.engine, self.fresh(), self.kv_margin, self.step_margin
+                shape,
+                self.model,
+                self.engine,
+                self.fresh(),
+                self.kv_margin,
+                self.step_margin,
+                reserved,
             )
         self.last = decision
         key = (decision.action, decision.reason)
@@ -259,7 +285,37 @@ class Guard:
             )
         if self.mode == "enforce":
             raise_for(decision)
+        if hold_as is not None:
+            self.hold(hold_as, decision)
         return decision
+
+    def hold(self, key: str, decision: Decision | None) -> None:
+        """Hold what an admitted request's transient needs until its prefill is done."""
+        if decision is not None and decision.action == "admit" and decision.need_bytes > 0:
+            self.ledger.reserve(key, decision.need_bytes)
+            RESERVED.set(self.ledger.held())
+
+    def released(self, key: str, how: str) -> None:
+        """The request held under `key` is prefilled or gone (vllm_plugin/ledger.py)."""
+        if self.ledger.release(key, how):
+            RESERVED.set(self.ledger.held())
+            RELEASES.labels(how).inc()
+
+    def ended(self, external: str, how: str = "ended") -> None:
+        """`generate(external)` ended (served, aborted, failed) or its stream was dropped."""
+        if self.ledger.release_request(external, how):
+            RESERVED.set(self.ledger.held())
+            RELEASES.labels(how).inc()
+
+    def sweep(self) -> None:
+        """Expire what no path released (counted: a non-zero count says a path leaks)."""
+        expired = self.ledger.released["expired"]
+        held = self.ledger.held()
+        gone = self.ledger.released["expired"] - expired
+        if gone:
+            RELEASES.labels("expired").inc(gone)
+            log.warning("oomguard guard: %d reservation(s) expired unreleased", gone)
+        RESERVED.set(held)
 
 
 def raise_for(decision: Decision) -> None:
@@ -302,15 +358,76 @@ def install(guard: Guard) -> bool:
     def assign_request_id(request: Any) -> None:
         rid = getattr(request, "request_id", None)
         decided = isinstance(rid, str) and _decided_early.pop(rid, False) is None
+        decision = None
         if _guard is not None and not decided:
             with _not_a_guard_failure():
-                _guard.check(request)
-        return assign(request)
+                decision = _guard.check(request)
+        result = assign(request)
+        if _guard is not None and isinstance(rid, str):
+            with _not_a_guard_failure():
+                # held under vLLM's internal id, the one the engine's outputs carry
+                internal = str(request.request_id)
+                if decided:
+                    _guard.ledger.rekey(rid, internal)
+                else:
+                    _guard.hold(internal, decision)
+                    _guard.ledger.alias(rid, internal)
+        return result
 
     assign_request_id._oomguard_wrapper = True  # type: ignore[attr-defined]
     InputProcessor.assign_request_id = staticmethod(assign_request_id)  # type: ignore[method-assign]
     _install_early()
+    _install_prefilled()
     return True
+
+
+def _install_prefilled() -> None:
+    """Wrap `OutputProcessor.process_outputs` once: the engine's first output for a request
+    means its prefill is done (EngineCore sends none for a partial prefill), so what the ledger
+    holds for it is released. Costs one length check per batch while nothing is held."""
+    try:
+        from vllm.v1.engine.output_processor import OutputProcessor
+    except ImportError:
+        return
+    process = OutputProcessor.__dict__.get("process_outputs")
+    if process is None or getattr(process, "_oomguard_wrapper", False):
+        return
+
+    def process_outputs(self: Any, engine_core_outputs: Any, *a: Any, **k: Any) -> Any:
+        guard = _guard
+        if guard is not None and len(guard.ledger):
+            with _not_a_guard_failure():
+                for output in engine_core_outputs:
+                    if output.request_id in guard.ledger:
+                        guard.released(output.request_id, "prefilled")
+        return process(self, engine_core_outputs, *a, **k)
+
+    process_outputs._oomguard_wrapper = True  # type: ignore[attr-defined]
+    OutputProcessor.process_outputs = process_outputs  # type: ignore[method-assign]
+
+
+def _might_hold(params: Any) -> bool:
+    """Whether a request with these parameters may be held in the ledger (a transient of its
+    own: prompt or top logprobs, or a prompt beyond an unchunked engine's step)."""
+    guard = _guard
+    if guard is None or params is None:
+        return False
+    engine = guard.engine
+    return (
+        getattr(params, "prompt_logprobs", None) is not None
+        or bool(getattr(params, "logprobs", None))
+        or (engine is not None and not engine.chunked_prefill)
+    )
+
+
+async def _ending(inner: Any, guard: Guard, external: str) -> Any:
+    """`generate`'s stream, passed through; when it ends (served, aborted, cancelled, failed,
+    closed) the ledger lets go of what it held for the request."""
+    try:
+        async for output in inner:
+            yield output
+    finally:
+        guard.ended(external)
 
 
 class _Rendered:
@@ -347,14 +464,23 @@ def _install_early() -> None:
     def early(
         self: Any, prompt: Any, sampling_params: Any, request_id: str, *a: Any, **k: Any
     ) -> Any:
+        guard = _guard
         ids = _token_ids(prompt)
-        if _guard is not None and ids is not None and isinstance(request_id, str):
+        if guard is not None and ids is not None and isinstance(request_id, str):
             with _not_a_guard_failure():
-                if _guard.check(_Rendered(request_id, ids, sampling_params)) is not None:
+                rendered = _Rendered(request_id, ids, sampling_params)
+                if guard.check(rendered, hold_as=request_id) is not None:
                     _decided_early[request_id] = None
                     if len(_decided_early) > _EARLY_KEPT:
                         _decided_early.popitem(last=False)
-        return generate(self, prompt, sampling_params, request_id, *a, **k)
+        stream = generate(self, prompt, sampling_params, request_id, *a, **k)
+        if guard is None or not isinstance(request_id, str) or not _might_hold(sampling_params):
+            return stream  # nothing it could hold: vLLM's own generator, untouched
+        ending = _ending(stream, guard, request_id)
+        # a stream never read (its body never runs, so neither does `finally`) lets go when
+        # it is dropped
+        weakref.finalize(ending, guard.ended, request_id, "dropped")
+        return ending
 
     early._oomguard_wrapper = True  # type: ignore[attr-defined]
     AsyncLLM.generate = early  # type: ignore[method-assign]

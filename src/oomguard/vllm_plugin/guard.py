@@ -34,7 +34,7 @@ request (bench/guard measures the cost).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Action = Literal["admit", "defer", "reject"]
@@ -251,17 +251,27 @@ def decide(
     headrooms: list[Headroom],
     kv_margin: float | None = None,
     step_margin: float = STEP_MARGIN,
+    reserved: int = 0,
 ) -> Decision:
     """Admit, defer or reject one request against the engines that may serve it.
 
     With data parallelism a request may land on any engine: it is rejected only when it fits
     none of them even idle, deferred when it does not fit the tightest one now (its transient,
     or its prefill step with the margin).
+
+    `reserved`: transient memory already admitted for requests whose prefill is not done (the
+    ledger, vllm_plugin/ledger.py). A request with a transient of its own may land in the same
+    step as those, so it fits only in what they leave of `now` (on every engine: the API server
+    does not know which engine each request goes to). It never turns into a rejection: what fits
+    idle is deferred until they are done.
     """
     est = estimate(req, model, engine, kv_margin or 0.0)
     if not headrooms:
         return Decision("admit", "no_headroom_data", estimate=est)  # blind: never refuse
     need = est.transient
+    held = reserved if need > 0 else 0
+    if held > 0:
+        headrooms = [replace(h, now=h.now - held) for h in headrooms]
     short = _short_for_step(est, headrooms, step_margin)
     if need == 0 and kv_margin is None:
         if short is not None:  # fragmentation or a neighbour took the profiled step's room
@@ -306,7 +316,9 @@ def decide(
             need,
             tightest.now,
             f"not enough GPU memory for this request now ({_gib(need)} needed, "
-            f"{_gib(max(0, tightest.now))} free): retry later or on another replica",
+            f"{_gib(max(0, tightest.now))} free"
+            + (f" beside {_gib(held)} admitted for requests before it" if held else "")
+            + "): retry later or on another replica",
             est,
         )
     if short is not None:
