@@ -118,8 +118,14 @@ def problems(objects: list[dict[str, Any]], install: dict[str, Any]) -> list[str
         return [*found, "no PrometheusRule"]
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
     for job in sorted({j for e in exprs for j in re.findall(r'job="([^"]+)"', e)}):
-        if job not in jobs:
+        if job not in jobs and job not in install.get("jobs", []):  # or the install's own
             found.append(f'rules select job="{job}", which no scraped target carries')
+    # kube-state-metrics series the rules read name the manifests' workloads
+    for kind, label in (("DaemonSet", "daemonset"), ("Deployment", "deployment")):
+        named = {o["metadata"]["name"] for o in objects if o["kind"] == kind}
+        for name in sorted({n for e in exprs for n in re.findall(rf'{label}="([^"]+)"', e)}):
+            if name not in named:
+                found.append(f'rules select {label}="{name}"; the manifests have no such {kind}')
     for labels in jobs.get(T.exporter_job, []):
         if labels.get("instance") != NODE:  # the node: alerts and the allowlist name it so
             found.append(f"exporter target instance is {labels.get('instance')!r}, not the node")
@@ -269,6 +275,13 @@ def test_the_check_fails_on_each_defect_the_manifests_had(rendered):
     monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] = []
     found = problems(broken, kp)
     assert f'rules select job="{T.exporter_job}", which no scraped target carries' in found
+    # a DaemonSet the kube-state-metrics rules would not find
+    broken = copy.deepcopy(rendered)
+    next(o for o in broken if o["kind"] == "DaemonSet")["metadata"]["name"] = "gpu-exporter"
+    found = problems(broken, kp)
+    assert (
+        'rules select daemonset="oomguard-exporter"; the manifests have no such DaemonSet' in found
+    )
     # the remediator through the engine's own Service: a drained engine drops out of it
     broken = copy.deepcopy(rendered)
     config_map = next(
