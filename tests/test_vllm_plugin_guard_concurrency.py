@@ -34,6 +34,9 @@ PHYSICS = Physics.for_model(
     "llama-3-8b", gpu="H100", gpu_memory_utilization=0.96, max_num_batched_tokens=8192
 )
 ROOM = PHYSICS.total - PHYSICS.peak(Step(tokens=8192))  # beyond a full step
+# the 4,000-token prompts (1.91 GiB of logits each at 4 B a logit): one fits, two do not;
+# derived from the twin's logits formula so the scenario holds whatever bytes a logit takes
+PAIR = int(0.6 * ROOM) // PHYSICS.logits(1)
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -97,7 +100,7 @@ def ooms(proc: VllmProcess) -> int:
 
 
 def test_two_prompt_logprobs_requests_behind_a_long_prefill_do_not_kill_the_engine(server):
-    assert 2 * PHYSICS.logits(4000) > ROOM > PHYSICS.logits(4000)  # one fits, two do not
+    assert 2 * PHYSICS.logits(PAIR) > ROOM > PHYSICS.logits(PAIR)  # one fits, two do not
 
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
@@ -107,7 +110,7 @@ def test_two_prompt_logprobs_requests_behind_a_long_prefill_do_not_kill_the_engi
             await asyncio.sleep(0.05)
             pair = [
                 asyncio.create_task(
-                    client.post("/v1/completions", json=body(4000, seed, prompt_logprobs=1))
+                    client.post("/v1/completions", json=body(PAIR, seed, prompt_logprobs=1))
                 )
                 for seed in (2, 3)
             ]
@@ -130,7 +133,7 @@ def test_two_prompt_logprobs_requests_behind_a_long_prefill_do_not_kill_the_engi
         if r.status_code == 503:
             again = httpx.post(
                 f"{server.url}/v1/completions",
-                json=body(4000, seed, prompt_logprobs=1),
+                json=body(PAIR, seed, prompt_logprobs=1),
                 timeout=120,
             )
             assert again.status_code == 200, again.text

@@ -17,10 +17,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from oomguard.vllm_plugin.admission import Guard
+from oomguard.vllm_plugin.guard import RequestShape, estimate
 from oomguard.vllm_plugin.ledger import Ledger
-from tests.test_vllm_plugin_guard import engine_request, reports
+from tests.test_vllm_plugin_guard import ENGINE, GIB, LLAMA3, engine_request, reports
 
-ROW = 128_256 * 4  # one FP32 logits row of Llama-3-8B
+ROOM_GIB = 3.16  # the issue's room beyond a full step (twin H100 at gmu 0.96)
+# prompt_logprobs bytes per prompt token, as the guard counts them (the shared logits formula)
+ROW = estimate(RequestShape(1000, prompt_logprobs=True), LLAMA3, ENGINE).logits // 1000
+# a prompt whose logits take 60 % of the room: one fits, two do not
+PAIR = int(0.6 * ROOM_GIB * GIB) // ROW
 
 
 def plp_request(prompt: int, rid: str = "cmpl-1", logprobs: int | None = None):
@@ -31,34 +36,35 @@ def plp_request(prompt: int, rid: str = "cmpl-1", logprobs: int | None = None):
 
 
 def test_a_decision_sees_what_was_admitted_before_it():
-    """The issue's reproduction, decided in the hook: 3.16 GiB of room, two 4,000-token
-    prompt_logprobs requests of 1.91 GiB each a moment apart: the first is admitted and held,
-    the second deferred; once the first's prefill is done, the second is admitted."""
+    """The issue's reproduction, decided in the hook: 3.16 GiB of room, two prompt_logprobs
+    requests (4,000 tokens, 1.91 GiB each at 4 B a logit) a moment apart: the first is admitted
+    and held, the second deferred; once the first's prefill is done, the second is admitted."""
     guard = Guard("observe")
-    guard.update(reports(3.16, 3.16))
-    first = guard.check(plp_request(4000, "a"), hold_as="a")
+    guard.update(reports(ROOM_GIB, ROOM_GIB))
+    first = guard.check(plp_request(PAIR, "a"), hold_as="a")
     assert first is not None and first.action == "admit"
-    assert guard.ledger.held() == 4000 * ROW
-    second = guard.check(plp_request(4000, "b"), hold_as="b")
+    assert guard.ledger.held() == PAIR * ROW
+    second = guard.check(plp_request(PAIR, "b"), hold_as="b")
     assert second is not None and second.action == "defer"
     assert second.reason == "prompt_logprobs_logits"
     assert "admitted for requests before it" in second.message
-    assert guard.ledger.held() == 4000 * ROW  # a deferred request holds nothing
+    assert guard.ledger.held() == PAIR * ROW  # a deferred request holds nothing
     guard.released("a", "prefilled")
     assert guard.ledger.held() == 0
-    third = guard.check(plp_request(4000, "b"), hold_as="b")
+    third = guard.check(plp_request(PAIR, "b"), hold_as="b")
     assert third is not None and third.action == "admit"
 
 
 def test_reservations_never_turn_into_rejections_and_plain_requests_ignore_them():
     guard = Guard("observe")
-    guard.update(reports(3.16, 3.16))
-    guard.check(plp_request(6000, "a"), hold_as="a")  # 2.87 GiB held
+    guard.update(reports(ROOM_GIB, ROOM_GIB))
+    big = int(0.9 * ROOM_GIB * GIB) // ROW
+    guard.check(plp_request(big, "a"), hold_as="a")  # 90 % of the room held
     # fits idle: deferred while the first is held, never rejected
-    assert guard.check(plp_request(6000, "b"), hold_as="b").action == "defer"
+    assert guard.check(plp_request(big, "b"), hold_as="b").action == "defer"
     # a request without a transient of its own adds nothing to the step beyond the profile
     assert guard.check(engine_request(8000), hold_as="c").action == "admit"
-    assert guard.ledger.held() == 6000 * ROW
+    assert guard.ledger.held() == big * ROW
 
 
 def test_every_path_releases_and_an_expiry_is_counted():
@@ -188,15 +194,15 @@ def test_the_hooks_release_on_prefill_on_end_and_on_a_dropped_stream():
     from oomguard.vllm_plugin import admission
 
     guard = admission.Guard("observe")
-    guard.update(reports(3.16, 3.16))
+    guard.update(reports(ROOM_GIB, ROOM_GIB))
     assert admission.install(guard)
-    params = plp_request(4000).sampling_params
-    rendered = {"type": "token", "prompt_token_ids": list(range(4000))}
+    params = plp_request(PAIR).sampling_params
+    rendered = {"type": "token", "prompt_token_ids": list(range(PAIR))}
 
     # 1. decided at the call, re-keyed at assign, released by the engine's first output
     stream = AsyncLLM.generate(object(), rendered, params, "cmpl-x")
-    assert guard.ledger.held() == 4000 * ROW and "cmpl-x" in guard.ledger
-    request = plp_request(4000, "cmpl-x")
+    assert guard.ledger.held() == PAIR * ROW and "cmpl-x" in guard.ledger
+    request = plp_request(PAIR, "cmpl-x")
     request.external_req_id = None
     InputProcessor.assign_request_id(request)
     internal = request.request_id
@@ -211,14 +217,14 @@ def test_the_hooks_release_on_prefill_on_end_and_on_a_dropped_stream():
 
     # 2. a stream never read: dropped, released
     stream = AsyncLLM.generate(object(), rendered, params, "cmpl-y")
-    assert guard.ledger.held() == 4000 * ROW
+    assert guard.ledger.held() == PAIR * ROW
     del stream
     gc.collect()
     assert guard.ledger.held() == 0 and guard.ledger.released["dropped"] == 1
 
     # 3. a stream that ends (vLLM's generate fails at once on this stand-in engine)
     stream = AsyncLLM.generate(object(), rendered, params, "cmpl-z")
-    assert guard.ledger.held() == 4000 * ROW
+    assert guard.ledger.held() == PAIR * ROW
 
     async def read() -> None:
         async for _ in stream:
