@@ -64,7 +64,7 @@ def test_torch_stats_keys_map_to_fields_and_round_trip(tmp_path):
         (lambda d: d.update(schema="other.v9"), "schema"),
         (lambda d: d.update(allocated_bytes=-1), "non-negative integer"),
         (lambda d: d.update(ooms="3"), "non-negative integer"),
-        (lambda d: d.update(timestamp=float("nan")), "must be a finite unix time"),
+        (lambda d: d.update(timestamp=float("nan")), "NaN is not JSON"),
         (lambda d: d.update(timestamp="1000"), "must be a number"),
         (lambda d: d.update(target=7), "must be a string"),
     ],
@@ -146,7 +146,7 @@ def test_a_400_digit_integer_is_refused_and_every_other_metric_keeps_being_serve
     write_report(tmp_path, report(pid=2, ts=1000.0))
     collector = AllocatorCollector(str(tmp_path), "node-1", clock=lambda: 1000.0)
     reading = collector.collect()
-    assert reading.invalid == {"out_of_range": 1}
+    assert reading.invalid == {"number_too_long": 1}
     series, _, _ = _render(collector, reading)
     assert series[("oomguard_allocator_allocated_bytes", "2")] == 30 * GIB
     assert ("oomguard_allocator_allocated_bytes", "1") not in series
@@ -171,12 +171,13 @@ def test_a_huge_value_that_reaches_the_renderer_anyway_is_dropped_not_fatal():
     [
         ('"allocated_bytes": 9223372036854775808', "out_of_range"),  # 2**63
         ('"ooms": 1e300', "bad_type"),  # a float where a count belongs
-        ('"timestamp": 1e999', "out_of_range"),  # json reads it as inf
-        ('"timestamp": Infinity', "out_of_range"),
-        ('"timestamp": NaN', "out_of_range"),
-        ('"timestamp": ' + "9" * 400, "out_of_range"),  # float() of it overflows
+        ('"timestamp": 1e999', "not_finite"),  # json reads it as inf
+        ('"timestamp": Infinity', "not_finite"),
+        ('"timestamp": NaN', "not_finite"),
+        ('"timestamp": ' + "9" * 400, "number_too_long"),  # float() of it overflows
         ('"pid": 4294967296', "out_of_range"),
-        ('"reserved_bytes": ' + "9" * 5000, "not_json"),  # past Python's int digit limit
+        ('"reserved_bytes": ' + "9" * 5000, "number_too_long"),  # past Python's digit limit
+        ('"reserved_bytes": ' + "9" * 21, "number_too_long"),  # no int64 count has 21 digits
         ('"target": "' + "x" * 300 + '"', "out_of_range"),
     ],
 )
@@ -196,12 +197,14 @@ def test_largest_int64_values_are_accepted(tmp_path):
     assert r.allocated_bytes == 2**63 - 1 and problems == {}
 
 
-def test_deep_nesting_and_bad_utf8_are_not_json(tmp_path):
+def test_deep_nesting_and_bad_utf8_are_refused_by_reason(tmp_path):
     put(tmp_path, "pid-1.json", "[" * 50_000 + "]" * 50_000)
     (tmp_path / "pid-2.json").write_bytes(b'{"schema": "\xff\xfe"}')
-    assert read_reports(tmp_path, 1000.0, 30.0) == ([], {"not_json": 1, "too_large": 1})
+    (tmp_path / "pid-3.json").write_text('{"target": "\\udc80"}')  # a lone surrogate
+    refused = {"not_utf8": 2, "too_large": 1}
+    assert read_reports(tmp_path, 1000.0, 30.0) == ([], refused)
     (tmp_path / "pid-1.json").write_text("[" * 20_000 + "]" * 20_000)
-    assert read_reports(tmp_path, 1000.0, 30.0) == ([], {"not_json": 2})
+    assert read_reports(tmp_path, 1000.0, 30.0) == ([], {"not_utf8": 2, "too_deep": 1})
 
 
 def test_two_files_claiming_one_pid_serve_only_the_one_named_for_it(tmp_path):
@@ -332,7 +335,10 @@ def test_any_field_values_are_refused_with_a_reason_or_render_cleanly(fields):
     try:
         r = AllocatorReport.from_json(text)
     except handoff.InvalidReport as exc:
-        assert exc.reason in {"not_json", "schema", "missing_field", "bad_type", "out_of_range"}
+        assert exc.reason in {
+            *("not_json", "schema", "missing_field", "bad_type", "out_of_range"),
+            *("number_too_long", "not_finite"),
+        }
         return
     collector = AllocatorCollector("/nonexistent", "node-1")
     _, out, renderer = _render(collector, AllocatorReading(reports=[r]))

@@ -3,6 +3,8 @@ and a service that cannot work stops before it starts anything (vLLM included)."
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -188,3 +190,49 @@ def test_serve_without_a_token_refuses_a_network_address(tmp_path):
     )
     one_line_error(r, "--allow-unauthenticated", "0.0.0.0:0", "--token-file")
     assert not marker.exists()
+
+
+# -- budget on a hostile config.json (issue 25, defect 16) --------------------------------------
+def _llama_with(**fields: object) -> str:
+    config = json.loads((LLAMA / "config.json").read_text())
+    config.update(fields)
+    return json.dumps(config)
+
+
+def _hostile_config(kind: str, path: Path) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "not_utf8":
+        path.write_bytes(_llama_with(model_type="llama").encode().replace(b"llama", b"ll\xffma"))
+    elif kind == "deep":
+        path.write_text('{"hidden_size": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif kind == "digits":
+        path.write_text(
+            _llama_with().replace('"hidden_size": 4096', '"hidden_size": ' + "9" * 5000)
+        )
+    elif kind == "layers":
+        path.write_text(_llama_with(num_hidden_layers=10**8))
+    elif kind == "directory":
+        path.mkdir()  # a folder without config.json inside
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("fifo", ["FIFO"]),  # before: the command hung in open()
+        ("not_utf8", ["not UTF-8"]),  # before: UnicodeDecodeError traceback
+        ("deep", ["nests deeper"]),  # before: RecursionError traceback
+        ("digits", ["5,000 digits"]),  # before: ValueError traceback (int digit limit)
+        ("layers", ["num_hidden_layers", "100,000,000"]),  # before: 13 s, then MemoryError
+        ("directory", ["no such file"]),
+    ],
+)
+def test_budget_on_a_hostile_config_is_one_line_and_exit_2(tmp_path, kind, words):
+    path = tmp_path / ("folder" if kind == "directory" else "config.json")
+    _hostile_config(kind, path)
+    start = time.monotonic()
+    r = oomguard("budget", str(path), "--gpu", "H100", timeout=60)
+    one_line_error(r, *words)
+    assert time.monotonic() - start < 30

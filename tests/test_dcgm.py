@@ -209,7 +209,11 @@ def test_the_dcgm_file_is_read_bounded_and_never_blocks(tmp_path, monkeypatch):
     (tmp_path / "bad.prom").write_bytes(b"\xff\xfe")
     with pytest.raises(CollectorError) as exc:
         DcgmCollector("h", file=str(tmp_path / "bad.prom")).collect()
-    assert exc.value.reason == "parse_error"
+    assert exc.value.reason == "not_utf8"
+
+    with pytest.raises(CollectorError) as exc:
+        DcgmCollector("h", file=str(tmp_path)).collect()
+    assert exc.value.reason == "is_directory" and str(tmp_path) in str(exc.value)
 
 
 @pytest.mark.parametrize("code", ["²", "١٣", "13.0", "-13", "", "0", "99999999999999999999"])

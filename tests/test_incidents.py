@@ -523,15 +523,62 @@ def test_hostile_files_are_counted_and_never_raise(tmp_path):
     loaded = inc.load(d)
     assert [r.pid for r in loaded.exits] == [5] and loaded.ooms == []
     assert loaded.invalid == {
-        "not_json": 3,
+        "not_json": 2,
+        "too_deep": 1,  # exit-13
+        "number_too_long": 1,  # exit-10
+        "not_finite": 1,  # exit-15
         "schema": 1,
-        "invalid_record": 5,
+        "invalid_record": 3,
         "name_mismatch": 1,
         "too_large": 1,
         "bad_name": 1,
         "symlink": 1,
         "not_regular_file": 2,
     }
+
+
+def huge_flag_record(directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real observer record, then its max_num_seqs flag rewritten to 400 digits (defect 12:
+    float(400 digits) raised OverflowError in the classifier)."""
+    observe(
+        directory,
+        monkeypatch,
+        allocated=int(73.5 * GIB),
+        reserved=int(73.9 * GIB),
+        requested=40 * MIB,
+        free=12 * MIB,
+        steps=[step([], decoding=200)],
+    )
+    [path] = directory.glob("oom-*.json")
+    data = json.loads(path.read_text())
+    data["flags"]["max_num_seqs"] = 0  # placeholder, replaced by the digits below
+    text = json.dumps(data).replace('"max_num_seqs": 0', '"max_num_seqs": ' + "9" * 400)
+    bad = directory / path.name.replace(f"-{data['pid']}-", f"-{data['pid'] + 1}-")
+    bad.write_text(text.replace(f'"pid": {data["pid"]}', f'"pid": {data["pid"] + 1}'))
+
+
+def test_a_400_digit_flag_is_counted_and_the_other_records_classified(tmp_path, monkeypatch):
+    huge_flag_record(tmp_path, monkeypatch)
+    r = cli(str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(r.stdout)
+    assert [i["type"] for i in data["incidents"]] == ["under_load"]
+    assert data["invalid_files"] == {"number_too_long": 1}
+
+
+def test_a_record_the_classifier_cannot_handle_is_counted_not_raised(tmp_path, monkeypatch):
+    """Second line of defence: a value that passed validation but breaks the arithmetic (built
+    in-process, past the reader) costs its own incident only."""
+    huge_flag_record(tmp_path, monkeypatch)
+    loaded = inc.load(tmp_path)
+    [good] = loaded.ooms
+    broken = good.model_copy(
+        update={"name": "oom-9-1.json", "pid": 9, "flags": {**good.flags, "max_num_seqs": 10**400}}
+    )
+    loaded.ooms.append(broken)
+    found = inc.incidents(loaded)
+    assert [i.type for i in found] == ["under_load"]
+    assert loaded.invalid == {"number_too_long": 1, "unclassifiable": 1}
 
 
 def test_a_missing_directory_holds_no_incidents_unless_it_must_exist(tmp_path):
@@ -686,6 +733,22 @@ def test_the_collector_counts_incidents_by_type(tmp_path, monkeypatch):
     assert dict(collector.collect().by_type)[("", "", "not_oom")] == 1
     (tmp_path / "exit-1-1.json").unlink()
     assert not collector.collect().invalid
+
+
+def test_a_bad_record_leaves_the_collectors_family_whole(tmp_path, monkeypatch):
+    """Defect 12: one record with a 400-digit flag made the collector raise, and the whole
+    oomguard_incidents_total family vanished, valid records included."""
+    from oomguard.exporter.collectors.incidents import IncidentCollector
+    from oomguard.exporter.render import FamilyBuilder
+
+    huge_flag_record(tmp_path, monkeypatch)
+    collector = IncidentCollector(str(tmp_path), "gpu-node-01")
+    reading = collector.collect()
+    assert reading.invalid == {"number_too_long": 1}
+    out = FamilyBuilder()
+    collector.families(reading, out)
+    [family] = out.families()
+    assert family.samples == [(("gpu-node-01", "llama", "0", "under_load"), 1.0)]
 
 
 def test_the_collector_parses_each_file_once_while_it_does_not_change(tmp_path, monkeypatch):

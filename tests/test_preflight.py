@@ -339,3 +339,68 @@ def test_a_valid_plugin_state_is_read_as_the_typed_engine_state(tmp_path: Path) 
     with pytest.raises(PreflightError, match="16-token completion"):
         run_against(answer, tmp_path)
     assert sent == ["/v1/models", "/oomguard/v1/state", "/v1/completions"]
+
+
+# -- hostile answers over real sockets (issue 25, defect 16) -----------------------------------
+HOSTILE_BODIES: dict[str, bytes] = {
+    "deep": b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # RecursionError before
+    "nested": b'{"data": ' + b"[" * 500 + b"]" * 500 + b"}",
+    "digits": b'{"data": [{"id": "m", "max_model_len": ' + b"9" * 5000 + b"}]}",
+    "utf8": b'{"data": [{"id": "\xff\xfe", "max_model_len": 4096}]}',
+    "surrogate": b'{"data": [{"id": "\\udc80", "max_model_len": 4096}]}',
+    "huge": b'{"data": "' + b"x" * (3 * 2**20) + b'"}',
+    "nan": b'{"data": [{"id": "m", "max_model_len": NaN}]}',
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_server() -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1: /<case>/v1/models answers HOSTILE_BODIES[case], and
+    /ok-<case>/v1/models a valid answer with the hostile body on the plugin's /state."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            case, _, rest = self.path.lstrip("/").partition("/")
+            if case.startswith("ok-") and rest == "v1/models":
+                body = json.dumps(MODELS).encode()
+            elif case.startswith("ok-"):
+                body = HOSTILE_BODIES[case.removeprefix("ok-")]
+            else:
+                body = HOSTILE_BODIES[case]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("where", ["v1/models", "state"])
+@pytest.mark.parametrize("case", sorted(HOSTILE_BODIES))
+def test_hostile_answers_are_one_line_and_exit_2(
+    hostile_server: str, case: str, where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: deeply nested JSON from /v1/models or the plugin's /state raised RecursionError
+    out of the command (a traceback), a 5,000-digit number ValueError."""
+    prefix = case if where == "v1/models" else f"ok-{case}"
+    url = f"{hostile_server}/{prefix}"
+    argv = ["preflight", url, "--gpu", "H100", "--allocator-dir", str(tmp_path)]
+    start = time.monotonic()
+    assert main(argv) == 2
+    assert time.monotonic() - start < 30
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("oomguard preflight: ") and url in line, line

@@ -406,6 +406,10 @@ def _vision_params(config: dict[str, Any], text_hidden: int) -> int:
     return channels * patch * patch * vh + layers * per_layer + projector
 
 
+# The deepest published language models have about 130 layers (Llama 3.1 405B: 126).
+MAX_LAYERS = 10_000
+
+
 def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     """Read a Hugging Face `config.json`. Unsupported or incomplete configs raise BudgetError."""
     if not isinstance(config, dict):
@@ -442,6 +446,10 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     assert layers is not None and hidden is not None and heads is not None
     if layers <= 0 or hidden <= 0 or heads <= 0:
         raise BudgetError("config.json has a non-positive layer, hidden or head count")
+    if layers > MAX_LAYERS:  # sizing walks the layers: 10**8 of them took minutes and GBs
+        raise BudgetError(
+            f"config.json field num_hidden_layers is {layers:,}: over {MAX_LAYERS:,}, not a model"
+        )
     kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", default=heads) or heads
     head_dim = _int(cfg, "head_dim", default=hidden // heads) or hidden // heads
     dtype_name = str(_get(cfg, "torch_dtype", "dtype") or "bfloat16").removeprefix("torch.")

@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from oomguard import __version__
+from oomguard import __version__, bounded
 from oomguard.contract import SERVE_STATE_DIR, TWIN_GPU_FILE_ENV
 from oomguard.digits import decimal
 from oomguard.errors import BudgetError, ConfigError
 from oomguard.units import duration_arg, size_arg
+
+# A model's config.json: a few KB; multimodal ones with label maps stay well under 4 MiB.
+MODEL_CONFIG_LIMITS = bounded.Limits(max_bytes=4 * bounded.MIB)
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -48,11 +51,12 @@ def _check_listen(what: str, listen: str) -> None:
 
 
 def _check_secret_file(what: str, path: str) -> None:
-    """A token file that is missing, unreadable or empty would turn every request into a 401."""
+    """A token file that is missing, unreadable, not text or empty would turn every request
+    into a 401 (or a 500); a FIFO would hang the start."""
     try:
-        empty = not Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from exc
+        empty = not bounded.read_text(path, bounded.TOKEN).strip()
+    except bounded.InputError as exc:
+        raise ConfigError(f"{what} {exc}") from None
     if empty:
         raise ConfigError(f"{what} {path}: the file is empty")
 
@@ -177,7 +181,6 @@ def _add_budget(sub: Any) -> None:
         "recommended max_num_seqs at 70-80 % of what memory allows, with warnings. Exits 1 "
         "when vLLM would refuse to start with these flags.",
     )
-    _one_line_errors(p)
     p.add_argument(
         "model_config", metavar="CONFIG_JSON", help="path to the model's config.json, or its folder"
     )
@@ -313,11 +316,9 @@ def _run_budget(args: argparse.Namespace) -> int:
     if path.is_dir():
         path = path / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except OSError as exc:
-        raise BudgetError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise BudgetError(f"{path} is not JSON: {exc}") from exc
+        config = bounded.read_json(path, MODEL_CONFIG_LIMITS)
+    except bounded.InputError as exc:  # a FIFO, bad UTF-8, deep nesting, 5,000 digits...
+        raise BudgetError(str(exc)) from None
     if not isinstance(config, dict):
         raise BudgetError(f"{path} is not a JSON object")
     try:
@@ -394,7 +395,6 @@ def _add_preflight(sub: Any) -> None:
         "safe load, the headroom at the peak and recommended flags. Exit 0: safe at the target "
         "load; 1: a limit below it, or a failure; 2: the preflight could not run.",
     )
-    _one_line_errors(p)
     p.add_argument("url", metavar="URL", help="the vLLM API server, e.g. http://127.0.0.1:8000")
     _add_gpu_memory(
         p,
@@ -455,10 +455,10 @@ def _run_preflight(args: argparse.Namespace) -> int:
 
 # -- incidents ----------------------------------------------------------------------------------
 def _one_line_errors(p: argparse.ArgumentParser) -> None:
-    """This subcommand's usage mistakes (unknown flags included) as one line and exit 2."""
+    """This (sub)command's usage mistakes (unknown flags included) as one line and exit 2."""
 
     def error(message: str) -> Any:
-        print(f"oomguard {p.prog.split()[-1]}: {message}", file=sys.stderr)
+        print(f"{p.prog}: {message}", file=sys.stderr)
         sys.exit(2)
 
     parse_known = p.parse_known_args
@@ -499,7 +499,6 @@ def _add_incidents(sub: Any) -> None:
         help="a saved dcgm-exporter scrape: its XID counts (DCGM_EXP_XID_ERRORS_COUNT), taken "
         "as seen at the file's modification time, can make a crash 'not an OOM' (type 6)",
     )
-    _one_line_errors(p)
     p.set_defaults(func=_run_incidents)
 
 
@@ -524,8 +523,10 @@ def _run_incidents(args: argparse.Namespace) -> int:
             text = _read_file(args.dcgm_file, DEFAULT_MAX_BYTES)
             xids = xids_from_text(text, os.stat(args.dcgm_file).st_mtime)
             counted = bool(parse(text, (XID_COUNT,)).get(XID_COUNT))
-        except (CollectorError, OSError) as exc:
-            raise ConfigError(f"--dcgm-file {args.dcgm_file}: {exc}") from None
+        except CollectorError as exc:  # the reader's message names the file
+            raise ConfigError(f"--dcgm-file {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"--dcgm-file {args.dcgm_file}: {exc.strerror or exc}") from None
         if not counted:  # dcgm-exporter's shipped counters CSV leaves the XID count out
             print(
                 f"oomguard incidents: note: {args.dcgm_file} has no {XID_COUNT} series (add it "
@@ -718,13 +719,17 @@ def _run_remediator_explain(args: argparse.Namespace) -> int:
     import json
 
     from oomguard.remediator.main import explain
-    from oomguard.remediator.webhook import PayloadError, parse
+    from oomguard.remediator.webhook import MAX_BODY_BYTES, PayloadError, parse
 
     config = _load_remediator(args)
+    limits = bounded.Limits(max_bytes=MAX_BODY_BYTES)
     try:
-        body = sys.stdin.buffer.read() if args.payload == "-" else Path(args.payload).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {args.payload}: {exc.strerror or exc}") from exc
+        if args.payload == "-":
+            body = bounded.collect([sys.stdin.buffer.read(MAX_BODY_BYTES + 1)], "stdin", limits)
+        else:
+            body = bounded.read_bytes(args.payload, limits)
+    except bounded.InputError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         webhook = parse(body)
     except PayloadError as exc:
@@ -733,9 +738,12 @@ def _run_remediator_explain(args: argparse.Namespace) -> int:
     for item in args.state:
         try:
             name, path = _key_value(item)
-            states[name] = json.loads(Path(path).read_text())
-        except (argparse.ArgumentTypeError, OSError, ValueError) as exc:
-            raise ConfigError(f"--state {item}: {exc}") from exc
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"--state {item[:200]!r}: {exc}") from None
+        try:
+            states[name] = bounded.read_json(path)
+        except bounded.InputError as exc:
+            raise ConfigError(f"--state {exc}") from None
     for entry in explain(config, webhook, states or None):
         print(json.dumps(entry, sort_keys=True))
     return 0
@@ -902,7 +910,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_remediator(sub)
     _add_serve(sub)
     _add_incidents(sub)
+    for each in _parsers(parser):
+        _one_line_errors(each)
     return parser
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parser and every (nested) subcommand parser under it."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to one parser
+                found += _parsers(child)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -914,8 +934,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
     try:
         return int(args.func(args))
-    except (ConfigError, BudgetError) as exc:
-        print(f"oomguard {args.command}: {exc}", file=sys.stderr)
+    except (ConfigError, BudgetError, bounded.InputError) as exc:
+        # one line: a message quoting a file's content must not spill over several
+        parts = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+        text = parts[0] + (" " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+        print(f"oomguard {args.command}: {text}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         extra = _EXTRAS.get((exc.name or "").partition(".")[0])

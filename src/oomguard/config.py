@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import typing
-from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
+from oomguard import bounded
 from oomguard.errors import ConfigError
 from oomguard.units import config_value
 
@@ -21,14 +20,12 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A YAML config file through the bounded reader: a FIFO, a directory, bad UTF-8, deep
+    nesting, an alias bomb or a 5,000-digit number is one ConfigError naming the file."""
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        data = bounded.read_yaml(path, bounded.DEFAULT, source=f"config {os.fsdecode(path)}")
+    except bounded.InputError as exc:
+        raise ConfigError(str(exc)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

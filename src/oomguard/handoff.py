@@ -32,6 +32,9 @@ the reader is strict, and each refusal is counted under a reason:
   never read, so a FIFO cannot block the collector and a link to /dev/zero cannot be read;
 - at most MAX_FILE_BYTES are read from a file (`too_large`), at most MAX_FILES files per poll
   (`too_many_files`);
+- the bytes go through oomguard.bounded: strict UTF-8 (`not_utf8`), JSON (`not_json`), no
+  nesting (`too_deep`), no number over 20 digits (`number_too_long`), none infinite
+  (`not_finite`);
 - numbers must be integers in [0, 2**63) (ids below 2**31) or finite timestamps (`out_of_range`):
   a 400-digit integer cannot reach the renderer;
 - the pid inside must match the file name (`name_mismatch`): one (pid, rank) has one file, so two
@@ -41,22 +44,23 @@ the reader is strict, and each refusal is counted under a reason:
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import re
-import stat
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from oomguard import bounded
 from oomguard.errors import HandoffError
 
 SCHEMA = "oomguard.allocator.v1"
 MAX_FILE_BYTES = 64 * 1024
+# A report is one flat object: nothing in it nests, and no real count has 20 digits.
+LIMITS = bounded.Limits(max_bytes=MAX_FILE_BYTES, max_depth=4, max_digits=20, timeout=2.0)
 REPORT_MODE = 0o644
 MAX_FILES = 1024  # ranks on one node: 8 GPUs x a few processes; far more is a runaway writer
 MAX_COUNT = 2**63 - 1  # torch's counters are int64; anything larger is not a real figure
@@ -127,11 +131,9 @@ class AllocatorReport:
     @classmethod
     def from_json(cls, text: str | bytes) -> AllocatorReport:
         try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            # ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit;
-            # RecursionError a deeply nested document.
-            raise InvalidReport("not_json", f"not JSON: {exc}"[:200]) from None
+            data = bounded.parse_json(text, "allocator report", LIMITS)
+        except bounded.InputError as exc:  # not_utf8, not_json, too_deep, number_too_long...
+            raise InvalidReport(exc.reason, str(exc)) from None
         if not isinstance(data, dict):
             raise InvalidReport("not_json", "not a JSON object")
         if data.get("schema") != SCHEMA:
@@ -225,36 +227,12 @@ def write_report(directory: str | os.PathLike[str], report: AllocatorReport) -> 
     return path
 
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 def _read_file(dir_fd: int, name: str) -> bytes:
     """At most MAX_FILE_BYTES of one regular file, never following a link or blocking."""
     try:
-        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink (swapped in after listing)
-            raise InvalidReport("symlink", f"{name} is a symlink") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidReport("not_regular_file", f"{name} is not a regular file")
-        if st.st_size > MAX_FILE_BYTES:
-            raise InvalidReport("too_large", f"{name} is over {MAX_FILE_BYTES} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_FILE_BYTES:  # the file may grow after fstat: read one byte past
-            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > MAX_FILE_BYTES:
-            raise InvalidReport("too_large", f"{name} is over {MAX_FILE_BYTES} bytes")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        return bounded.read_bytes(name, LIMITS, follow_symlinks=False, dir_fd=dir_fd)
+    except bounded.InputError as exc:
+        raise InvalidReport(exc.reason, str(exc)) from None
 
 
 def _candidates(dir_fd: int, problems: Counter[str]) -> list[tuple[str, int]]:
@@ -304,13 +282,9 @@ def read_reports(
         for name, pid in candidates:
             try:
                 report = AllocatorReport.from_json(_read_file(dir_fd, name))
-            except FileNotFoundError:
-                continue  # removed between listing and reading: the process exited
             except InvalidReport as exc:
-                problems[exc.reason] += 1
-                continue
-            except OSError:
-                problems["unreadable"] += 1
+                if exc.reason != "not_found":  # removed between listing and reading: it exited
+                    problems[exc.reason] += 1
                 continue
             if report.pid != pid:
                 problems["name_mismatch"] += 1

@@ -38,13 +38,12 @@ that fails is counted under a reason and never raises.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
+import logging
 import math
 import os
 import re
-import stat
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -53,9 +52,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from oomguard import bounded
+
+log = logging.getLogger("oomguard.incidents")
+
 OOM_SCHEMA = "oomguard.oom_incident.v1"
 EXIT_SCHEMA = "oomguard.exit_incident.v1"
 MAX_FILE_BYTES = 256 * 1024  # an OOM record with a 512-request batch is about 80 KB
+# Records nest 4 levels (batch.largest[i].params); no count or time in them has 20 digits.
+LIMITS = bounded.Limits(max_bytes=MAX_FILE_BYTES, max_depth=8, max_digits=20, timeout=2.0)
 MAX_FILES = 4096
 MAX_COUNT = 2**63 - 1
 GIB = 2**30
@@ -285,41 +290,19 @@ class _Refused(Exception):
         self.reason = reason
 
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 def _read_file(dir_fd: int, name: str) -> bytes:
     """At most MAX_FILE_BYTES of one regular file, never following a link or blocking."""
     try:
-        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a symlink swapped in after listing
-            raise _Refused("symlink") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _Refused("not_regular_file")
-        if st.st_size > MAX_FILE_BYTES:
-            raise _Refused("too_large")
-        data = b""
-        while len(data) <= MAX_FILE_BYTES:  # it may grow after fstat: read one byte past
-            chunk = os.read(fd, MAX_FILE_BYTES + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-        if len(data) > MAX_FILE_BYTES:
-            raise _Refused("too_large")
-        return data
-    finally:
-        os.close(fd)
+        return bounded.read_bytes(name, LIMITS, follow_symlinks=False, dir_fd=dir_fd)
+    except bounded.InputError as exc:
+        raise _Refused(exc.reason) from None
 
 
 def _parse(name: str, data: bytes) -> OomRecord | ExitRecord:
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):  # bad JSON or UTF-8, huge integers, deep nesting
-        raise _Refused("not_json") from None
+        doc = bounded.parse_json(data, name, LIMITS)
+    except bounded.InputError as exc:  # not_utf8, not_json, too_deep, number_too_long...
+        raise _Refused(exc.reason) from None
     if not isinstance(doc, dict):
         raise _Refused("not_json")
     oom = name.startswith("oom-")
@@ -412,7 +395,8 @@ def load(
             try:
                 record = _cached_parse(dir_fd, name, cache)
             except _Refused as exc:
-                loaded.invalid[exc.reason] += 1
+                if exc.reason != "not_found":  # removed between listing and reading
+                    loaded.invalid[exc.reason] += 1
                 continue
             except FileNotFoundError:
                 continue  # removed between listing and reading
@@ -829,9 +813,10 @@ def incidents(
             (by_name[n] for n in ex.oom_records if n in by_name), key=lambda r: r.timestamp
         )
         used.update(r.name for r in named)
-        inc = classify(named[0] if named else None, ex, xids, thresholds)
-        inc.records += [r.name for r in named[1:]]
-        out.append(inc)
+        inc = _classified(loaded, named[0] if named else None, ex, xids, thresholds)
+        if inc is not None:
+            inc.records += [r.name for r in named[1:]]
+            out.append(inc)
     first: dict[int, OomRecord] = {}
     rest: dict[int, list[str]] = {}
     for r in sorted(loaded.ooms, key=lambda r: r.timestamp):
@@ -842,11 +827,31 @@ def incidents(
         else:
             first[r.pid] = r
     for pid, r in first.items():
-        inc = classify(r, None, xids, thresholds)
-        inc.records += rest.get(pid, [])
-        out.append(inc)
+        inc = _classified(loaded, r, None, xids, thresholds)
+        if inc is not None:
+            inc.records += rest.get(pid, [])
+            out.append(inc)
     out.sort(key=lambda i: i.timestamp)
     return out
+
+
+def _classified(
+    loaded: Loaded,
+    oom: OomRecord | None,
+    ex: ExitRecord | None,
+    xids: Sequence[Xid],
+    thresholds: Thresholds | None,
+) -> Incident | None:
+    """One incident classified; a record the classifier cannot handle (a value the validation
+    let through and the arithmetic cannot use) is counted as `unclassifiable` and skipped, so
+    one bad record never takes the others (or the exporter's whole family) with it."""
+    try:
+        return classify(oom, ex, xids, thresholds)
+    except Exception as exc:  # any record content: counted, never raised out of a poll
+        names = [r.name for r in (ex, oom) if r is not None]
+        log.warning("incident records %s cannot be classified: %r", ", ".join(names), exc)
+        loaded.invalid["unclassifiable"] += 1
+        return None
 
 
 # -- reading it ---------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ from typing import Any
 
 import httpx
 
+from oomguard import bounded
 from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX
+from oomguard.digits import decimal
 from oomguard.engine_state import StateError
 from oomguard.engine_state import parse as parse_state
 from oomguard.errors import ConfigError
@@ -47,6 +49,11 @@ GIB = 1024**3
 GROWTH = 1.25  # a stage's prompt is at most this much longer than the last safe one
 MAX_MODEL_LEN_SANE = 16 * 2**20  # above any released model's context (Llama 4 Scout: 10M)
 MIN_STEP_TOKENS = 64
+# What the engine's answers may cost (oomguard.bounded): /v1/models and the plugin's /state are
+# a few KB; vLLM's /metrics is some hundred KB.
+JSON_LIMITS = bounded.Limits(max_bytes=1 * MIB, timeout=15.0)
+HEALTH_LIMITS = bounded.Limits(max_bytes=64 * 1024, timeout=10.0)
+METRICS_LIMITS = bounded.Limits(max_bytes=16 * MIB, timeout=15.0)
 
 
 class PreflightError(ConfigError):
@@ -135,42 +142,56 @@ class Server:
         self.s = settings
         self.client = client
 
+    async def get(self, path: str, limits: bounded.Limits) -> tuple[int, bytes]:
+        """(status, body): the body bounded in size and time (oomguard.bounded), read only on
+        a 200. Raises httpx.HTTPError (unreachable) or bounded.InputError (the body)."""
+        url = self.s.url + path
+        async with self.client.stream("GET", url, timeout=limits.timeout) as r:
+            if r.status_code != 200:
+                return r.status_code, b""
+            return 200, await bounded.acollect(r.aiter_bytes(), url, limits)
+
     async def get_json(self, path: str) -> Any:
+        url = self.s.url + path
         try:
-            r = await self.client.get(self.s.url + path, timeout=15)
+            status, body = await self.get(path, JSON_LIMITS)
         except httpx.HTTPError as exc:
-            raise PreflightError(f"cannot reach {self.s.url}{path}: {exc}") from exc
-        if r.status_code == 404 and path.startswith(API_PREFIX):
+            raise PreflightError(f"cannot reach {url}: {exc}") from exc
+        except bounded.InputError as exc:  # too large, too slow
+            raise PreflightError(str(exc)) from None
+        if status == 404 and path.startswith(API_PREFIX):
             raise PreflightError(
-                f"{self.s.url}{path} answered 404: the oomguard plugin is not loaded (start vLLM "
+                f"{url} answered 404: the oomguard plugin is not loaded (start vLLM "
                 "with VLLM_PLUGINS=oomguard)"
             )
-        if r.status_code != 200:
-            raise PreflightError(f"{self.s.url}{path} answered {r.status_code}")
+        if status != 200:
+            raise PreflightError(f"{url} answered {status}")
         try:
-            return r.json()
-        except ValueError as exc:
-            raise PreflightError(f"{self.s.url}{path} did not answer JSON") from exc
+            return bounded.parse_json(body, url, JSON_LIMITS)
+        except bounded.InputError as exc:  # not JSON, bad UTF-8, deep nesting, huge numbers
+            raise PreflightError(
+                f"{exc} (not an answer of vLLM with the oomguard plugin)"
+            ) from None
 
     async def healthy(self) -> bool:
         try:
-            return (await self.client.get(self.s.url + "/health", timeout=10)).status_code == 200
-        except httpx.HTTPError:
+            return (await self.get("/health", HEALTH_LIMITS))[0] == 200
+        except (httpx.HTTPError, bounded.InputError):
             return False
 
     async def kv_cache_tokens(self) -> int | None:
         try:
-            r = await self.client.get(self.s.url + "/metrics", timeout=15)
-        except httpx.HTTPError:
+            status, body = await self.get("/metrics", METRICS_LIMITS)
+            text = bounded.decode(body, self.s.url + "/metrics")
+        except (httpx.HTTPError, bounded.InputError):
             return None
-        m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", r.text, re.MULTILINE)
-        if not m:
+        m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
+        if status != 200 or not m:
             return None
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        try:
-            return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-        except (KeyError, ValueError):
-            return None
+        blocks = decimal(labels.get("num_gpu_blocks", "")[:20])  # no real figure has 20 digits
+        block_size = decimal(labels.get("block_size", "")[:20])
+        return blocks * block_size if blocks is not None and block_size is not None else None
 
     async def complete(self, model: str, i: int, load: Load) -> int:
         """One request; its HTTP status (599 for a transport failure)."""
@@ -188,12 +209,14 @@ class Server:
         if load.logprobs:
             body["logprobs"] = load.logprobs
         try:
-            r = await self.client.post(
-                self.s.url + "/v1/completions", json=body, timeout=self.s.request_timeout
-            )
+            # streamed and closed unread: only the status counts, and an answer of any size
+            # costs nothing
+            async with self.client.stream(
+                "POST", self.s.url + "/v1/completions", json=body, timeout=self.s.request_timeout
+            ) as r:
+                return r.status_code
         except httpx.HTTPError:
             return 599
-        return r.status_code
 
 
 def allocator_state(directory: str) -> tuple[int, int, int]:

@@ -22,12 +22,11 @@ the numbers honest:
 
 from __future__ import annotations
 
-import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from oomguard import bounded
 from oomguard.digits import decimal
 from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
@@ -52,28 +51,15 @@ MAX_XID = 1023  # XID codes are small integers; anything else is not one
 RECENT_XIDS = 256  # kept for the incident classifier
 
 
-def _read_file(path: str, max_bytes: int) -> str:
-    """A dcgm-exporter output file, bounded like a scrape. Symlinks are followed (a mounted
-    ConfigMap is one), but a FIFO or device never blocks or floods the collector."""
+def _read_file(path: str, max_bytes: int, timeout: float = 2.0) -> str:
+    """A dcgm-exporter output file, bounded like a scrape (oomguard.bounded). Symlinks are
+    followed (a mounted ConfigMap is one), but a FIFO or device never blocks or floods the
+    collector: the reason (`not_found`, `not_regular_file`, `is_directory`, `too_large`,
+    `not_utf8`...) is the collector error's."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise CollectorError("not_found", f"cannot read {path}: {exc}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CollectorError("not_regular_file", f"{path} is not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            data = fh.read(max_bytes + 1)
-    except OSError as exc:
-        raise CollectorError("not_found", f"cannot read {path}: {exc}") from exc
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise CollectorError("too_large", f"{path} is over {max_bytes} bytes")
-    try:
-        return data.decode()
-    except UnicodeDecodeError as exc:
-        raise CollectorError("parse_error", f"{path} is not UTF-8 text: {exc}") from exc
+        return bounded.read_text(path, bounded.Limits(max_bytes=max_bytes, timeout=timeout))
+    except bounded.InputError as exc:
+        raise CollectorError(exc.reason, str(exc)) from None
 
 
 def is_blank(value: float) -> bool:
@@ -158,7 +144,7 @@ class DcgmCollector:
 
     def _read_text(self) -> tuple[str, bool]:
         if self.file:
-            return _read_file(self.file, DEFAULT_MAX_BYTES), False
+            return _read_file(self.file, DEFAULT_MAX_BYTES, self.timeout), False
         assert self._scraper is not None
         text, content_type = self._scraper.get()
         return text, is_openmetrics(content_type)
