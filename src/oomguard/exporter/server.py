@@ -1,11 +1,24 @@
 """HTTP: /metrics serves the latest rendered snapshot's bytes; /healthz says if polling is alive.
 
 A scrape never waits on hardware or on an engine: it reads one reference and writes bytes.
+
+The port is reachable by anything on the node's network, so the server is bounded (issue 25,
+defect 14: 400 half-open `GET /metrics` held 408 threads, none closed a minute later):
+- at most `max_connections` connections are served at once (one thread each); one more is
+  answered 503 and closed at once, without a thread, and logged;
+- a request's line and headers must arrive within `request_timeout` seconds of its first byte,
+  however slowly they trickle (a per-request deadline, not a per-read timeout);
+- a new connection must start its request within `request_timeout`; a keep-alive connection
+  may wait `idle_timeout` for its next one (longer than common scrape intervals, so Prometheus
+  keeps its connection);
+- an answer must be taken within `write_timeout` (a client that never reads is dropped).
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import math
 import socket
 import threading
 import time
@@ -26,20 +39,69 @@ _INDEX = b"""<html><head><title>oomguard exporter</title></head><body>
 """
 
 
+MAX_CONNECTIONS = 64  # Prometheus (an HA pair), a few people with curl; far more is an attack
+REQUEST_TIMEOUT = 10.0
+IDLE_TIMEOUT = 60.0
+WRITE_TIMEOUT = 10.0
+
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 31\r\n"
+    b"Connection: close\r\nRetry-After: 1\r\n\r\ntoo many connections, try again\n"
+)
+
+
+class _DeadlineSocketIO(socket.SocketIO):
+    """The request reader: every read waits only until the handler's current deadline, so a
+    client trickling one byte at a time cannot hold the thread past it."""
+
+    def __init__(self, sock: socket.socket, handler: _Handler) -> None:
+        super().__init__(sock, "rb")
+        self._handler = handler
+
+    def readinto(self, b: memoryview | bytearray) -> int | None:  # type: ignore[override]
+        remaining = self._handler.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("request deadline passed")
+        self._handler.connection.settimeout(remaining)
+        return super().readinto(b)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection
     server: MetricsServer
+    deadline = 0.0
 
     def setup(self) -> None:
         super().setup()
         # Headers and body go out in separate writes; without TCP_NODELAY a keep-alive client
         # waits out the peer's delayed ACK (40 ms) on every scrape.
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._reader = io.BufferedReader(_DeadlineSocketIO(self.connection, self))
+        self.rfile = self._reader
+        self._requests = 0
+
+    def handle_one_request(self) -> None:
+        # Wait for the request's first byte (a new connection: request_timeout; a kept-alive
+        # one: idle_timeout), then give the whole request line and headers request_timeout.
+        wait = self.server.idle_timeout if self._requests else self.server.request_timeout
+        self.deadline = time.monotonic() + wait
+        try:
+            if not self._reader.peek(1):
+                self.close_connection = True  # the client closed it
+                return
+        except OSError:  # TimeoutError included: nothing came
+            self.close_connection = True
+            return
+        self._requests += 1
+        self.deadline = time.monotonic() + self.server.request_timeout
+        super().handle_one_request()  # a TimeoutError in there closes the connection
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
     def _send(self, status: int, body: bytes, content_type: str, extra: dict[str, str]) -> None:
+        # sendall's timeout bounds the whole answer: a client that never reads is dropped
+        self.connection.settimeout(self.server.write_timeout)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -77,6 +139,7 @@ class _Handler(BaseHTTPRequestHandler):
 class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # the listen backlog: connections beyond the cap are refused fast
 
     def __init__(
         self,
@@ -84,12 +147,63 @@ class MetricsServer(ThreadingHTTPServer):
         snapshot: Callable[[], Snapshot],
         max_snapshot_age: float,
         clock: Callable[[], float] = time.time,
+        max_connections: int = MAX_CONNECTIONS,
+        request_timeout: float = REQUEST_TIMEOUT,
+        idle_timeout: float = IDLE_TIMEOUT,
+        write_timeout: float = WRITE_TIMEOUT,
     ) -> None:
         super().__init__(address, _Handler)
         self._snapshot = snapshot
         self.max_snapshot_age = max_snapshot_age
         self.clock = clock
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self.idle_timeout = idle_timeout
+        self.write_timeout = write_timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0  # connections answered 503 at the cap, since start
+        self._last_warning = -math.inf
         self._thread: threading.Thread | None = None
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()  # no thread (out of threads): the slot stays free
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # a client that hung up mid-answer, a reset: its business, not a traceback on stderr
+        log.debug("connection from %s ended with an error", client_address, exc_info=True)
+
+    def _refuse(self, request: socket.socket) -> None:
+        """503 and close, from the accepting thread: never blocks (the answer fits an empty
+        send buffer; a failed send is ignored)."""
+        self.refused += 1
+        try:
+            request.setblocking(False)
+            request.send(_BUSY)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+        now = time.monotonic()
+        if now - self._last_warning > 60:
+            self._last_warning = now
+            log.warning(
+                "refusing connections: %d open, the limit (%d refused since start)",
+                self.max_connections,
+                self.refused,
+            )
 
     def snapshot(self) -> Snapshot:
         return self._snapshot()
