@@ -277,10 +277,12 @@ def test_the_audit_log_explains_each_action(tmp_path):
     send(c, alert("OomguardMemoryCritical", "a"))
     lines = (tmp_path / "audit.jsonl").read_text().splitlines()
     kinds = [json.loads(line)["event"] for line in lines]
-    assert kinds == ["received", "decided", "acted"]
-    acted = json.loads(lines[-1])
+    assert kinds == ["received", "decided", "intent", "acted"]  # write-ahead: intent first
+    intent, acted = json.loads(lines[-2]), json.loads(lines[-1])
     assert set(acted) >= {"time", "fingerprints", "target", "action", "before", "after", "result"}
     assert acted["after"] == {"cap": 100, "mode": "draining"}
+    assert intent["action"] == "drain" and intent["result"] == "pending"
+    assert acted["intent"] == intent["intent"] and intent["time"] <= acted["time"]
 
 
 # -- properties ---------------------------------------------------------------------------------

@@ -389,3 +389,65 @@ def test_a_drained_engine_is_read_and_resumed_at_its_pod_address(tmp_path):
         standin.close()
         engine.close()
         peer.close()
+
+
+def test_an_event_the_client_rejects_does_not_stop_the_watch():
+    """Defect 9: an event the Kubernetes client cannot deserialize (a malformed timestamp) made
+    the watch fail and resume from the same resourceVersion forever: pods added after it were
+    never discovered, and a deleted pod stayed a target (and was capped)."""
+    standin = KubeStandIn([], ROLE)
+    standin.put_pod(pod("vllm-0", "10.0.0.1"))
+    d = discovery(standin)
+    d.start()
+    try:
+        assert d.wait_synced(10)
+        bad = pod("vllm-odd", "10.0.0.5")
+        bad["metadata"]["creationTimestamp"] = "not a time"  # the client refuses this event
+        standin.put_pod(bad)
+        standin.put_pod(pod("vllm-1", "10.0.0.2"))
+        standin.delete_pod(NS, "vllm-0")
+        # listed again past the event: the list is read as raw JSON, every pod as it is
+        assert until(lambda: names(d) == ["llm:vllm-1", "llm:vllm-odd"], timeout=15), names(d)
+        assert d.lists >= 2
+    finally:
+        d.stop()
+        standin.close()
+
+
+class Killed(BaseException):
+    """What no loop catches: the injected death of a thread."""
+
+
+def test_a_dead_discovery_thread_is_restarted_and_counted(monkeypatch):
+    standin = KubeStandIn([], ROLE)
+    standin.put_pod(pod("vllm-0", "10.0.0.1"))
+    deaths: list[str] = []
+    d = PodDiscovery(
+        DiscoveryConfig(namespaces=[NS], watch_seconds=2),
+        api(standin),
+        backoff=0.1,
+        on_death=deaths.append,
+    )
+    real = d._list
+    calls = []
+
+    def dies_once(namespace: str) -> str:
+        calls.append(namespace)
+        if len(calls) == 1:
+            raise Killed("injected")
+        return real(namespace)
+
+    monkeypatch.setattr(d, "_list", dies_once)
+    d.start()
+    try:
+        assert until(lambda: deaths == [f"discovery-{NS}"])
+        assert "died" in (d.threads[0].problem() or "") or "restarted" in (
+            d.threads[0].problem() or ""
+        )
+        assert d.wait_synced(10)  # restarted after its backoff: listed, and watching
+        assert names(d) == ["llm:vllm-0"]
+        standin.put_pod(pod("vllm-1", "10.0.0.2"))
+        assert until(lambda: names(d) == ["llm:vllm-0", "llm:vllm-1"])
+    finally:
+        d.stop()
+        standin.close()

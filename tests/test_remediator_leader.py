@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from kubernetes import client
+from starlette.testclient import TestClient
 
 from oomguard.remediator.leader import LeaderElectionConfig, LeaseElector
 from tests.kube_standin import KubeStandIn
@@ -238,4 +239,111 @@ def test_only_the_leader_acts_and_a_takeover_keeps_the_old_leaders_cooldowns(tmp
         for r in replicas:
             r.elector.stop(release=False)
             r.controller.close()
+        standin.close()
+
+
+def replica(tmp_path, monkeypatch, standin: KubeStandIn, who: str = "one", **le: Any) -> Any:
+    """A Remediator with leader election against the stand-in (not started)."""
+    from oomguard.remediator.main import Remediator
+    from tests.remediator_helpers import Engines, config
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: s, cluster: {{server: '{standin.url}'}}}}]\n"
+        "users: [{name: u, user: {token: kube-token}}]\n"
+        "contexts: [{name: c, context: {cluster: s, user: u}}]\n"
+    )
+    monkeypatch.setattr(
+        "kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig)
+    )
+    election = {
+        "namespace": NS,
+        "identity": who,
+        "lease_seconds": 3,
+        "renew_deadline_seconds": 2,
+        "retry_seconds": 0.2,
+        **le,
+    }
+    return Remediator(config(tmp_path, "a", leader_election=election), Engines.of("a"))
+
+
+def renewals(standin: KubeStandIn, seconds: float) -> set[str]:
+    """The distinct renewTimes of the Lease seen over `seconds`."""
+    seen = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        lease = standin.leases.get((NS, "oomguard-remediator"))
+        if lease:
+            seen.add(lease["spec"]["renewTime"])
+        time.sleep(0.05)
+    return seen
+
+
+def test_a_bad_audit_line_does_not_kill_the_leader(tmp_path, monkeypatch):
+    """Defect 2: restoring the safety state on taking the lead hit a line that is not UTF-8;
+    the exception killed the election thread: the Lease was taken once and never renewed, no
+    replica acted, /healthz said 200."""
+    standin = KubeStandIn([], ROLE)
+    one = replica(tmp_path, monkeypatch, standin)
+    try:
+        with (tmp_path / "audit.jsonl").open("ab") as fh:  # written by anyone, after start-up
+            fh.write(b'{"event": "paused", "reason": "\xff\xfe"}\n')
+        one.elector.start()
+        assert len(renewals(standin, 2.0)) >= 3  # renewed every 0.2 s, not taken once
+        assert one.elector.leading and one._leading.is_set()
+        assert one.controller.metrics.registry.get_sample_value("oomguard_remediator_leader") == 1
+        assert one.problems() == []
+    finally:
+        one.elector.stop(release=False)
+        one.controller.close()
+        standin.close()
+
+
+class Killed(BaseException):
+    """What no loop catches: the injected death of a thread."""
+
+
+def test_a_dead_election_thread_is_restarted_counted_and_degrades_healthz(tmp_path, monkeypatch):
+    standin = KubeStandIn([], ROLE)
+    one = replica(tmp_path, monkeypatch, standin)
+    one.elector.thread.settle = 3.0
+    real = one.elector.try_once
+    calls = []
+
+    def dies_once() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Killed("injected")
+        return real()
+
+    monkeypatch.setattr(one.elector, "try_once", dies_once)
+    sample = one.controller.metrics.registry.get_sample_value
+    try:
+        assert (
+            sample("oomguard_remediator_thread_restarts_total", {"thread": "leader-election"}) == 0
+        )
+        one.elector.start()
+        deadline = time.monotonic() + 10
+        while not one.problems() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert any("leader-election" in p for p in one.problems())
+        with TestClient(one.app) as client:
+            health = client.get("/healthz")
+            assert health.status_code == 503 and health.json()["status"] == "degraded"
+            deadline = time.monotonic() + 10
+            while not one.elector.leading and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert one.elector.leading  # restarted (after 1 s), it took the Lease
+            assert (
+                sample("oomguard_remediator_thread_restarts_total", {"thread": "leader-election"})
+                == 1
+            )
+            deadline = time.monotonic() + 10
+            while client.get("/healthz").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert client.get("/healthz").status_code == 200  # recovered after `settle`
+    finally:
+        one.elector.stop(release=False)
+        one.controller.close()
         standin.close()

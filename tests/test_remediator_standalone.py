@@ -102,3 +102,76 @@ def test_a_blind_engine_is_held_at_once_and_let_go_at_once(local_server, tmp_pat
     server.serve_text(levels(a=0, b=0))  # it can see again: healthy, re-admission starts
     tick(1)
     assert not engines.engines["a"].draining and engines.engines["a"].cap == 1
+
+
+def test_one_malformed_exporter_page_does_not_stop_the_watch_of_the_others(local_server):
+    """Defect 10: a page the text parser rejects raised CollectorError out of poll(), which
+    caught only HTTP and value errors: no exporter was watched any more."""
+    broken = local_server('oomguard_engine_pressure_level{target="b" 3\n')  # torn labels
+    good = local_server(levels(a=3))
+    watcher = PressureWatcher(
+        StandaloneConfig(exporters=[broken.url, good.url], critical_for_seconds=0),
+        clock=lambda: 0.0,
+    )
+    hook = watcher.poll()
+    assert ("OomguardMemoryCritical", "firing") in [(a.name, a.status) for a in hook.alerts]
+    assert {a.labels["target"] for a in hook.alerts} == {"a"}
+    assert "CollectorError" in watcher.errors[broken.url]
+
+
+class Killed(BaseException):
+    """What no loop catches: the injected death of a thread."""
+
+
+def test_a_dead_standalone_watch_is_restarted_counted_and_degrades_healthz(
+    local_server, tmp_path, monkeypatch
+):
+    import time
+
+    from starlette.testclient import TestClient
+
+    from oomguard.remediator.main import Remediator
+
+    server = local_server(levels(a=3))
+    cfg = config(
+        tmp_path,
+        "a",
+        "b",
+        mode="standalone",
+        standalone={"exporters": [server.url], "interval_seconds": 0.1, "critical_for_seconds": 0},
+    )
+    engines = Engines.of("a", "b")
+    r = Remediator(cfg, engines)
+    watch = r.threads[0]
+    watch.settle = 2.0
+    real, calls = r.watcher.poll, []
+
+    def dies_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise Killed("injected")
+        return real()
+
+    monkeypatch.setattr(r.watcher, "poll", dies_once)
+    sample = r.controller.metrics.registry.get_sample_value
+    r.start()
+    try:
+        with TestClient(r.app) as client:
+            deadline = time.monotonic() + 10
+            while not r.problems() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            health = client.get("/healthz")
+            assert health.status_code == 503 and health.json()["status"] == "degraded"
+            assert "standalone-watch" in " ".join(health.json()["problems"])
+            deadline = time.monotonic() + 15
+            while not engines.engines["a"].draining and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engines.engines["a"].draining  # restarted: level 3 drains a
+            labels = {"thread": "standalone-watch"}
+            assert sample("oomguard_remediator_thread_restarts_total", labels) == 1
+            deadline = time.monotonic() + 10
+            while client.get("/healthz").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert client.get("/healthz").status_code == 200
+    finally:
+        r.stop()

@@ -371,6 +371,12 @@ _SPECS: tuple[MetricSpec, ...] = (
         (),
     ),
     _counter("oomguard_exporter_polls_total", "Poll cycles completed.", "", ()),
+    _counter(
+        "oomguard_exporter_thread_restarts_total",
+        "Background threads (collectors, render) that died and were restarted.",
+        "",
+        ("thread",),
+    ),
     _gauge(
         "oomguard_exporter_render_duration_seconds",
         "Time spent rendering the last snapshot to the exposition format.",
@@ -504,6 +510,37 @@ _SPECS: tuple[MetricSpec, ...] = (
         "1 while this replica holds the leader Lease and acts; 0 on a standby.",
         "",
         (),
+        component="remediator",
+    ),
+    _counter(
+        "oomguard_remediator_thread_restarts_total",
+        "Background threads (leader election, discovery watch, standalone watch) that died and "
+        "were restarted.",
+        "",
+        ("thread",),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_audit_writable",
+        "1 while the audit log takes appends; 0 after one failed (disk full, read-only): no "
+        "action is taken without a durable intent.",
+        "",
+        (),
+        component="remediator",
+    ),
+    _counter(
+        "oomguard_remediator_audit_write_errors_total",
+        "Appends to the audit log that failed (each one an action or a webhook not taken).",
+        "",
+        (),
+        component="remediator",
+    ),
+    _gauge(
+        "oomguard_remediator_audit_skipped_lines",
+        "Lines of the audit log the last replay (start, taking the lead) could not read and "
+        "skipped, by reason.",
+        "",
+        ("reason",),
         component="remediator",
     ),
     # --- served on vLLM's own /metrics by the plugin's request guard -------------------------

@@ -8,7 +8,9 @@ restart.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import stat
 from collections import Counter
 from pathlib import Path
 from typing import Literal
@@ -18,11 +20,36 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from oomguard.config import load_yaml, validate
 from oomguard.errors import ConfigError
 from oomguard.remediator.attention import AttentionConfig
+from oomguard.remediator.audit import check_path
 from oomguard.remediator.discovery import DiscoveryConfig
 from oomguard.remediator.flags import FlagLimits
 from oomguard.remediator.leader import LeaderElectionConfig
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
+
+log = logging.getLogger("oomguard.remediator")
+
+
+MAX_SECRET_BYTES = 64 * 1024  # a token or a password; anything larger is not one
+
+
+def read_secret(path: str | os.PathLike[str]) -> str | None:
+    """A secret file's text, stripped (None when empty). Raises OSError when it cannot be
+    read and ValueError when its content cannot be a secret: not a regular file, larger than
+    MAX_SECRET_BYTES, or not UTF-8."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)  # a FIFO never blocks
+    fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = fh.read(MAX_SECRET_BYTES + 1)
+    if len(data) > MAX_SECRET_BYTES:
+        raise ValueError(f"larger than {MAX_SECRET_BYTES} bytes: not a token")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte {exc.start})") from None
+    return text.strip() or None
 
 
 def is_loopback(listen: str) -> bool:
@@ -38,22 +65,31 @@ def is_loopback(listen: str) -> bool:
 
 
 class SecretFile:
-    """A secret read from a file, re-read when the file's mtime changes (rotation)."""
+    """A secret read from a file, re-read when the file's mtime changes (rotation).
+
+    A file that cannot be read, or whose content cannot be a secret (not UTF-8, too large, not
+    a regular file), keeps the last good value (rotation in progress must not lock everybody
+    out) and is logged once per change; with no good value yet, `get` is None and every request
+    is refused (401), never answered with a server error."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self._mtime: float | None = None
         self._value: str | None = None
+        self.error: str | None = None
 
     def get(self) -> str | None:
         try:
             mtime = self.path.stat().st_mtime
             if mtime != self._mtime:
-                self._value = self.path.read_text().strip() or None
                 self._mtime = mtime
-        except OSError:
-            # unreadable now: keep the last good value rather than locking everybody out
-            return self._value
+                self._value = read_secret(self.path)
+                self.error = None
+        except (OSError, ValueError) as exc:
+            message = f"{self.path}: {getattr(exc, 'strerror', None) or exc}"
+            if message != self.error:
+                log.error("secret file %s (keeping the last good value)", message)
+            self.error = message
         return self._value
 
 
@@ -223,4 +259,13 @@ def load(path: str | os.PathLike[str]) -> RemediatorConfig:
     for target in config.targets:
         if target.token_file and not Path(target.token_file).is_file():
             raise ConfigError(f"targets.{target.name}.token_file: {target.token_file} not found")
+        if target.token_file:
+            try:
+                read_secret(target.token_file)
+            except (OSError, ValueError) as exc:
+                why = getattr(exc, "strerror", None) or exc
+                raise ConfigError(
+                    f"targets.{target.name}.token_file {target.token_file}: {why}"
+                ) from None
+    check_path(Path(config.audit_log))
     return config

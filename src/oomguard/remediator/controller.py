@@ -40,6 +40,9 @@ from oomguard.remediator.webhook import Alert, Webhook
 
 log = logging.getLogger("oomguard.remediator")
 
+# what a restart needs from the audit log (the rest, mostly `received`, is not held in memory)
+RESTORED_EVENTS = frozenset({"paused", "unpaused", "intent", "acted", "failed", "reconciled"})
+
 __all__ = [
     "Controller",
     "Receipt",
@@ -60,15 +63,20 @@ class Controller:
         actuator: Actuator,
         audit: AuditLog,
         metrics: RemediatorMetrics | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         backends: Mapping[str, RestartBackend] | None = None,
     ) -> None:
+        """`clock`: one clock for durations and wall time alike (tests); by default durations
+        run on the monotonic clock and only audited stamps on wall time."""
         self.config = config
         self.dry_run = config.dry_run or isinstance(actuator, DryRunActuator)
         self.actuator = actuator
         self.audit = audit
         self.metrics = metrics or RemediatorMetrics()
-        self.safety = Safety(config.safety, clock)
+        self.metrics.watch_audit(audit)
+        self.safety = (
+            Safety(config.safety) if clock is None else Safety(config.safety, clock, clock)
+        )
         self.fleet = Fleet(config.targets)
         self.wake: Callable[[], None] = lambda: None  # the runner points this at its scheduler
         self.wake_focus: Callable[[], None] = lambda: None  # and this at its focus lane
@@ -102,12 +110,12 @@ class Controller:
         self._decide = threading.Lock()
         self._dirty = False
         self.failed_passes = 0  # consecutive passes that raised (/healthz degrades on these)
+        self.restore_error: str | None = None  # the audit log could not be read (no action)
+        self._uncommitted: list[dict[str, Any]] = []  # intents to reconcile with the engines
         # what survives a remediator restart: the pause switch, each target's recent actions
-        # (cooldowns, rate limits) and the episodes already answered by a restart
-        entries = audit.entries()
-        self.safety.restore(entries)
-        self.restarts.restore(entries)
-        self.metrics.paused.set(1 if self.paused else 0)
+        # (cooldowns, rate limits), the episodes already answered by a restart, and intents a
+        # killed predecessor never committed
+        self._restore()
 
     # -- the parts' state, as callers and tests read it ------------------------------------------
     @property
@@ -192,6 +200,10 @@ class Controller:
 
     def _pass(self) -> None:
         conv = self.convergence
+        if self.restore_error is not None and not self.restore():
+            raise RuntimeError(self.restore_error)  # a failed pass: counted, /healthz degrades
+        if self._uncommitted:
+            self._uncommitted = conv.reconcile_intents(self._uncommitted)
         with self._decide:
             plan = conv.begin()
         if plan is None:
@@ -223,17 +235,40 @@ class Controller:
         if again:
             self.request()
 
-    def restore(self) -> None:
+    def restore(self) -> bool:
         """Rebuild the safety state from the audit log (on taking over as the leader: the
-        previous leader's cooldowns, budgets and answered restart episodes hold here too)."""
+        previous leader's cooldowns, budgets and answered restart episodes hold here too).
+        False when the log cannot be read: then nothing is acted on until it can."""
         with self._decide:  # a pass from an earlier term may still be deciding
-            entries = self.audit.entries()
-            safety = Safety(self.config.safety, self.safety.clock)
-            safety.restore(entries)
-            self.safety = self.convergence.safety = safety
-            self.restarts.restore(entries)
+            ok = self._restore()
             self.attention.unfocus()  # a new leader's first pass looks at every engine due
+        return ok
+
+    def _restore(self) -> bool:
+        try:
+            entries = self.audit.entries(RESTORED_EVENTS)
+        except OSError as exc:  # unreadable as a whole (permissions, I/O): content never raises
+            self.restore_error = f"cannot read the audit log {self.audit.path}: {exc}"
+            log.error("%s; acting on nothing until it can be read", self.restore_error)
+            return False
+        safety = Safety(self.config.safety, self.safety.clock, self.safety.wall)
+        safety.restore(entries)
+        self.safety = self.convergence.safety = safety
+        self.restarts.restore(entries)
+        self._uncommitted = safety.uncommitted
+        if safety.unreadable:
+            self.audit.last_replay.skipped["bad_fields"] += safety.unreadable
+        self.restore_error = None
         self.metrics.paused.set(1 if self.paused else 0)
+        self.metrics.audit_replayed(self.audit.last_replay.skipped)
+        if self._uncommitted:
+            log.warning(
+                "%d actions were recorded as intents but never committed (the remediator "
+                "stopped in between): counted against the safety limits, reconciling with the "
+                "engines",
+                len(self._uncommitted),
+            )
+        return True
 
     def set_targets(self, targets: Iterable[TargetConfig]) -> None:
         """Replace the allowlist (discovered targets come and go): between passes, with the
@@ -247,10 +282,26 @@ class Controller:
             self.resync_soon()
 
     # -- views -----------------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """What makes this remediator degraded now (its /healthz says so), besides passes."""
+        out = []
+        if not self.audit.writable:
+            out.append(f"audit log not writable ({self.audit.last_error}): no action is taken")
+        if self.restore_error is not None:
+            out.append(self.restore_error)
+        return out
+
     def view(self) -> dict[str, Any]:
+        replay = self.audit.last_replay
         return {
             "paused": self.paused,
             "dry_run": self.dry_run,
+            "audit": {
+                "writable": self.audit.writable,
+                "error": self.audit.last_error,
+                "skipped_lines": dict(replay.skipped),
+                "uncommitted_intents": len(self._uncommitted),
+            },
             "firing_alerts": self.intake.firing_count(),
             "targets": {name: asdict(st) for name, st in self.status.items()},
         }

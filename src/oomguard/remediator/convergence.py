@@ -3,8 +3,14 @@
 actuator: every step through the safety limits and into the audit log, restarts handed to
 restarting.Restarts, each target's status and metrics published for the API and dashboards.
 
-Audit entries record changes, not passes: a decision, a hold, a withheld or failed step is
-audited when it differs from the last one noted for that target.
+Every step is write-ahead: its intent is recorded durably (and counted against the safety
+limits) before the engine is called, and its outcome (acted, failed) after; a step whose intent
+cannot be recorded (the audit disk is full) is not taken. Intents a killed remediator left
+uncommitted are reconciled by reading the engine (`reconcile_intents`).
+
+Other audit entries record changes, not passes: a decision, a hold, a withheld step is audited
+when it differs from the last one noted for that target; they are best-effort (a full disk
+does not stop a pass), unlike intents.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from typing import Any
 
 from oomguard.engine_state import EngineState, StateError
 from oomguard.engine_state import parse as parse_state
+from oomguard.remediator import crashpoints
 from oomguard.remediator.actuator import Actuator, ActuatorError, Target, read_states
 from oomguard.remediator.attention import Attention
-from oomguard.remediator.audit import AuditLog
+from oomguard.remediator.audit import AuditLog, new_intent
 from oomguard.remediator.config import RemediatorConfig, TargetConfig
 from oomguard.remediator.decision import (
     Context,
@@ -156,7 +163,8 @@ class Convergence:
 
     def context(self) -> Context:
         c = self.config
-        return Context(c.policy, c.safety, c.flags, self.safety.state(), self.safety.clock())
+        s = self.safety
+        return Context(c.policy, c.safety, c.flags, s.state(), s.clock(), s.wall())
 
     def run_pass(self) -> bool:
         """One pass over the fleet; True when another pass is wanted at once (a quiet engine,
@@ -263,7 +271,7 @@ class Convergence:
         if self._note(name, "decision", decision) and (
             v.steps or desired.phase != "serving" or (prev is not None and prev[0] != "serving")
         ):  # a change worth explaining; not "full admission" for every target at start
-            self.audit.record(
+            self.audit.try_record(
                 "decided",
                 target=name,
                 before=_brief(observed),
@@ -280,6 +288,9 @@ class Convergence:
             self._note(name, "withheld", None)
             if step.kind == "restart":
                 entry = self.restarts.start(name, step, list(v.fingerprints), self.safety)
+                if entry is None:  # its intent could not be recorded: nothing was started
+                    self._unrecorded(name, "restart")
+                    break
                 self.status[name].last_action = entry
                 self.status[name].mode = "restarting"
                 return
@@ -313,7 +324,7 @@ class Convergence:
                 if error
                 else f"no action while the exporter is blind to the engine: {message}"
             )
-            self.audit.record(
+            self.audit.try_record(
                 "held", target=name, result=reason, reason=why, fingerprints=v.fingerprints
             )
             log.warning("holding %s: %s", name, message)
@@ -321,7 +332,7 @@ class Convergence:
     def _withheld(self, name: str, kind: str, limit: str, v: Verdict) -> None:
         if self._note(name, "withheld", (kind, limit)):
             self.metrics.safety_limited.labels(name, limit).inc()
-            self.audit.record(
+            self.audit.try_record(
                 "withheld",
                 target=name,
                 action=kind,
@@ -341,11 +352,35 @@ class Convergence:
         fps: list[str],
         before: EngineState,
     ) -> EngineState | None:
-        """Take one step; the engine's state after it (`before` when the answer cannot be
-        read), or None when the step failed."""
+        """Take one step, write-ahead: its intent is durable before the engine is called, and
+        counted against the safety limits from then on; the answer commits it. Returns the
+        engine's state after the step (`before` when the answer cannot be read), or None when
+        the step was not taken or failed."""
         if self.dry_run and not self._note(name, "dry_run", (kind, cap)):
             return None  # the engine does not change in a dry run: say it once, not every pass
         target = self.fleet.target(name)
+        brief = _brief(observed)
+        crashpoints.reach("before_intent")
+        key = new_intent()
+        try:
+            self.audit.record(
+                "intent",
+                target=name,
+                action=kind,
+                before=brief,
+                after={"cap": cap} if cap is not None else None,
+                result="pending",
+                reason=desired.reason,
+                fingerprints=fps,
+                intent=key,
+            )
+        except OSError:  # no action without a durable intent
+            self._unrecorded(name, kind)
+            return None
+        self._note(name, "unrecorded", None)
+        if kind in DISRUPTIVE:
+            self.safety.record(name, kind, key=key)
+        crashpoints.reach("after_intent")
         try:
             if kind == "drain":
                 response = self.actuator.drain(target)
@@ -355,22 +390,26 @@ class Convergence:
                 assert cap is not None
                 response = self.actuator.set_cap(target, cap)
         except ActuatorError as exc:
+            self.safety.forget(name, key)  # refused or unreachable: nothing was done
             self.metrics.actions.labels(name, kind, "failed").inc()  # why: the audit log
             self.metrics.reconcile_errors.labels(name).inc()
             self.status[name].error = str(exc)
-            if self._note(name, "failed", (kind, cap, exc.reason)):  # once, not every pass
-                self.audit.record(
-                    "failed",
-                    target=name,
-                    action=kind,
-                    before=_brief(observed),
-                    after={"cap": cap} if cap is not None else None,
-                    result=exc.reason,
-                    reason=f"{desired.reason}: {exc}",
-                    fingerprints=fps,
-                )
+            # the intent's outcome is always recorded; the log line once, not every pass
+            self.audit.try_record(
+                "failed",
+                target=name,
+                action=kind,
+                before=brief,
+                after={"cap": cap} if cap is not None else None,
+                result=exc.reason,
+                reason=f"{desired.reason}: {exc}",
+                fingerprints=fps,
+                intent=key,
+            )
+            if self._note(name, "failed", (kind, cap, exc.reason)):
                 log.error("%s on %s failed (retrying every pass): %s", kind, name, exc)
             return None
+        crashpoints.reach("after_engine")
         self._note(name, "failed", None)
         try:  # a cap change answers {"admission_cap", ..., "state": {...}}; the others the state
             raw = response.get("state", response) if isinstance(response, dict) else response
@@ -381,23 +420,103 @@ class Convergence:
         else:
             self.attention.wrote(name, state)  # newer than a read another pass has in flight
         result = "dry_run" if self.dry_run else "ok"
-        if kind in DISRUPTIVE:
-            self.safety.record(name, kind)
         self.metrics.actions.labels(name, kind, result).inc()
-        entry = self.audit.record(
-            "acted",
-            target=name,
-            action=kind,
-            before=_brief(observed),
-            after={"cap": state.admission_cap, "mode": state.mode},
-            result=result,
-            reason=desired.reason,
-            fingerprints=fps,
-        )
+        fields: dict[str, Any] = {
+            "target": name,
+            "action": kind,
+            "before": brief,
+            "after": {"cap": state.admission_cap, "mode": state.mode},
+            "result": result,
+            "reason": desired.reason,
+            "fingerprints": fps,
+            "intent": key,
+        }
+        entry = self.audit.try_record("acted", **fields)
+        crashpoints.reach("after_commit")
+        if entry is None:  # done, not committed: the intent counts and is reconciled later
+            log.error("%s on %s done, but its commit cannot be recorded", kind, name)
+            entry = {"time": time.time(), "event": "acted", **fields}
         self.status[name].last_action = entry
         self.status[name].error = None
         log.info("%s on %s (%s): %s", kind, name, result, desired.reason)
         return state
+
+    def _unrecorded(self, name: str, kind: str) -> None:
+        """An action not taken because its intent could not be made durable (disk full)."""
+        why = self.audit.last_error or "cannot write"
+        self.metrics.actions.labels(name, kind, "unrecorded").inc()
+        self.status[name].error = f"audit log unavailable ({why}): {kind} not taken"
+        if self._note(name, "unrecorded", (kind, why)):
+            log.error("%s on %s not taken: its intent cannot be recorded (%s)", kind, name, why)
+
+    def reconcile_intents(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Settle intents a previous run recorded but never committed (it died in between):
+        read each engine, record whether the step is in force (`reconciled`, result applied or
+        not_applied), and return those whose engine could not be read (tried again later).
+        They count against the safety limits either way (Safety.restore)."""
+        left = []
+        for intent in pending:
+            name, kind = str(intent.get("target")), str(intent.get("action"))
+            key = intent.get("intent")
+            if name not in self.fleet.targets:
+                self.audit.try_record(
+                    "reconciled", target=name, action=kind, result="target_gone", intent=key
+                )
+                continue
+            applied, seen = self._in_force(name, kind, intent.get("after"))
+            if applied is None:
+                left.append(intent)
+                continue
+            entry = self.audit.try_record(
+                "reconciled",
+                target=name,
+                action=kind,
+                before=intent.get("before"),
+                after=seen,
+                result="applied" if applied else "not_applied",
+                reason="the remediator stopped between this intent and its commit; the "
+                "engine read since says whether it was done",
+                intent=key,
+            )
+            if entry is None:
+                left.append(intent)
+            else:
+                log.warning(
+                    "intent %s (%s on %s) was never committed: %s",
+                    key,
+                    kind,
+                    name,
+                    "applied" if applied else "not applied",
+                )
+        return left
+
+    def _in_force(self, name: str, kind: str, after: Any) -> tuple[bool | None, Any]:
+        """Whether an uncommitted step is in force on the engine now (None: cannot tell)."""
+        want = after if isinstance(after, dict) else {}
+        if kind == "restart":
+            view = self.restarts.flags(name)
+            if view is None:
+                return None, None
+            now = {
+                "gpu_memory_utilization": view.current.gpu_memory_utilization,
+                "max_num_seqs": view.current.max_num_seqs,
+            }
+            return all(want.get(k) == v for k, v in now.items()), now
+        try:
+            state = checked(self.actuator.state(self.fleet.target(name)), name)
+        except Exception as exc:  # an actuator surprise: cannot tell
+            state = ActuatorError("internal", str(exc))
+        if isinstance(state, ActuatorError):
+            return None, None
+        seen = {"cap": state.admission_cap, "mode": state.mode, "draining": state.draining}
+        if kind == "drain":
+            return state.draining, seen
+        if kind == "resume":
+            return not state.draining, seen
+        cap = want.get("cap")
+        if isinstance(cap, int) and not isinstance(cap, bool):
+            return state.admission_cap == cap, seen
+        return None, seen
 
     def _publish(
         self,

@@ -67,7 +67,8 @@ class Context:
     safety: SafetyConfig
     limits: FlagLimits
     state: SafetyState
-    now: float  # wall clock, the safety history's time base
+    now: float  # the safety history's time base (Safety.clock: monotonic in the remediator)
+    wall: float | None = None  # wall time, for the backends' wall-clock stamps (default: now)
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,8 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
             episode=critical[-1],
             covers=covers,
         )
-    quiet = ctx.now - view.changed_at >= ctx.limits.walk_back_after_seconds
+    wall = ctx.now if ctx.wall is None else ctx.wall
+    quiet = wall - view.changed_at >= ctx.limits.walk_back_after_seconds
     if (
         not actions_for(engine.alerts, policy)
         and not o.draining

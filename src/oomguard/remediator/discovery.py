@@ -20,11 +20,15 @@ target: an alert for that engine could not tell them apart.
 
 Each namespace is listed once, then watched from the list's resourceVersion through the official
 client (no polling of the whole list); a watch that ends is resumed from the last
-resourceVersion seen, and only a 410 Gone (the version was compacted away) lists again.
+resourceVersion seen. A 410 Gone (the version was compacted away) lists again, and so does any
+other failure of a watch: an event the client cannot read (it rejects a field) would otherwise
+be requested again from the same version forever, and every pod added or deleted after it would
+be missed. Each namespace's loop runs in a supervised thread (supervised.py).
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field
 
 from oomguard.digits import decimal
+from oomguard.supervised import Supervised
 
 if TYPE_CHECKING:  # config.py imports this module's DiscoveryConfig
     from urllib3 import BaseHTTPResponse
@@ -184,6 +189,7 @@ class PodDiscovery:
         api_client: Any,
         on_change: Callable[[], None] = lambda: None,
         backoff: float = 1.0,
+        on_death: Callable[[str], None] = lambda name: None,
     ) -> None:
         from kubernetes import client
 
@@ -198,10 +204,16 @@ class PodDiscovery:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watches: list[Any] = []
-        self._threads: list[threading.Thread] = []
+        self.threads = [
+            Supervised(f"discovery-{ns}", functools.partial(self._run, ns), self._stop, on_death)
+            for ns in config.namespaces
+        ]
+        self._started = False
 
     @classmethod
-    def from_environment(cls, config: DiscoveryConfig) -> PodDiscovery:
+    def from_environment(
+        cls, config: DiscoveryConfig, on_death: Callable[[str], None] = lambda name: None
+    ) -> PodDiscovery:
         from kubernetes import client
         from kubernetes import config as kube_config
 
@@ -209,7 +221,7 @@ class PodDiscovery:
             kube_config.load_incluster_config()
         except kube_config.ConfigException:
             kube_config.load_kube_config()
-        return cls(config, client.ApiClient())
+        return cls(config, client.ApiClient(), on_death=on_death)
 
     def targets(self) -> list[TargetConfig]:
         with self._lock:
@@ -246,15 +258,23 @@ class PodDiscovery:
             ),
         )
         body = json.loads(r.data)
+        if not isinstance(body, dict) or not isinstance(body.get("metadata"), dict):
+            raise ValueError("the pod list is not a list object")
+        version = body["metadata"].get("resourceVersion")
+        if not isinstance(version, str) or not version:
+            raise ValueError("the pod list carries no resourceVersion")
         self.lists += 1
+        items = body.get("items")
         pods = {
-            item["metadata"]["name"]: pod_target(item, self.config)
-            for item in body.get("items") or []
-            if isinstance(item, dict) and isinstance(item.get("metadata"), dict)
+            item["metadata"]["name"]: _target(item, self.config)
+            for item in (items if isinstance(items, list) else [])
+            if isinstance(item, dict)
+            and isinstance(item.get("metadata"), dict)
+            and isinstance(item["metadata"].get("name"), str)
         }
         self._set(namespace, pods, replace=True)
         self._synced[namespace].set()
-        return str(body["metadata"]["resourceVersion"])
+        return version
 
     def _watch(self, namespace: str, version: str) -> str:
         """Watch from `version` until the server ends the request; the last version seen."""
@@ -273,13 +293,15 @@ class PodDiscovery:
             ):
                 if self._stop.is_set():
                     break
-                kind, obj = event.get("type"), event.get("raw_object") or {}
-                meta = obj.get("metadata") or {}
+                kind, obj = event.get("type"), event.get("raw_object")
+                meta = obj.get("metadata") if isinstance(obj, dict) else None
+                if not isinstance(meta, dict):
+                    continue
                 version = str(meta.get("resourceVersion") or version)
                 name = meta.get("name")
                 if kind == "BOOKMARK" or not isinstance(name, str):
                     continue
-                target = None if kind == "DELETED" else pod_target(obj, self.config)
+                target = None if kind == "DELETED" else _target(obj, self.config)
                 self._set(namespace, {name: target}, replace=False)
         finally:
             self._watches.remove(w)
@@ -299,21 +321,33 @@ class PodDiscovery:
                     log.info("pods in %s: resourceVersion %s gone, listing", namespace, version)
                     version = None
                     continue
-                log.warning("pods in %s: %s (retrying; targets kept)", namespace, exc)
+                # list again: the watch may have stopped at an event it cannot get past
+                log.warning("pods in %s: %s (listing again; targets kept)", namespace, exc)
+                version = None
                 self._stop.wait(self.backoff)
             except Exception as exc:  # unreachable API, bad answer: keep what is known
-                log.warning("pods in %s: %s (retrying; targets kept)", namespace, exc)
+                log.warning("pods in %s: %s (listing again; targets kept)", namespace, exc)
+                version = None
                 self._stop.wait(self.backoff)
 
     def start(self) -> None:
-        for ns in self.config.namespaces:
-            t = threading.Thread(target=self._run, args=(ns,), name=f"discovery-{ns}", daemon=True)
-            self._threads.append(t)
+        self._started = True
+        for t in self.threads:
             t.start()
 
     def stop(self) -> None:
         self._stop.set()
         for w in list(self._watches):
             w.stop()
-        for t in self._threads:
-            t.join(timeout=5)
+        if self._started:
+            for t in self.threads:
+                t.join(timeout=5)
+
+
+def _target(pod: Mapping[str, Any], config: DiscoveryConfig) -> TargetConfig | None:
+    """`pod_target`, for a pod from the API: one of a shape nothing sends is not a target."""
+    try:
+        return pod_target(pod, config)
+    except Exception as exc:  # e.g. annotations that are a list: the API server's input, too
+        log.warning("a pod the API listed cannot be read (not a target): %s", exc)
+        return None

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from oomguard.supervised import Supervised
+
 if TYPE_CHECKING:
     from urllib3 import BaseHTTPResponse
 
@@ -65,6 +67,7 @@ class LeaseElector:
         on_change: Callable[[bool], None] = lambda leading: None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        on_death: Callable[[str], None] = lambda name: None,
     ) -> None:
         from kubernetes import client
 
@@ -77,11 +80,16 @@ class LeaseElector:
         self._observed: tuple[str, float] | None = None  # (holder's record, when it changed)
         self._was_leading = False
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.thread = Supervised("leader-election", self._run, self._stop, on_death)
+        self._started = False
 
     @classmethod
     def from_environment(
-        cls, config: LeaderElectionConfig, identity: str, on_change: Callable[[bool], None]
+        cls,
+        config: LeaderElectionConfig,
+        identity: str,
+        on_change: Callable[[bool], None],
+        on_death: Callable[[str], None] = lambda name: None,
     ) -> LeaseElector:
         from kubernetes import client
         from kubernetes import config as kube_config
@@ -90,7 +98,7 @@ class LeaseElector:
             kube_config.load_incluster_config()
         except kube_config.ConfigException:
             kube_config.load_kube_config()
-        return cls(config, identity, client.ApiClient(), on_change)
+        return cls(config, identity, client.ApiClient(), on_change, on_death=on_death)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -102,7 +110,6 @@ class LeaseElector:
     def _changed(self) -> None:
         now = self.leading
         if now != self._was_leading:
-            self._was_leading = now
             log.warning(
                 "%s %s the lease %s/%s",
                 self.identity,
@@ -111,6 +118,9 @@ class LeaseElector:
                 self.config.lease_name,
             )
             self.on_change(now)
+            # only once the change was handled: when on_change raised, the next look (the
+            # restarted thread's) hands the change over again instead of losing it
+            self._was_leading = now
 
     # -- one attempt ---------------------------------------------------------------------------
     def _spec(self, acquire: bool, current: dict[str, Any]) -> dict[str, Any]:
@@ -204,8 +214,9 @@ class LeaseElector:
 
     # -- the loop ------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
-        self._thread.start()
+        """Renew in a supervised thread: one that dies is restarted (supervised.py)."""
+        self._started = True
+        self.thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -216,8 +227,8 @@ class LeaseElector:
     def stop(self, release: bool = True) -> None:
         """Stop electing; a leader gives the Lease up so a standby takes over at once."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._started:
+            self.thread.join(timeout=10)
         if release and self.leading:
             self._release()
         self._renewed = None

@@ -2,8 +2,12 @@
 
 Jobs (apscheduler, one background thread pool):
 - `reconcile` every `reconcile_seconds`, and at once when a webhook changes the firing set;
-- `resync` from Alertmanager's API every `alertmanager.resync_seconds` (and at start);
-- `watch` of the exporters' pressure levels in standalone mode.
+- `resync` from Alertmanager's API every `alertmanager.resync_seconds` (and at start).
+
+Supervised threads (supervised.py: one that dies is restarted with backoff, counted in
+oomguard_remediator_thread_restarts_total{thread} and reported by /healthz): leader election,
+each namespace's pod discovery watch, and the watch of the exporters' pressure levels in
+standalone mode.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any
 import httpx
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from oomguard import supervised
+from oomguard.errors import ConfigError
 from oomguard.remediator import httpserve
 from oomguard.remediator.actuator import Actuator, ActuatorError, DryRunActuator, PluginActuator
 from oomguard.remediator.audit import AuditLog
@@ -42,6 +48,7 @@ from oomguard.remediator.safety import Safety
 from oomguard.remediator.server import create_app
 from oomguard.remediator.standalone import PressureWatcher
 from oomguard.remediator.webhook import Webhook
+from oomguard.supervised import Supervised
 
 log = logging.getLogger("oomguard.remediator")
 GC_THRESHOLD = 10_000  # allocations between young-generation collections (serve())
@@ -80,30 +87,46 @@ class Remediator:
     def __init__(self, config: RemediatorConfig, actuator: Actuator | None = None) -> None:
         self.config = config
         self.controller = build_controller(config, actuator)
+        metrics = self.controller.metrics
+        self._stopping = threading.Event()
+        self.threads: list[Supervised] = []
         self.watcher = (
             PressureWatcher(config.standalone)
             if config.mode == "standalone" and config.standalone
             else None
         )
+        if self.watcher is not None:
+            self.threads.append(
+                Supervised("standalone-watch", self._watch_loop, self._stopping, metrics.died)
+            )
         self.discovery = (
-            PodDiscovery.from_environment(config.discovery) if config.discovery else None
+            PodDiscovery.from_environment(config.discovery, metrics.died)
+            if config.discovery
+            else None
         )
+        if self.discovery is not None:
+            self.threads += self.discovery.threads
         self._discovered = -1  # the discovery version the controller has
         self._leading = threading.Event()  # set while this replica leads (and has restored)
+        self._lead_pending = False  # leads, but the audit log could not be read yet
         self.elector = None
         if config.leader_election is not None:
             le = config.leader_election
             identity = le.identity or os.environ.get("POD_NAME") or socket.gethostname()
-            self.elector = LeaseElector.from_environment(le, identity, self._on_leading)
-            self.controller.metrics.leader.set(0)
+            self.elector = LeaseElector.from_environment(
+                le, identity, self._on_leading, metrics.died
+            )
+            self.threads.append(self.elector.thread)
+            metrics.leader.set(0)
         else:
             self._leading.set()  # one replica, as on one box: it leads
+        for t in self.threads:
+            metrics.thread_restarts.labels(t.name)  # at 0 from the start: increase() works
         self.scheduler = BackgroundScheduler(timezone=UTC)
         self._wakes: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # job ids; None: stop
         self._waker_thread = threading.Thread(target=self._waker, name="waker", daemon=True)
         # the focus lane: a webhook's engines are read and decided at once, beside a full pass
         self._focus_wanted = threading.Event()
-        self._stopping = threading.Event()
         self._focus_thread = threading.Thread(target=self._focuser, name="focus", daemon=True)
         # A wake-up while a pass runs is folded into that pass (Controller.reconcile); the
         # scheduler's "skipped: maximum number of running instances" notice is expected then.
@@ -114,7 +137,15 @@ class Remediator:
             config.auth,
             config.max_body_bytes,
             config.unhealthy_after_failed_passes,
+            problems=self.problems,
         )
+
+    def problems(self) -> list[str]:
+        """What makes this remediator degraded now (/healthz): the audit log, its threads."""
+        out = self.controller.problems() + supervised.problems(self.threads)
+        if self._lead_pending:
+            out.append("holds the Lease but cannot read the audit log: not acting")
+        return out
 
     def _wake(self) -> None:
         self._wakes.put("reconcile")
@@ -149,11 +180,20 @@ class Remediator:
         c = self.controller
         if not leading:
             self._leading.clear()
+            self._lead_pending = False
             c.metrics.leader.set(0)
             return
         # the previous leader's actions are in the shared audit log: its cooldowns, budgets
-        # and answered restart episodes hold for this replica too
-        c.restore()
+        # and answered restart episodes hold for this replica too. Until it has been read,
+        # this replica does not act (each pass tries again: _reconcile)
+        self._lead_pending = True
+        self._take_lead()
+
+    def _take_lead(self) -> None:
+        c = self.controller
+        if not c.restore():
+            return
+        self._lead_pending = False
         self._leading.set()
         c.metrics.leader.set(1)
         c.request()
@@ -173,6 +213,8 @@ class Remediator:
         """A pass, on the leader only: a standby keeps its alert book warm (webhooks, resync)
         and acts on nothing until it holds the Lease."""
         self._sync_targets()
+        if self._lead_pending and self.elector is not None and self.elector.leading:
+            self._take_lead()
         if not self._leading.is_set() or (self.elector is not None and not self.elector.leading):
             return
         self.controller.reconcile()
@@ -184,10 +226,22 @@ class Remediator:
             log.warning("cannot read alerts from Alertmanager (keeping what is known): %s", exc)
 
     def _watch(self) -> None:
+        """One look at the exporters; their alerts go through the book like a webhook's."""
         assert self.watcher is not None
         webhook = self.watcher.poll()
         if webhook.alerts:
-            self.controller.receive(webhook, source="standalone")
+            try:
+                self.controller.receive(webhook, source="standalone")
+            except OSError as exc:  # not recorded, so not applied: the next look tries again
+                log.error("standalone: cannot record the alerts in the audit log: %s", exc)
+
+    def _watch_loop(self) -> None:
+        assert self.config.standalone is not None
+        interval = self.config.standalone.interval_seconds
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            self._watch()
+            self._stopping.wait(max(0.0, interval - (time.monotonic() - started)))
 
     def start(self) -> None:
         """Rebuild from Alertmanager and the engines, then start the jobs (not the API)."""
@@ -227,17 +281,9 @@ class Remediator:
                 coalesce=True,
                 max_instances=1,
             )
-        if self.watcher is not None and self.config.standalone:
-            s.add_job(
-                self._watch,
-                "interval",
-                id="watch",
-                seconds=self.config.standalone.interval_seconds,
-                max_instances=1,
-                coalesce=True,
-                next_run_time=datetime.now(UTC),
-            )
         s.start()
+        if self.watcher is not None:
+            self.threads[0].start()  # the standalone watch
         log.info(
             "remediator started: %d targets, mode %s%s",
             len(c.targets),
@@ -246,6 +292,7 @@ class Remediator:
         )
 
     def stop(self) -> None:
+        self._stopping.set()
         if self.elector is not None:
             self.elector.stop()  # gives the Lease up: a standby takes over at once
         if self.scheduler.running:
@@ -253,10 +300,11 @@ class Remediator:
         if self._waker_thread.is_alive():
             self._wakes.put(None)
             self._waker_thread.join(10)
-        self._stopping.set()
         self._focus_wanted.set()
         if self._focus_thread.is_alive():
             self._focus_thread.join(10)
+        if self.watcher is not None:
+            self.threads[0].join(10)
         if self.discovery is not None:
             self.discovery.stop()
         self.controller.close()
@@ -314,7 +362,7 @@ def explain(
             )
     try:
         entries = AuditLog(config.audit_log).entries()
-    except OSError:
+    except (OSError, ConfigError):
         entries = []
     safety = Safety(config.safety)
     safety.restore(entries)
@@ -351,7 +399,8 @@ def explain(
         config.safety,
         config.flags,
         safety.state(),
-        time.time() if now is None else now,
+        safety.clock() if now is None else now,
+        safety.wall() if now is None else now,
     )
     for v in decide_fleet(inputs, ctx):
         entry: dict[str, Any] = {

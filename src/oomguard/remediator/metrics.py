@@ -7,14 +7,22 @@ tool here (the exporter renders its own text only because it serves hundreds of 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections import Counter as Tally
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from oomguard.catalog import spec
 
+if TYPE_CHECKING:
+    from oomguard.remediator.audit import AuditLog
+
 MODES = ("serving", "capped", "draining", "readmitting", "restarting", "held")
 WEBHOOK_OUTCOMES = ("accepted", "duplicate", "invalid", "unauthorized", "too_large", "error")
+SKIP_REASONS = ("not_utf8", "not_json", "too_deep", "not_object", "no_event", "too_long")
 
 
 def _help(name: str) -> str:
@@ -124,8 +132,37 @@ class RemediatorMetrics:
             "oomguard_remediator_leader", _help("oomguard_remediator_leader"), registry=r
         )
         self.leader.set(1)  # one replica on one box leads; leader.py says otherwise on a cluster
+        self.thread_restarts = Counter(
+            "oomguard_remediator_thread_restarts",
+            _help("oomguard_remediator_thread_restarts_total"),
+            ("thread",),
+            registry=r,
+        )
+        self.audit_skipped = Gauge(
+            "oomguard_remediator_audit_skipped_lines",
+            _help("oomguard_remediator_audit_skipped_lines"),
+            ("reason",),
+            registry=r,
+        )
+        for reason in SKIP_REASONS:
+            self.audit_skipped.labels(reason)
+        self._audit = _AuditCollector()
+        r.register(self._audit)
         for outcome in WEBHOOK_OUTCOMES:  # present at 0 from the start, so rate() works
             self.webhooks.labels(outcome)
+
+    def died(self, thread: str) -> None:
+        """A supervised thread died (and is being restarted): supervised.Supervised.on_death."""
+        self.thread_restarts.labels(thread).inc()
+
+    def watch_audit(self, audit: AuditLog) -> None:
+        """Export the audit log's health (writable, failed appends) as it is at each scrape."""
+        self._audit.audit = audit
+
+    def audit_replayed(self, skipped: Tally[str]) -> None:
+        """The lines the last replay of the audit log skipped, by reason."""
+        for reason in {*SKIP_REASONS, *skipped}:
+            self.audit_skipped.labels(reason).set(skipped.get(reason, 0))
 
     def set_mode(self, target: str, mode: str) -> None:
         # on change only: every read engine's mode is published each pass, and six labelled
@@ -170,3 +207,27 @@ class RemediatorMetrics:
         self.reads.inc(read)
         self.targets.labels("quiet").set(quiet)
         self.targets.labels("attention").set(targets - quiet)
+
+
+class _AuditCollector(Collector):
+    """Read at scrape time: the audit log keeps its own counts (it has no metrics of its own)."""
+
+    def __init__(self) -> None:
+        self.audit: AuditLog | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        audit = self.audit
+        writable = GaugeMetricFamily(
+            "oomguard_remediator_audit_writable", _help("oomguard_remediator_audit_writable")
+        )
+        errors = CounterMetricFamily(
+            "oomguard_remediator_audit_write_errors",
+            _help("oomguard_remediator_audit_write_errors_total"),
+        )
+        writable.add_metric([], 1 if audit is None or audit.writable else 0)
+        errors.add_metric([], audit.write_errors if audit is not None else 0)
+        yield writable
+        yield errors
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

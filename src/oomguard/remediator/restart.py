@@ -111,7 +111,9 @@ class RestartSequence:
         self, target: Target, flags: Flags, reason: str, fingerprints: list[str]
     ) -> RestartResult:
         def note(step: str, result: str, message: str, after: Any = None) -> None:
-            self.audit.record(
+            # the restart's intent is durable already: a step that cannot be noted (disk full)
+            # does not stop the sequence half-way, with the engine drained
+            self.audit.try_record(
                 "restart",
                 target=target.name,
                 action=step,

@@ -8,9 +8,10 @@ Draining is held to a budget per model: never more than `max_draining_per_model`
 model at once, and never the last one that is ready (draining every replica is an outage the
 remediator would have caused) unless `allow_last_replica` says a single replica may go.
 
-The state (pause, each target's recent actions) survives restarts: it is rebuilt from the audit
-log, where every action and every pause is recorded and fsynced before it counts. A remediator
-that crash-loops therefore cannot reset its own cooldowns and budget.
+The state (pause, each target's recent actions) survives restarts and kill -9 at any point: it
+is rebuilt from the audit log, where every action is recorded as an intent (fsynced) before the
+engine is called, and every pause before it takes effect. A remediator that crash-loops
+therefore cannot reset its own cooldowns and budget.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from oomguard.remediator import clocks
+
 OUT_OF_SERVICE = frozenset({"drain", "restart"})
 DISRUPTIVE = frozenset({"drain", "lower_cap", "restart"})  # cooldown, rate limit, budget
 # How far each action takes an engine out of service. A cooldown holds an action only after one
 # at least as severe: memory that turns critical right after a cap step is drained now, not a
 # cooldown later (the OOM would come first); the budgets still count every action.
 SEVERITY = {"lower_cap": 1, "drain": 2, "restart": 3}
-COUNTED_RESULTS = frozenset({"ok", "started", "dry_run"})  # audited actions that used budget
+COUNTED_RESULTS = frozenset({"ok", "started", "dry_run"})  # committed actions that used budget
 
 
 class SafetyConfig(BaseModel):
@@ -109,19 +112,31 @@ def limit(
 
 
 class Safety:
-    """The live safety state of one remediator (the controller's), around the pure `limit`."""
+    """The live safety state of one remediator (the controller's), around the pure `limit`.
 
-    def __init__(self, config: SafetyConfig, clock: Callable[[], float] = time.time) -> None:
+    Durations run on `clock` (monotonic): a wall clock stepped back or forward never stretches
+    or cuts a cooldown. Actions read back from the audit log are placed on that clock by their
+    age (clocks.age: exact on the same boot, from wall time otherwise)."""
+
+    def __init__(
+        self,
+        config: SafetyConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
-        self.clock = clock  # wall time: the history is rebuilt from audited wall times
+        self.clock = clock
+        self.wall = wall
         self.paused = config.paused
-        self._history: dict[str, list[tuple[float, str]]] = {}
+        self._history: dict[str, list[tuple[float, str, str | None]]] = {}
+        self.uncommitted: list[dict[str, Any]] = []  # intents neither committed nor failed
+        self.unreadable = 0  # audit entries whose fields could not be used (restore)
 
     def state(self) -> SafetyState:
         now = self.clock()
         window = self.config.window_seconds
         history = {
-            t: tuple(h for h in entries if now - h[0] <= window)
+            t: tuple((at, kind) for at, kind, _ in entries if now - at <= window)
             for t, entries in self._history.items()
         }
         return SafetyState(self.paused, history)
@@ -129,25 +144,76 @@ class Safety:
     def check(self, target: str, action: str, fleet: Mapping[str, EngineView]) -> str | None:
         return limit(self.config, self.state(), self.clock(), target, action, fleet)
 
-    def record(self, target: str, action: str = "lower_cap", at: float | None = None) -> None:
+    def record(
+        self,
+        target: str,
+        action: str = "lower_cap",
+        at: float | None = None,
+        key: str | None = None,
+    ) -> None:
+        """Count an action (at `at` on `clock`, default now); `key` (its intent) lets
+        `forget` take it back when the engine refused it."""
         entries = self._history.setdefault(target, [])
-        entries.append((self.clock() if at is None else at, action))
+        entries.append((self.clock() if at is None else at, action, key))
         del entries[: max(0, len(entries) - 10 * self.config.max_actions)]  # bounded
+
+    def forget(self, target: str, key: str) -> None:
+        """Take back the action recorded under `key` (the engine call failed: nothing done)."""
+        entries = self._history.get(target)
+        if entries:
+            entries[:] = [e for e in entries if e[2] != key]
 
     def restore(self, entries: Iterable[Mapping[str, Any]]) -> None:
         """Rebuild the pause switch and the recent actions from the audit log (oldest first).
-        The configuration's `paused: true` wins over an audited unpause."""
+
+        An action counts from its intent on: an intent that was never committed (the process
+        died between recording it and hearing the engine's answer) counts as taken, and is
+        listed in `uncommitted` to be reconciled with the engine; one whose engine call failed
+        does not count. An action whose age cannot be told (dated in the future: the clock
+        stepped back since) counts against the budget but holds no cooldown: no timestamp read
+        from a file can keep a target waiting. The configuration's `paused: true` wins over an
+        audited unpause. Entries with unusable fields are counted in `unreadable`, never raised.
+        """
+        counted: dict[str, tuple[str, str, float | None]] = {}  # key -> target, action, age
+        pending: dict[str, dict[str, Any]] = {}
+        wall_now, uptime_now = self.wall(), clocks.boottime()
+        for n, e in enumerate(entries):
+            try:
+                event = e.get("event")
+                if event in ("paused", "unpaused"):
+                    self.paused = self.config.paused or event == "paused"
+                    continue
+                target, action, intent = e.get("target"), e.get("action"), e.get("intent")
+                key = intent if isinstance(intent, str) and intent else f"#{n}"
+                if event == "intent":
+                    if isinstance(target, str) and target and action in DISRUPTIVE:
+                        counted[key] = (target, str(action), clocks.age(e, wall_now, uptime_now))
+                    if isinstance(target, str) and target:
+                        pending[key] = dict(e)
+                elif event == "acted":
+                    if key in pending:  # committed: counted from its intent already
+                        pending.pop(key)
+                        if e.get("result") not in COUNTED_RESULTS:
+                            counted.pop(key, None)
+                    elif (
+                        isinstance(target, str)
+                        and target
+                        and action in DISRUPTIVE
+                        and e.get("result") in COUNTED_RESULTS
+                    ):
+                        counted[key] = (target, str(action), clocks.age(e, wall_now, uptime_now))
+                elif event == "failed" and key in pending:
+                    pending.pop(key)
+                    counted.pop(key, None)  # refused: nothing was done
+                elif event == "reconciled" and key in pending:
+                    pending.pop(key)  # still counted: it may have been done
+            except Exception:  # a field of a shape nothing writes: count it, keep going
+                self.unreadable += 1
         now = self.clock()
-        for e in entries:
-            event, at = e.get("event"), e.get("time")
-            if event in ("paused", "unpaused"):
-                self.paused = self.config.paused or event == "paused"
-            elif (
-                event == "acted"
-                and e.get("action") in DISRUPTIVE
-                and e.get("result") in COUNTED_RESULTS
-                and isinstance(at, int | float)
-                and now - at <= self.config.window_seconds
-                and isinstance(e.get("target"), str)
-            ):
-                self.record(e["target"], e["action"], float(at))
+        window, cooldown = self.config.window_seconds, self.config.cooldown_seconds
+        for key, (target, action, age) in counted.items():
+            if age is None:
+                age = min(cooldown, window)  # unknown: in the budget, out of the cooldown
+            if age <= window:
+                self.record(target, action, now - age, None if key.startswith("#") else key)
+        self.uncommitted = list(pending.values())

@@ -5,7 +5,9 @@
   GET  /v1/targets        every allowlisted target's desired and observed state (authenticated)
   PUT  /v1/pause          {"paused": bool, "reason": str}: the global pause switch (authenticated)
   GET  /metrics           the remediator's own metrics
-  GET  /healthz           liveness: 503 after `unhealthy_after_failed_passes` failed passes
+  GET  /healthz           200 ok; 503 `failing` after `unhealthy_after_failed_passes` failed
+                          passes in a row; 503 `degraded` while the audit log takes no appends
+                          (no action is taken then) or a background thread died (restarting)
 
 TLS: terminate it in front (ingress, service mesh, or a local proxy); Alertmanager's `http_config`
 carries the same credentials either way.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -52,8 +55,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def create_app(
-    controller: Controller, auth: AuthConfig, max_body_bytes: int, unhealthy_after: int = 3
+    controller: Controller,
+    auth: AuthConfig,
+    max_body_bytes: int,
+    unhealthy_after: int = 3,
+    problems: Callable[[], list[str]] | None = None,
 ) -> Starlette:
+    """`problems`: what makes the remediator degraded now (default: the controller's own)."""
+    degraded = problems or controller.problems
     authn = Authenticator(auth)
     webhooks = controller.metrics.webhooks
 
@@ -138,11 +147,18 @@ def create_app(
 
     async def healthz(_: Request) -> Response:
         failed = controller.failed_passes
+        found = degraded()
+        body: dict[str, Any] = {
+            "status": "ok",
+            "failed_passes": failed,
+            "paused": controller.paused,
+            "problems": found,
+        }
         if failed >= unhealthy_after:
-            return JSONResponse(
-                {"status": "failing", "failed_passes": failed, "paused": controller.paused}, 503
-            )
-        return JSONResponse({"status": "ok", "failed_passes": failed, "paused": controller.paused})
+            return JSONResponse({**body, "status": "failing"}, 503)
+        if found:
+            return JSONResponse({**body, "status": "degraded"}, 503)
+        return JSONResponse(body)
 
     return Starlette(
         routes=[

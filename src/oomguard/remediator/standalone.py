@@ -7,8 +7,9 @@ the cap, OomguardMemoryCritical (level 3 held `critical_for`) drains, and each k
 recovery starts only when they resolve). OomguardPressureBlind (the exporter reports the level
 as -1: it cannot judge the engine) holds the engine at once and clears at once: blind is not
 healthy, so nothing is changed, re-admission included. The alerts go through the same book,
-policy and safety limits as Alertmanager's. An exporter that cannot be read changes nothing
-(hold, never guess): its alerts stay as they were until it answers again.
+policy and safety limits as Alertmanager's. An exporter that cannot be read, whatever the
+reason (unreachable, a malformed page), changes nothing (hold, never guess): its alerts stay as
+they were until it answers again, and the other exporters are read as usual.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ class PressureWatcher:
         for url in self.config.exporters:
             try:
                 levels = self._levels(url)
-            except (httpx.HTTPError, ValueError) as exc:
-                self.errors[url] = str(exc) or type(exc).__name__
+            except Exception as exc:  # unreachable, malformed page (CollectorError), anything:
+                # this exporter's engines are held; the other exporters are read as usual
+                self.errors[url] = f"{type(exc).__name__}: {exc}"[:300]
                 log.warning("standalone: cannot read %s (holding): %s", url, exc)
                 continue
             self.errors.pop(url, None)

@@ -287,7 +287,14 @@ class Alertmanager(Process):
 class RemediatorProcess(Process):
     """`oomguard remediator` with a config written from `config` (listen filled in)."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any], *extra: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        config: dict[str, Any],
+        *extra: str,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         if "listen" not in config:
             config = {**config, "listen": f"127.0.0.1:{free_port()}"}
@@ -306,8 +313,10 @@ class RemediatorProcess(Process):
                 *extra,
             ],
             workdir / "remediator.log",
+            env=env,
         )
-        self.wait_http(f"{self.url}/healthz", 30)
+        if wait:
+            self.wait_http(f"{self.url}/healthz", 30)
 
     def kill(self) -> None:
         """SIGKILL, as a crash or an OOM kill would end it (no clean shutdown)."""
