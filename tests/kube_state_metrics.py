@@ -19,7 +19,5 @@ KSM_LABELS: dict[str, frozenset[str]] = {
     "kube_daemonset_status_number_misscheduled": _DAEMONSET,
     "kube_daemonset_status_updated_number_scheduled": _DAEMONSET,
     "kube_node_status_capacity": frozenset({"node", "resource", "unit"}),
-    "kube_pod_container_status_restarts_total": frozenset(
-        {"namespace", "pod", "uid", "container"}
-    ),
+    "kube_pod_container_status_restarts_total": frozenset({"namespace", "pod", "uid", "container"}),
 }

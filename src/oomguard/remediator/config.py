@@ -10,13 +10,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import stat
 from collections import Counter
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from oomguard import bounded
 from oomguard.config import load_yaml, validate
 from oomguard.errors import ConfigError
 from oomguard.remediator.attention import AttentionConfig
@@ -30,26 +30,11 @@ from oomguard.remediator.safety import SafetyConfig
 log = logging.getLogger("oomguard.remediator")
 
 
-MAX_SECRET_BYTES = 64 * 1024  # a token or a password; anything larger is not one
-
-
 def read_secret(path: str | os.PathLike[str]) -> str | None:
-    """A secret file's text, stripped (None when empty). Raises OSError when it cannot be
-    read and ValueError when its content cannot be a secret: not a regular file, larger than
-    MAX_SECRET_BYTES, or not UTF-8."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)  # a FIFO never blocks
-    fd = os.open(path, flags)
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        data = fh.read(MAX_SECRET_BYTES + 1)
-    if len(data) > MAX_SECRET_BYTES:
-        raise ValueError(f"larger than {MAX_SECRET_BYTES} bytes: not a token")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text (byte {exc.start})") from None
-    return text.strip() or None
+    """A secret file's text, stripped (None when empty), read through the bounded reader: one
+    regular file of at most 64 KiB of UTF-8 (a FIFO never blocks). Raises bounded.InputError
+    (a ValueError) naming the file and what is wrong."""
+    return bounded.read_text(path, bounded.TOKEN).strip() or None
 
 
 def is_loopback(listen: str) -> bool:
@@ -86,7 +71,7 @@ class SecretFile:
                 self._value = read_secret(self.path)
                 self.error = None
         except (OSError, ValueError) as exc:
-            message = f"{self.path}: {getattr(exc, 'strerror', None) or exc}"
+            message = str(exc) if isinstance(exc, ValueError) else f"{self.path}: {exc}"
             if message != self.error:
                 log.error("secret file %s (keeping the last good value)", message)
             self.error = message
@@ -262,10 +247,7 @@ def load(path: str | os.PathLike[str]) -> RemediatorConfig:
         if target.token_file:
             try:
                 read_secret(target.token_file)
-            except (OSError, ValueError) as exc:
-                why = getattr(exc, "strerror", None) or exc
-                raise ConfigError(
-                    f"targets.{target.name}.token_file {target.token_file}: {why}"
-                ) from None
+            except ValueError as exc:
+                raise ConfigError(f"targets.{target.name}.token_file {exc}") from None
     check_path(Path(config.audit_log))
     return config
