@@ -9,7 +9,10 @@ deploy/kubernetes/:
   vllm-example.yaml  a vLLM Deployment with the plugin: VLLM_PLUGINS, tokens from a Secret,
                      readiness on the plugin's ready route, a PodDisruptionBudget
   monitoring.yaml    PrometheusRule from the generated rules, an AlertmanagerConfig with their
-                     routes (the cluster's own Alertmanager configuration is left alone)
+                     routes in the Alertmanager's namespace (the cluster's own Alertmanager
+                     configuration is left alone)
+  prometheus-rbac.yaml  read access for the cluster Prometheus's ServiceAccount in each namespace
+                     a PodMonitor scrapes (kube-prometheus grants it three namespaces only)
   dashboards.yaml    one ConfigMap per dashboard for Grafana's sidecar (label grafana_dashboard)
   kustomization.yaml all of the above
   keda-example.yaml  (not in the kustomization: needs KEDA) a ScaledObject that scales a vLLM
@@ -20,7 +23,8 @@ prometheus-operator would otherwise call it `<namespace>/<PodMonitor name>`; `sc
 tells what labels a scraped series carries, and the promtool cases are fed exactly those.
 
 Secrets are referenced, never generated: `oomguard-tokens` (keys remediator-token, plugin-token)
-in both namespaces, created by the operator (docs/kubernetes.md).
+in both namespaces, and `oomguard-alertmanager-webhook` (remediator-token) in the Alertmanager's,
+created by the operator (docs/kubernetes.md).
 """
 
 from __future__ import annotations
