@@ -25,6 +25,7 @@ PAGES = {
     "OomguardRemediatorDown",
     "OomguardRemediatorNoLeader",
     "OomguardRemediatorCrashLooping",
+    "OomguardRemediatorAuditFailing",
     "OomguardRequestErrorBudgetBurn",
     "OomguardTTFTBudgetBurn",
 }

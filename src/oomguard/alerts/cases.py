@@ -762,6 +762,25 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     )
     add(Case("OomguardRemediatorNoLeader", "6m", {leader: "1x10"}))
 
+    writable = sel("oomguard_remediator_audit_writable", L.rem)
+    add(
+        Case(
+            "OomguardRemediatorAuditFailing",
+            "5m",
+            {writable: "1 1 0x10"},
+            [
+                {
+                    **L.rem,
+                    "severity": "critical",
+                    "description": f"The remediator on {L.rem['instance']} cannot append to its "
+                    "audit log (disk full or read-only): no action is taken without a durable "
+                    "record, so no engine is protected, and webhooks are refused.",
+                }
+            ],
+        )
+    )
+    add(Case("OomguardRemediatorAuditFailing", "5m", {writable: "1 0 1x10"}))  # one blip
+
     col = sel("oomguard_exporter_collector_up", {**L.exp, "collector": "cgroup"})
     add(
         Case(
@@ -982,6 +1001,54 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(
         Case(
             "OomguardRemediatorUnauthorized", "12m", {unauth: "3x10 stale", unauth_new: "_x10 0x20"}
+        )
+    )
+
+    def thread(labels: dict[str, str], name: str) -> str:
+        metric = "remediator" if labels is L.rem else "exporter"
+        return sel(f"oomguard_{metric}_thread_restarts_total", {**labels, "thread": name})
+
+    def restarted(labels: dict[str, str], name: str, n: str) -> list[dict[str, str]]:
+        return [
+            {
+                **labels,
+                "thread": name,
+                "severity": "warning",
+                "description": f"Thread {name} of {labels['job']} on {labels['instance']} died "
+                f"and was restarted ({n} in 15 minutes): its loop lost time, and a bug or a "
+                "hostile input killed it.",
+            }
+        ]
+
+    leader_thread = thread(L.rem, "leader-election")
+    add(
+        Case(
+            "OomguardThreadRestarting",
+            "5m",
+            {leader_thread: "0 0 1x10"},
+            restarted(L.rem, "leader-election", "1"),
+        )
+    )
+    collector = thread(L.exp, "collector-nvml-")
+    add(
+        Case(
+            "OomguardThreadRestarting",
+            "5m",
+            {collector: "_ _ 2x10"},  # born non-zero: a thread that died before the first scrape
+            restarted(L.exp, "collector-nvml-", "2"),
+        )
+    )
+    add(Case("OomguardThreadRestarting", "5m", {leader_thread: "0x10", collector: "0x10"}))
+    # a rollout: the new remediator pod starts its counters again at 0; nothing died
+    leader_new = sel(
+        "oomguard_remediator_thread_restarts_total",
+        {**L.rolled(L.rem, NEW_REMEDIATOR_POD, "10.0.4.2"), "thread": "leader-election"},
+    )
+    add(
+        Case(
+            "OomguardThreadRestarting",
+            "32m",
+            {leader_thread: "1x30 stale", leader_new: "_x30 0x20"},
         )
     )
 

@@ -356,6 +356,16 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "nothing acts on oomguard alerts.",
             for_=t.remediator_down_for,
         ),
+        Alert(
+            "OomguardRemediatorAuditFailing",
+            f"oomguard_remediator_audit_writable{{{rem}}} == 0",
+            "critical",
+            "The oomguard remediator cannot write its audit log, so it takes no action.",
+            "The remediator on {{ $labels.instance }} cannot append to its audit log (disk "
+            "full or read-only): no action is taken without a durable record, so no engine is "
+            "protected, and webhooks are refused.",
+            for_="1m",
+        ),
         # -- tickets -----------------------------------------------------------------------------
         Alert(
             "OomguardGpuMemoryPressure",
@@ -590,6 +600,17 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "The oomguard remediator refused unauthenticated calls.",
             "The remediator on {{ $labels.instance }} refused {{ $value | humanize }} calls "
             "without a valid token in 10 minutes: a misconfigured Alertmanager or a probe.",
+        ),
+        Alert(
+            "OomguardThreadRestarting",
+            new_or_increased("oomguard_exporter_thread_restarts_total", "15m")
+            + "\nor "
+            + new_or_increased("oomguard_remediator_thread_restarts_total", "15m"),
+            "warning",
+            "A background thread of oomguard died and was restarted.",
+            "Thread {{ $labels.thread }} of {{ $labels.job }} on {{ $labels.instance }} died "
+            "and was restarted ({{ $value | humanize }} in 15 minutes): its loop lost time, "
+            "and a bug or a hostile input killed it.",
         ),
         Alert(
             "OomguardAlertmanagerWebhookFailing",
