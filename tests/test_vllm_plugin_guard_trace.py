@@ -8,7 +8,8 @@ and bench/guard.py runs the defaults on the whole prompt-logprobs trace.
 
 The smallest such comparison: one engine, an A100 40 GB twin at gpu_memory_utilization 0.92 (the
 prompt-logprobs trace's GPU): 3.16 GiB free beyond a full 8,192-token step, so the logits of a
-4,000-token prompt (1.9 GiB) fit and those of an 8,000-token prompt (3.8 GiB) never do.
+1,500-token prompt (1.8 GiB at the peak, oomguard.logits) fit and those of an 8,000-token prompt
+(9.6 GiB) never do.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ TRACE = Trace.model_validate(
             # plain traffic besides (no logprobs): the guard must let all of it through
             {"start_s": 0, "end_s": 40, "rate_per_s": 0.2, "prompt_tokens": [500, 1000],
              "output_tokens": [8, 16]},
-            {"start_s": 2, "end_s": 12, "rate_per_s": 0.2, "prompt_tokens": [4000, 4000],
+            {"start_s": 2, "end_s": 12, "rate_per_s": 0.2, "prompt_tokens": [1500, 1500],
              "output_tokens": [4, 4], "prompt_logprobs": True},
             {"start_s": 20, "end_s": 30, "rate_per_s": 0.2, "prompt_tokens": [8000, 8000],
              "output_tokens": [4, 4], "prompt_logprobs": True},
@@ -53,7 +54,7 @@ PHYSICS = Physics.for_model(
     "llama-3-8b", gpu="A100-40GB", gpu_memory_utilization=0.92, max_num_batched_tokens=8192
 )
 ROOM = PHYSICS.total - PHYSICS.peak(Step(tokens=8192))  # what the guard reads as `idle`
-LIMIT = ROOM // (128_256 * 4)  # the longest prompt whose prompt logits fit
+LIMIT = ROOM // (128_256 * 10)  # the longest prompt whose prompt logits fit
 
 
 def run(config: str, tmp_path) -> Fleet:
@@ -71,7 +72,7 @@ def run(config: str, tmp_path) -> Fleet:
 def test_the_enforcing_guard_answers_400_to_never_fit_prompt_logits_and_serves_the_rest(tmp_path):
     require_vllm()
     reqs = requests(TRACE)
-    fits = [r for r in reqs if r.prompt_logprobs and r.prompt_tokens == 4000]
+    fits = [r for r in reqs if r.prompt_logprobs and r.prompt_tokens == 1500]
     never = [r for r in reqs if r.prompt_logprobs and r.prompt_tokens == 8000]
 
     def fitting(fleet: Fleet) -> list[str]:
@@ -79,7 +80,7 @@ def test_the_enforcing_guard_answers_400_to_never_fit_prompt_logits_and_serves_t
         return [s.status for s in fleet.sent if s.request in fits]
 
     assert fits and never  # the seed gives both kinds
-    assert PHYSICS.logits(4000) < ROOM < PHYSICS.logits(8000)
+    assert PHYSICS.logits(1500) < ROOM < PHYSICS.logits(8000)
 
     guard = run("guard", tmp_path)
     o = guard.outcome()

@@ -260,13 +260,13 @@ def _add_budget(sub: Any) -> None:
 
 def _add_gpu_memory(p: argparse.ArgumentParser, size_help: str) -> None:
     """--gpu NAME or --gpu-memory SIZE, one of them required."""
-    from oomguard.budget import GPU_MEMORY_MIB
+    from oomguard.gpus import GPUS
 
     gpu = p.add_mutually_exclusive_group(required=True)
     gpu.add_argument(
         "--gpu",
         type=_known_gpu,
-        metavar="{" + ",".join(sorted(GPU_MEMORY_MIB)) + "}",
+        metavar="{" + ",".join(sorted(GPUS)) + "}",
         help="a known GPU's memory (any letter case)",
     )
     gpu.add_argument("--gpu-memory", metavar="SIZE", help=size_help)
@@ -274,16 +274,14 @@ def _add_gpu_memory(p: argparse.ArgumentParser, size_help: str) -> None:
 
 def _known_gpu(text: str) -> str:
     """A known GPU's name in any letter case ('h100' is 'H100')."""
-    from oomguard.budget import GPU_MEMORY_MIB
+    from oomguard.gpus import GPUS, lookup
 
-    names = {name.lower(): name for name in GPU_MEMORY_MIB}
-    try:
-        return names[text.strip().lower()]
-    except KeyError:
+    spec = lookup(text)
+    if spec is None:
         raise argparse.ArgumentTypeError(
-            f"unknown GPU {text[:40]!r}: one of {', '.join(sorted(GPU_MEMORY_MIB))}, "
-            "or give --gpu-memory"
-        ) from None
+            f"unknown GPU {text[:40]!r}: one of {', '.join(sorted(GPUS))}, or give --gpu-memory"
+        )
+    return spec.key
 
 
 def _gib(value: float) -> str:
@@ -398,14 +396,14 @@ def _add_preflight(sub: Any) -> None:
     p.add_argument("url", metavar="URL", help="the vLLM API server, e.g. http://127.0.0.1:8000")
     _add_gpu_memory(
         p,
-        "one GPU's NVML total (nvidia-smi -q), e.g. 81559MiB; unlike budget's, before "
-        "--driver-reserved is taken off",
+        "the CUDA total of one GPU (NVML total less reserved), e.g. 79.1GiB: the same meaning "
+        "as budget's",
     )
     p.add_argument(
         "--driver-reserved",
         metavar="SIZE",
-        help="NVML's reserved memory, never usable (nvidia-smi -q; default: the known GPU's, "
-        "else 1GiB)",
+        help="NVML's reserved memory of the --gpu given, where this driver reserves another "
+        "figure (nvidia-smi -q; default: the table's)",
     )
     p.add_argument(
         "--allocator-dir",
@@ -424,15 +422,24 @@ def _add_preflight(sub: Any) -> None:
 
 
 def _run_preflight(args: argparse.Namespace) -> int:
-    from oomguard.budget import GPU_MEMORY_MIB, GPU_RESERVED_MIB, parse_size
+    from oomguard.gpus import GPUS
     from oomguard.preflight import PreflightError, Settings, render, run
+    from oomguard.units import parse_size
 
     try:
-        device = GPU_MEMORY_MIB[args.gpu] * 2**20 if args.gpu else parse_size(args.gpu_memory)
-        if args.driver_reserved:
-            reserved = parse_size(args.driver_reserved)
+        # One meaning of --gpu-memory across commands: the CUDA total (NVML total less the
+        # driver's reserved part), the figure vLLM multiplies by gpu_memory_utilization.
+        if args.gpu:
+            device, reserved = GPUS[args.gpu].total_bytes, GPUS[args.gpu].reserved_bytes
         else:
-            reserved = GPU_RESERVED_MIB[args.gpu] * 2**20 if args.gpu else 2**30
+            device, reserved = parse_size(args.gpu_memory), 0
+        if args.driver_reserved:
+            if not args.gpu:
+                raise ValueError(
+                    "--driver-reserved goes with --gpu: --gpu-memory is the CUDA total, "
+                    "the driver's reserved part already taken off"
+                )
+            reserved = parse_size(args.driver_reserved)
         settings = Settings(
             url=args.url.rstrip("/"),
             device_bytes=device,

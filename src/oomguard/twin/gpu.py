@@ -6,7 +6,8 @@ device memory as the sum of its processes (vLLM's weights and KV pool, a neighbo
 plus driver-reserved memory, and scenarios change those processes while it runs. A MIG slice is
 a `TwinGpu` of a MIG model: NVML shows it as the only MIG instance of its parent GPU.
 
-`GPU_MODELS` is the twin's catalogue of the GPUs vLLM commonly runs on (docs/twin.md).
+`GPU_MODELS` is the twin's catalogue of the GPUs vLLM commonly runs on (docs/twin.md), rows of
+the one GPU table `oomguard.gpus`.
 """
 
 from __future__ import annotations
@@ -17,53 +18,30 @@ from typing import Any
 
 import pynvml
 
+from oomguard.gpus import GPUS, GpuSpec
+
 MIB = 1024**2
 GIB = 1024**3
 
 
-@dataclass(frozen=True)
-class GpuModel:
-    """One kind of GPU as NVML and the roofline see it.
-
-    `total_mib` is NVML's total (what nvidia-smi prints); `reserved_mib` the driver-reserved part
-    (NVML memory v2), which the CUDA runtime's total excludes; both as seen on typical drivers,
-    rounded. `flops` is the dense BF16 tensor peak and `bandwidth` the memory bandwidth, from the
-    vendors' data sheets (a MIG slice gets its share of both).
-    """
-
-    name: str
-    total_mib: int
-    reserved_mib: int
-    flops: float
-    bandwidth: float
-    mig_profile: str = ""  # "1g.10gb" for a MIG slice; "" for a whole GPU
-    parent: str = ""  # the catalogue key of the GPU a MIG slice is carved from
-
-
-GPU_MODELS: dict[str, GpuModel] = {
-    "L4": GpuModel("NVIDIA L4", 23034, 430, 121e12, 0.300e12),
-    "A10G": GpuModel("NVIDIA A10G", 23028, 440, 70e12, 0.600e12),
-    "RTX4090": GpuModel("NVIDIA GeForce RTX 4090", 24564, 346, 165.2e12, 1.008e12),
-    "A100-40GB": GpuModel("NVIDIA A100-SXM4-40GB", 40960, 470, 312e12, 1.555e12),
-    "L40S": GpuModel("NVIDIA L40S", 46068, 500, 362e12, 0.864e12),
-    "A100-80GB": GpuModel("NVIDIA A100-SXM4-80GB", 81920, 543, 312e12, 2.039e12),
-    "H100": GpuModel("NVIDIA H100 80GB HBM3", 81559, 567, 989e12, 3.35e12),
-    "H200": GpuModel("NVIDIA H200", 143771, 600, 989e12, 4.8e12),
-    "B200": GpuModel("NVIDIA B200", 183359, 650, 2250e12, 8.0e12),
-    # MIG slices of an H100 80GB: 1/7 or 3/7 of the compute, 1/8 or 4/8 of the memory system.
-    "H100-MIG-1g.10gb": GpuModel(
-        "NVIDIA H100 80GB HBM3 MIG 1g.10gb", 9984, 0, 989e12 / 7, 3.35e12 / 8, "1g.10gb", "H100"
-    ),
-    "H100-MIG-3g.40gb": GpuModel(
-        "NVIDIA H100 80GB HBM3 MIG 3g.40gb",
-        40192,
-        0,
-        989e12 * 3 / 7,
-        3.35e12 / 2,
-        "3g.40gb",
-        "H100",
-    ),
-}
+# The twin's catalogue is rows of the one GPU table (oomguard.gpus), which `budget` and
+# `preflight` read too: a GPU's memory means the same to all of them. The twin simulates the
+# GPUs vLLM most commonly runs on (its fleet matrix runs each one), not every row.
+GpuModel = GpuSpec
+TWIN_GPUS = (
+    "L4",
+    "A10G",
+    "RTX4090",
+    "A100-40GB",
+    "L40S",
+    "A100-80GB",
+    "H100",
+    "H200",
+    "B200",
+    "H100-MIG-1g.10gb",
+    "H100-MIG-3g.40gb",
+)
+GPU_MODELS: dict[str, GpuSpec] = {key: GPUS[key] for key in TWIN_GPUS}
 
 
 @dataclass

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.budget import ModelShape, shape_from_hf_config
+from oomguard.logits import LogitsShape
 from oomguard.twin.gpu import GPU_MODELS, MIB
 
 # Calibration (the field report above; Llama-3-8B, hidden 4096): 2,048 tok 2.1 GB, 30,000 11.2 GB
 _CAL_HIDDEN = 4096
 ACT_PER_TOKEN = (11.2e9 - 2.1e9) / (30_000 - 2_048)  # ~325.6 kB per token
 ACT_BASE = 2.1e9 - 2_048 * ACT_PER_TOKEN  # ~1.43 GB of per-step workspace
-LOGIT_BYTES = 4  # prompt logprobs are computed in FP32
 
 SIM_MODELS = Path(__file__).resolve().parent / "models"
 
@@ -101,7 +101,9 @@ class Physics:
         return int(ACT_BASE + per_token * tokens)
 
     def logits(self, tokens: int) -> int:
-        return tokens * self.shape.vocab_size * LOGIT_BYTES
+        # prompt_logprobs of a chunk of `tokens`, as vLLM 0.33 holds them (oomguard.logits)
+        shape = LogitsShape(self.shape.vocab_size, int(self.shape.dtype_bytes))
+        return shape.prompt_logprobs_peak(tokens)
 
     @property
     def kv_pool(self) -> int:

@@ -1,12 +1,13 @@
 """The request-level OOM guard: does this request's own transient memory fit the engine?
 
 vLLM sizes its KV pool after a profiling step of `max_num_batched_tokens` tokens, so a normal
-step's activations are already budgeted. What is not: FP32 logits for `prompt_logprobs` (every
-prompt token of a prefill chunk x the vocabulary x 4 B: 8K tokens x 128K vocab = 4.2 GB), a prompt
-longer than the profiled step when chunked prefill is off, and top `logprobs` (an FP32
-log-softmax row per sequence, `n`/`best_of` of them). Sampling itself is profiled (a logits row
-for each of `max_num_seqs` sequences), so a request with none of these needs nothing extra and is
-always admitted while the engine can still run its profiled step. The guard estimates those
+step's activations are already budgeted. What is not: the logits of `prompt_logprobs` (every
+prompt token of a prefill chunk x the vocabulary x 10 B for a BF16 model at the peak, the one
+formula in oomguard.logits: 8K tokens x 128K vocab = 10.5 GB), a prompt longer than the
+profiled step when chunked prefill is off, and top `logprobs` (an FP32 log-softmax row per
+sequence, `n`/`best_of` of them). Sampling itself is profiled (a logits row for each of
+`max_num_seqs` sequences), so a request with none of these needs nothing extra and is always
+admitted while the engine can still run its profiled step. The guard estimates those
 from the request and the model, compares them with the engine's live headroom (published by the
 engine: free device memory plus allocator cache that is reserved but free and not split into
 fragments, minus the profiled step), and decides:
@@ -37,10 +38,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from oomguard.logits import LogitsShape
+
 Action = Literal["admit", "defer", "reject"]
 MODES = ("off", "observe", "enforce")
 
-LOGIT_BYTES = 4  # vLLM computes (prompt) logprobs in FP32 (vllm/v1/sample/sampler.py)
 # Activation bytes per token per unit of hidden size, calibrated on a field report for
 # Llama-3-8B (hidden 4096; we found no public source to cite): an unchunked 30K-token prefill
 # needed 11.2 GB, a 2,048-token chunk 2.1 GB: (11.2e9 - 2.1e9) / (30,000 - 2,048) / 4096 ~ 79.5 B.
@@ -55,6 +57,11 @@ STEP_MARGIN = 0.15
 class ModelMemory:
     vocab_size: int
     hidden_size: int
+    dtype_bytes: int = 2  # the model dtype logits are computed in (oomguard.logits)
+
+    @property
+    def logits(self) -> LogitsShape:
+        return LogitsShape(self.vocab_size, self.dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -148,11 +155,11 @@ def estimate(
         if engine.chunked_prefill
         else req.prompt_tokens
     )
-    logits = chunk * model.vocab_size * LOGIT_BYTES if req.prompt_logprobs else 0
+    logits = model.logits.prompt_logprobs_peak(chunk) if req.prompt_logprobs else 0
     beyond_profile = chunk - engine.max_num_batched_tokens
     activation = activation_bytes(beyond_profile, model) if beyond_profile > 0 else 0
     sequences = max(1, req.n)
-    sampling = sequences * model.vocab_size * LOGIT_BYTES if req.logprobs else 0
+    sampling = model.logits.top_logprobs_bytes(sequences) if req.logprobs else 0
     block = max(1, engine.block_size)
     blocks = math.ceil((req.prompt_tokens + req.max_tokens) / block)
     blocks += (sequences - 1) * math.ceil(req.max_tokens / block)  # forks share the prompt
@@ -165,7 +172,8 @@ class TransientCosts:
     """`estimate`'s transient part with its per-model constants computed once (the API server's
     hook pays a few integer operations per request, not the estimate's objects)."""
 
-    logit_row: int  # bytes of one FP32 logits row: vocab x 4
+    prompt_row: int  # prompt_logprobs bytes per prompt token (oomguard.logits)
+    logit_row: int  # top-logprobs bytes per sampled sequence: vocab x 4
     act_per_token: float  # activation bytes per token beyond the profiled step
     max_num_batched_tokens: int
     chunked_prefill: bool
@@ -173,7 +181,8 @@ class TransientCosts:
     @classmethod
     def of(cls, model: ModelMemory, engine: EngineShape) -> TransientCosts:
         return cls(
-            model.vocab_size * LOGIT_BYTES,
+            model.logits.prompt_logprobs_bytes_per_token,
+            model.logits.top_logprobs_bytes(1),
             ACT_BYTES_PER_TOKEN_PER_HIDDEN * model.hidden_size,
             engine.max_num_batched_tokens,
             engine.chunked_prefill,
@@ -191,7 +200,7 @@ class TransientCosts:
         """(`estimate(...).transient`, `estimate(...).step_need`) for the same request."""
         budget = self.max_num_batched_tokens
         chunk = min(prompt_tokens, budget) if self.chunked_prefill else prompt_tokens
-        need = chunk * self.logit_row if prompt_logprobs else 0
+        need = chunk * self.prompt_row if prompt_logprobs else 0
         if logprobs:
             need += max(1, sequences) * self.logit_row
         step = _signed_activation(chunk - budget, self.act_per_token)
@@ -204,7 +213,7 @@ def _gib(n: int) -> str:
 
 def max_prompt_for(limit: int, model: ModelMemory) -> int:
     """The longest prompt whose prompt_logprobs logits fit `limit` bytes."""
-    return max(0, limit // (model.vocab_size * LOGIT_BYTES))
+    return max(0, limit // model.logits.prompt_logprobs_bytes_per_token)
 
 
 def step_room(step_need: int, h: Headroom, step_margin: float = STEP_MARGIN) -> int:
@@ -283,7 +292,7 @@ def decide(
         if parameter == "prompt_logprobs":
             limit = max_prompt_for(best_idle, model)
             message = (
-                f"prompt_logprobs needs {_gib(need)} of FP32 logits for this prompt; this "
+                f"prompt_logprobs needs {_gib(need)} of logits for this prompt; this "
                 f"engine has at most {_gib(best_idle)}: use prompt_logprobs with prompts of "
                 f"at most {limit} tokens"
             )

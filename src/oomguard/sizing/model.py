@@ -1,0 +1,486 @@
+"""What a Hugging Face config.json says about a model's memory, read without vLLM.
+
+The pure-Python reader: per-layer KV cache shapes (as vLLM's `get_kv_cache_spec` would build
+them), weights by part (quantization-aware) and the fields the activation estimate needs. Where
+vLLM is importable, `oomguard.sizing.vllm_path` builds the same specs with vLLM's own code and
+this reader is the cross-check and the fallback (docs/budget.md). A config it cannot read exactly
+raises `BudgetError` saying "cannot size this: <reason>", never a guess.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard.digits import decimal
+from oomguard.errors import BudgetError
+
+GIB = 1024**3
+MIB = 1024**2
+# The deepest published language models have about 130 layers (Llama 3.1 405B: 126).
+MAX_LAYERS = 10_000
+
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4,
+    "float": 4,
+    "fp32": 4,
+    "float16": 2,
+    "half": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+}
+
+# Device memory as NVML reports it (MiB), for `--gpu NAME`, and NVML's "reserved" part that the
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+# -- the model --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerKV:
+    """One decoder layer's attention cache, as vLLM's KV cache spec describes it."""
+
+    kind: str  # "full", "sliding", "chunked" or "mla"
+    kv_heads: int  # whole model (before tensor parallelism); 1 for MLA
+    head_dim: int  # K width (MLA: kv_lora_rank + qk_rope_head_dim)
+    head_dim_v: int  # V width (MLA: 0, the latent serves both)
+    window: int | None = None  # sliding window or attention chunk, tokens
+    owns_cache: bool = True  # False when the layer reads another layer's cache
+
+    def bytes_per_token(self, kv_bytes: float, tp: int = 1) -> int:
+        """Bytes this layer stores per cached token on one GPU."""
+        if not self.owns_cache:
+            return 0
+        heads = self.kv_heads if self.kind == "mla" else max(1, self.kv_heads // tp)
+        return int(heads * (self.head_dim + self.head_dim_v) * kv_bytes)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the checkpoint stores its linear weights (`quantization_config`)."""
+
+    method: str = "none"  # none, fp8, mxfp4, awq, gptq, compressed-tensors, bitsandbytes, ...
+    bytes_per_param: float = 0.0  # quantized linear layers, scales included; 0 = unquantized
+    attention_excluded: bool = False  # attention projections kept in the model dtype
+    experts_only: bool = False  # only MoE experts are quantized (mxfp4 on gpt-oss)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden_size: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    dtype_bytes: float
+    max_position_embeddings: int | None = None
+    mla_latent_dim: int | None = None  # kv_lora_rank + qk_rope_head_dim for MLA models
+    experts: int = 0
+    expert_intermediate_size: int = 0
+    shared_experts: int = 0
+    experts_per_token: int = 0
+    dense_layers: int = 0  # leading layers with a dense MLP in a MoE model (DeepSeek)
+    layer_kv: tuple[LayerKV, ...] = ()  # one per layer; empty = uniform full attention
+    quantization: Quantization = field(default_factory=Quantization)
+    mla_dims: tuple[int, int, int, int] | None = None  # q_lora_rank, qk_nope, qk_rope, v_head
+    notes: tuple[str, ...] = ()  # what the reader assumed, for the output
+    vision_params: int = 0  # the vision tower and projector (config.json's vision_config)
+    multimodal: bool = False  # a vision_config or a *ForConditionalGeneration wrapper
+    # vLLM's Qwen2MLP (Qwen2, Qwen2.5, Qwen3 dense) names its gate/up output, so in eager
+    # PyTorch it stays alive through down_proj; LlamaMLP rebinds `x` and frees it after the
+    # activation (vllm/model_executor/models/qwen2.py, llama.py)
+    mlp_keeps_gate_up: bool = False
+
+    def layer_specs(self) -> tuple[LayerKV, ...]:
+        if self.layer_kv:
+            return self.layer_kv
+        if self.mla_latent_dim is not None:
+            return (LayerKV("mla", 1, self.mla_latent_dim, 0),) * self.layers
+        return (LayerKV("full", self.kv_heads, self.head_dim, self.head_dim),) * self.layers
+
+    def kv_bytes_per_token(self, kv_dtype_bytes: float | None = None) -> int:
+        """Whole-model KV bytes per token of context, every layer's cache counted in full."""
+        b = kv_dtype_bytes if kv_dtype_bytes is not None else self.dtype_bytes
+        return sum(spec.bytes_per_token(b) for spec in self.layer_specs())
+
+    # -- weights --------------------------------------------------------------------------
+    def _attention_params(self) -> int:
+        h = self.hidden_size
+        if self.mla_dims is not None and self.mla_latent_dim is not None:
+            q_lora, nope, rope, v = self.mla_dims
+            kv_lora = self.mla_latent_dim - rope
+            heads = self.attention_heads
+            q = h * q_lora + q_lora * heads * (nope + rope) if q_lora else h * heads * (nope + rope)
+            kv = h * (kv_lora + rope) + kv_lora * heads * (nope + v)
+            return q + kv + heads * v * h
+        q = self.attention_heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h
+
+    def _param_groups(self) -> dict[str, int]:
+        """Parameters by part: attention, dense MLP, routed experts, shared experts, embeddings."""
+        h = self.hidden_size
+        moe_layers = self.layers - self.dense_layers if self.experts else 0
+        dense_layers = self.layers - moe_layers
+        return {
+            "attention": self.layers * self._attention_params(),
+            "mlp": dense_layers * 3 * h * self.intermediate_size,
+            "experts": moe_layers * 3 * h * self.expert_intermediate_size * self.experts,
+            "shared_experts": moe_layers
+            * 3
+            * h
+            * self.expert_intermediate_size
+            * self.shared_experts,
+            "router": moe_layers * h * self.experts,
+            "embeddings": self.vocab_size * h * (1 if self.tied_embeddings else 2),
+            "vision": self.vision_params,
+        }
+
+    def parameter_count(self) -> int:
+        """An estimate from the shapes (attention, MLP or experts, embeddings); norms ignored."""
+        return sum(self._param_groups().values())
+
+    def weight_bytes(self) -> int:
+        """Checkpoint weights in device memory, quantization applied (whole model)."""
+        return int(sum(self.weight_bytes_by_part().values()))
+
+    def weight_bytes_by_part(self) -> dict[str, float]:
+        q = self.quantization
+        groups = self._param_groups()
+        out: dict[str, float] = {}
+        for part, params in groups.items():
+            # embeddings, the router and the vision tower stay in the model dtype
+            quantized = q.bytes_per_param > 0 and part not in ("embeddings", "router", "vision")
+            if q.experts_only and part != "experts":
+                quantized = False
+            if q.attention_excluded and part == "attention":
+                quantized = False
+            out[part] = params * (q.bytes_per_param if quantized else self.dtype_bytes)
+        if q.method == "mxfp4" and self.experts:
+            # vLLM pads MXFP4 expert weights to its kernels' tiles: hidden to a multiple of
+            # 256, intermediate to 128 (Marlin on Hopper/Ampere, TRT-LLM on Blackwell:
+            # mxfp4_round_up_hidden_size_and_intermediate_size in fused_moe/oracle/mxfp4.py).
+            h, i = self.hidden_size, self.expert_intermediate_size
+            padded = _round_up(h, 256) * _round_up(i, 128)
+            out["experts"] *= padded / (h * i)
+        return out
+
+
+def _get(cfg: dict[str, Any], *names: str) -> Any:
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return None
+
+
+def _int(cfg: dict[str, Any], *names: str, default: int | None = None) -> int | None:
+    value = _get(cfg, *names)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BudgetError(f"config.json field {names[0]} is not a number: {value!r}")
+    if not math.isfinite(value) or not 0 <= value < 2**48:
+        raise BudgetError(f"config.json field {names[0]} is out of range: {value!r}")
+    return int(value)
+
+
+_SLIDING_TYPES = {"sliding_attention", "sliding_window", "local", "local_attention"}
+_FULL_TYPES = {"full_attention", "global", "global_attention", "attention"}
+_CHUNKED_TYPES = {"chunked_attention"}
+
+
+def _layer_kinds(cfg: dict[str, Any], layers: int) -> list[str]:
+    """Full or sliding per layer, from `layer_types` or the older pattern fields."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        if len(types) < layers:
+            raise BudgetError(f"layer_types lists {len(types)} layers, the model has {layers}")
+        kinds = []
+        for t in types[:layers]:
+            t = str(t)
+            if t in _SLIDING_TYPES:
+                kinds.append("sliding")
+            elif t in _FULL_TYPES:
+                kinds.append("full")
+            elif t in _CHUNKED_TYPES:
+                kinds.append("chunked")
+            else:
+                raise BudgetError(
+                    f"layer type {t!r} is not an attention layer with a per-token KV cache "
+                    "(hybrid or state-space model): size it from vLLM's startup log lines "
+                    "'Available KV cache memory' and 'GPU KV cache size'"
+                )
+        return kinds
+    hybrid = cfg.get("hybrid_layer_pattern")
+    if isinstance(hybrid, list) and hybrid:  # MiMo-V2: 1 marks a sliding-window layer
+        if len(hybrid) < layers:
+            raise BudgetError(f"hybrid_layer_pattern lists {len(hybrid)} layers, not {layers}")
+        return ["sliding" if p == 1 else "full" for p in hybrid[:layers]]
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False or not window:
+        return ["full"] * layers
+    pattern = _int(cfg, "sliding_window_pattern")
+    if pattern:  # Gemma 3 style: every pattern-th layer is global
+        return ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(layers)]
+    if cfg.get("model_type") in ("gemma2",):  # Gemma 2 alternates, starting with local
+        return ["sliding" if i % 2 == 0 else "full" for i in range(layers)]
+    max_window_layers = _int(cfg, "max_window_layers")
+    if max_window_layers is not None and cfg.get("use_sliding_window"):
+        return ["full" if i < max_window_layers else "sliding" for i in range(layers)]
+    return ["sliding"] * layers  # Mistral v0.1: every layer slides
+
+
+def _quantization(cfg: dict[str, Any]) -> Quantization:
+    """Bytes per quantized parameter, scales included (docs/budget.md, "Quantization")."""
+    qc = cfg.get("quantization_config") or cfg.get("compression_config")
+    if not isinstance(qc, dict):
+        return Quantization()
+    method = str(qc.get("quant_method") or qc.get("quant_type") or "").lower()
+    excluded = [
+        str(p)
+        for key in ("modules_to_not_convert", "ignored_layers", "ignore", "llm_int8_skip_modules")
+        if isinstance(qc.get(key), list)
+        for p in qc[key]
+    ]
+    attention_excluded = any("attn" in p or "attention" in p for p in excluded) or any(
+        fnmatch.fnmatch("model.layers.0.self_attn.q_proj", p) for p in excluded
+    )
+    if method in ("fp8", "fbgemm_fp8", "modelopt", "ptpc_fp8"):
+        # 1 byte per weight; block-wise (128x128) or per-channel FP32 scales add < 0.1 %.
+        return Quantization(method, 1.0 + 4 / (128 * 128), attention_excluded)
+    if method == "mxfp4":
+        # 4-bit E2M1 values, one E8M0 scale per 32 values: 4.25 bits; experts only.
+        return Quantization(method, 4.25 / 8, True, experts_only=True)
+    if method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "auto-round", "autoround"):
+        bits = _int(qc, "bits", "w_bit", default=4) or 4
+        group = _int(qc, "group_size", "q_group_size", default=128) or 128
+        group = group if group > 0 else 4096  # -1: one scale per output channel
+        # per group: one FP16 scale and one packed zero point of `bits` bits
+        return Quantization(method, (bits + (16 + bits) / group) / 8, attention_excluded)
+    if method == "bitsandbytes":
+        if qc.get("load_in_8bit"):
+            return Quantization(method, 1.0, attention_excluded)
+        # NF4/FP4 with one FP32 absmax per 64 values (double quantization shrinks it further)
+        return Quantization(method, 0.5 + 4 / 64, attention_excluded)
+    if method == "compressed-tensors":
+        bits, group = 8, 0
+        groups = qc.get("config_groups")
+        for grp in groups.values() if isinstance(groups, dict) else []:
+            w = grp.get("weights") if isinstance(grp, dict) else None
+            if isinstance(w, dict) and w.get("num_bits"):
+                bits = _int(w, "num_bits", default=8) or 8
+                group = _int(w, "group_size", default=0) or 0
+                break
+        scale = 16 / group if group else 0.0
+        return Quantization(method, (bits + scale) / 8, attention_excluded)
+    if method in ("", "none"):
+        return Quantization()
+    raise BudgetError(
+        f"quantization method {method!r} is not modelled: pass --weights-bytes from vLLM's "
+        "'Model loading took X GiB' log line"
+    )
+
+
+def _vision_params(config: dict[str, Any], text_hidden: int) -> int:
+    """Parameters of a vision tower and its projector, from `vision_config` (vLLM loads them in
+    the model dtype with the language model: Mistral-Small-3.2's 0.44 B are 0.82 GiB of the
+    44.76 GiB vLLM 0.11 logged). Pixtral-style towers: a patch convolution, `num_hidden_layers`
+    blocks of attention (`num_attention_heads` x `head_dim` wide) and a gated SiLU MLP (three
+    matrices; GELU MLPs of CLIP/SigLIP towers have two), then the projector: the patch merger
+    (`spatial_merge_size`^2 x hidden -> hidden) and two linears to the text hidden size."""
+    vc = config.get("vision_config")
+    if not isinstance(vc, dict):
+        return 0
+    vh = _int(vc, "hidden_size", "embed_dim", default=0) or 0
+    layers = _int(vc, "num_hidden_layers", "depth", default=0) or 0
+    if not vh or not layers:
+        return 0
+    heads = _int(vc, "num_attention_heads", "num_heads", default=0) or 0
+    head_dim = _int(vc, "head_dim", default=0) or (vh // heads if heads else vh)
+    width = heads * head_dim if heads else vh
+    inter = _int(vc, "intermediate_size", default=4 * vh) or 4 * vh
+    matrices = 3 if vc.get("hidden_act") == "silu" else 2
+    patch = _int(vc, "patch_size", default=14) or 14
+    channels = _int(vc, "num_channels", default=3) or 3
+    merge = _int(config, "spatial_merge_size", default=1) or 1
+    per_layer = 4 * vh * width + matrices * vh * inter + 2 * vh  # + two norms
+    merger = merge * merge * vh * vh if merge > 1 else 0
+    projector = merger + vh * text_hidden + text_hidden * text_hidden
+    return channels * patch * patch * vh + layers * per_layer + projector
+
+
+def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
+    """Read a Hugging Face `config.json`. Unsupported or incomplete configs raise BudgetError."""
+    if not isinstance(config, dict):
+        raise BudgetError("config.json is not a JSON object")
+    cfg = dict(config)
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM inside
+        outer_q = cfg.get("quantization_config")
+        cfg = {**cfg, **cfg["text_config"]}
+        if outer_q is not None and "quantization_config" not in config["text_config"]:
+            cfg["quantization_config"] = outer_q
+    if any(
+        k.startswith(("mamba_", "ssm_", "linear_", "conv_")) or k == "hybrid_override_pattern"
+        for k in cfg
+    ):
+        raise BudgetError(
+            "hybrid or state-space model (mamba/linear-attention layers): its cache is not "
+            "a per-token KV cache and this budget would be wrong; size it from vLLM's startup "
+            "log lines 'Available KV cache memory' and 'GPU KV cache size'"
+        )
+    layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
+    heads = _int(cfg, "num_attention_heads", "n_head")
+    missing = [
+        n
+        for n, v in (
+            ("num_hidden_layers", layers),
+            ("hidden_size", hidden),
+            ("num_attention_heads", heads),
+        )
+        if v is None
+    ]
+    if missing:
+        raise BudgetError(f"config.json lacks {', '.join(missing)}: cannot size the KV cache")
+    assert layers is not None and hidden is not None and heads is not None
+    if layers <= 0 or hidden <= 0 or heads <= 0:
+        raise BudgetError("config.json has a non-positive layer, hidden or head count")
+    if layers > MAX_LAYERS:  # sizing walks the layers: 10**8 of them took minutes and GBs
+        raise BudgetError(
+            f"config.json field num_hidden_layers is {layers:,}: over {MAX_LAYERS:,}, not a model"
+        )
+    kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", default=heads) or heads
+    head_dim = _int(cfg, "head_dim", default=hidden // heads) or hidden // heads
+    dtype_name = str(_get(cfg, "torch_dtype", "dtype") or "bfloat16").removeprefix("torch.")
+    if dtype_name not in DTYPE_BYTES:
+        raise BudgetError(f"unknown dtype {dtype_name!r} in config.json")
+    # vLLM's dtype "auto" runs FP32 checkpoints in BF16/FP16 (vllm/config/model.py).
+    dtype_bytes = min(DTYPE_BYTES[dtype_name], 2)
+    notes: list[str] = []
+
+    mla = None
+    mla_dims = None
+    if cfg.get("kv_lora_rank"):
+        rope = _int(cfg, "qk_rope_head_dim", default=0) or 0
+        mla = (_int(cfg, "kv_lora_rank", default=0) or 0) + rope
+        mla_dims = (
+            _int(cfg, "q_lora_rank", default=0) or 0,
+            _int(cfg, "qk_nope_head_dim", default=0) or 0,
+            rope,
+            _int(cfg, "v_head_dim", default=head_dim) or head_dim,
+        )
+
+    kinds = ["mla"] * layers if mla is not None else _layer_kinds(cfg, layers)
+    window = _int(cfg, "sliding_window", "sliding_window_size")
+    chunk = _int(cfg, "attention_chunk_size")
+    # Per-layer shapes. Gemma 4's global layers: `global_head_dim` (512 unless set) and, when
+    # `attention_k_eq_v`, `num_global_key_value_heads` (transformers' Gemma4TextConfig builds
+    # `per_layer_config` from them). MiMo-V2's sliding layers: `swa_num_key_value_heads`,
+    # `swa_head_dim`, `swa_v_head_dim` (vllm/model_executor/models/mimo_v2.py).
+    gemma4 = str(cfg.get("model_type", "")).startswith("gemma4")
+    full_heads, full_dim = kv_heads, head_dim
+    if gemma4:
+        full_dim = _int(cfg, "global_head_dim", default=512) or 512
+        if cfg.get("attention_k_eq_v"):
+            full_heads = _int(cfg, "num_global_key_value_heads", default=kv_heads) or kv_heads
+    swa_heads = _int(cfg, "swa_num_key_value_heads", default=kv_heads) or kv_heads
+    swa_dim = _int(cfg, "swa_head_dim", default=head_dim) or head_dim
+    v_dim = _int(cfg, "v_head_dim", default=None) if mla is None else None
+    # Cross-layer KV sharing: the last N layers read earlier layers' caches (Gemma 3n/4).
+    shared = _int(cfg, "num_kv_shared_layers", default=0) or 0
+    specs: list[LayerKV] = []
+    for i, kind in enumerate(kinds):
+        owns = i < layers - shared
+        if kind == "mla":
+            assert mla is not None
+            specs.append(LayerKV("mla", 1, mla, 0, None, owns))
+        elif kind == "sliding":
+            if not window:
+                raise BudgetError("layer_types has sliding layers but sliding_window is unset")
+            swa_v = _int(cfg, "swa_v_head_dim", default=swa_dim) or swa_dim
+            specs.append(LayerKV("sliding", swa_heads, swa_dim, swa_v, window, owns))
+        elif kind == "chunked":
+            if not chunk:
+                raise BudgetError("chunked attention layers need attention_chunk_size")
+            specs.append(LayerKV("chunked", kv_heads, head_dim, v_dim or head_dim, chunk, owns))
+        else:
+            specs.append(LayerKV("full", full_heads, full_dim, v_dim or full_dim, None, owns))
+    if cfg.get("no_rope_layers") and chunk and all(s.kind == "full" for s in specs):
+        # Llama 4: three of four layers use chunked local attention (no_rope_layers marks them)
+        flags = cfg["no_rope_layers"]
+        specs = [
+            LayerKV("chunked", s.kv_heads, s.head_dim, s.head_dim_v, chunk, s.owns_cache)
+            if i < len(flags) and flags[i]
+            else s
+            for i, s in enumerate(specs)
+        ]
+    overrides = cfg.get("per_layer_config")
+    if isinstance(overrides, dict):  # explicit per-layer shapes win
+        for key, o in overrides.items():
+            layer = decimal(str(key))
+            i = -1 if layer is None else layer
+            if 0 <= i < len(specs) and isinstance(o, dict) and specs[i].kind != "mla":
+                sp = specs[i]
+                heads = _int(o, "num_key_value_heads", default=sp.kv_heads) or sp.kv_heads
+                dim = _int(o, "head_dim", default=sp.head_dim) or sp.head_dim
+                specs[i] = LayerKV(sp.kind, heads, dim, dim, sp.window, sp.owns_cache)
+    if shared:
+        notes.append(f"the last {shared} layers reuse earlier layers' KV cache")
+
+    experts = _int(cfg, "num_local_experts", "n_routed_experts", "num_experts", default=0) or 0
+    first_dense = _int(cfg, "first_k_dense_replace", default=0) or 0
+    shared_experts = _int(cfg, "n_shared_experts", default=0) or 0
+    if experts and cfg.get("shared_expert_intermediate_size"):
+        shared_experts = max(shared_experts, 1)
+    architectures = config.get("architectures")
+    wrapped = isinstance(architectures, list) and any(
+        str(a).endswith("ForConditionalGeneration") for a in architectures
+    )
+    return ModelShape(
+        layers=layers,
+        hidden_size=hidden,
+        attention_heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=_int(cfg, "intermediate_size", "n_inner", default=4 * hidden) or 0,
+        vocab_size=_int(cfg, "vocab_size", default=0) or 0,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype_bytes=dtype_bytes,
+        max_position_embeddings=_int(cfg, "max_position_embeddings"),
+        mla_latent_dim=mla,
+        experts=experts,
+        expert_intermediate_size=_int(cfg, "moe_intermediate_size", "intermediate_size", default=0)
+        or 0,
+        shared_experts=shared_experts,
+        experts_per_token=_int(
+            cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", default=0
+        )
+        or 0,
+        dense_layers=min(first_dense, layers) if experts else 0,
+        layer_kv=tuple(specs),
+        quantization=_quantization(cfg),
+        mla_dims=mla_dims,
+        notes=tuple(notes),
+        vision_params=_vision_params(config, hidden),
+        multimodal=wrapped or isinstance(config.get("vision_config"), dict),
+        mlp_keeps_gate_up=str(cfg.get("model_type", "")) in ("qwen2", "qwen3"),
+    )
