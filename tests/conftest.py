@@ -18,6 +18,9 @@ from tests.wheel_env import installed, wheel  # noqa: F401
 # variable makes it the CPU. Set before any test imports vLLM here, in whatever order they run (a
 # test that imports the twin's executor first would otherwise leave vLLM without a device type).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# `oomguard budget` sizes with vLLM's own code where vLLM is importable (tens of seconds a call
+# here); its CLI tests use the pure path, and tests/test_budget_vllm.py asks for vLLM's by flag.
+os.environ.setdefault("OOMGUARD_SIZING", "python")
 
 # -- parallel runs (`make test`: pytest -n 2 --dist loadgroup --no-loadscope-reorder) -----------
 # xdist's unit of work is a test file (module fixtures start a vLLM or a stack once), except that

@@ -254,6 +254,14 @@ def _add_budget(sub: Any) -> None:
         metavar="SIZE",
         help="KV pool per GPU from vLLM's 'Available KV cache memory' log line",
     )
+    p.add_argument(
+        "--sizing",
+        choices=("auto", "vllm", "python"),
+        default=os.environ.get("OOMGUARD_SIZING", "auto"),
+        help="who sizes the KV cache: vLLM's own code (built on the meta device, no GPU; "
+        "auto: where vLLM is importable) or the pure-Python reader (default $OOMGUARD_SIZING "
+        "or auto)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_run_budget)
 
@@ -309,9 +317,18 @@ def _run_budget(args: argparse.Namespace) -> int:
         parse_size,
         shape_from_hf_config,
     )
+    from oomguard.sizing import vllm_path
 
     path = Path(args.model_config)
+    quant: dict[str, Any] | None = None
     if path.is_dir():
+        # a modelopt checkpoint keeps its quantization (and KV cache dtype) beside config.json
+        quant_file = path / "hf_quant_config.json"
+        if quant_file.is_file():
+            try:
+                quant = json.loads(quant_file.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise BudgetError(f"{quant_file} is not readable JSON: {exc}") from exc
         path = path / "config.json"
     try:
         config = bounded.read_json(path, MODEL_CONFIG_LIMITS)
@@ -343,7 +360,37 @@ def _run_budget(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise BudgetError(str(exc)) from exc
-    budget = compute(shape_from_hf_config(config), inputs)
+    reader_config = dict(config)
+    if (
+        isinstance(quant, dict)
+        and isinstance(quant.get("quantization"), dict)
+        and "quantization_config" not in reader_config
+    ):
+        reader_config["quantization_config"] = {
+            "quant_method": "modelopt",
+            **quant["quantization"],
+        }
+    budget = compute(shape_from_hf_config(reader_config), inputs)
+    use_vllm = args.sizing == "vllm" or (args.sizing == "auto" and vllm_path.vllm_importable())
+    if use_vllm and inputs.pipeline_parallel_size == 1:
+        (sizing,) = vllm_path.run(
+            [
+                vllm_path.job(
+                    config,
+                    max_model_len=budget.max_model_len,
+                    max_num_batched_tokens=budget.max_num_batched_tokens,
+                    tensor_parallel_size=inputs.tensor_parallel_size,
+                    kv_cache_dtype=inputs.kv_cache_dtype,
+                    block_size=inputs.block_size,
+                    async_scheduling=inputs.async_scheduling,
+                    available=[budget.kv_pool_bytes_per_gpu],
+                    hf_quant_config=quant,
+                )
+            ]
+        )
+        vllm_path.apply(budget, sizing)
+    elif use_vllm:
+        budget.notes.append("pipeline parallelism: the pure-Python reader sized this")
     # A pipeline can gate on it: 1 when vLLM would refuse to start with these flags.
     status = 1 if budget.will_not_start else 0
     if args.json:
@@ -371,9 +418,16 @@ def _run_budget(args: argparse.Namespace) -> int:
         (f"concurrency at {budget.context_len:,} tokens", f"{budget.concurrency_at_context:,.1f}"),
         ("max_num_seqs", f"{budget.max_num_seqs}"),
         ("recommended max_num_seqs", recommended),
+        (
+            "longest prompt_logprobs prompt",
+            f"{budget.longest_prompt_logprobs_prompt:,} tokens (a {budget.max_num_batched_tokens:,}"
+            f"-token chunk holds {_gib(budget.prompt_logprobs_chunk_bytes)} of logits)",
+        ),
+        ("sized by", "vLLM's own code" if budget.sizing_path == "vllm" else "pure Python"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += [f"assumed: {a}" for a in budget.assumptions]
     lines += [f"note: {n}" for n in budget.notes]
     lines += [f"warning: {w}" for w in budget.warnings]
     _emit("\n".join(lines))

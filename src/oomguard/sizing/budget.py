@@ -27,8 +27,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from oomguard.errors import BudgetError
+from oomguard.logits import LogitsShape, longest_prompt_logprobs_prompt
 from oomguard.sizing.capacity import kv_capacity
 from oomguard.sizing.model import DTYPE_BYTES, GIB, MIB, ModelShape, _cdiv
+
+# `budget --json`'s layout; bumped when a field changes meaning or goes away.
+SCHEMA_VERSION = 2
 
 # vLLM 0.33 defaults (vllm/config/cache.py, vllm/engine/arg_utils.py).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -43,15 +47,8 @@ NON_TORCH_BYTES = int(0.13 * GIB)
 NCCL_BYTES_PER_PEER = int(0.41 * GIB)  # per other rank of TP x PP (V1)
 NON_TORCH_V0_BYTES = int(0.33 * GIB)  # V0, with or without TP
 CUDA_GRAPH_BYTES = 512 * MIB  # the CUDA graph pool vLLM's profiler estimates
-# The sampler's dummy run (gpu_model_runner._dummy_sampler_run) holds max_num_seqs x vocab
-# logits on every rank (the logits processor all-gathers the vocabulary shards). vLLM 0.33:
-# the model-dtype logits (2 B), their FP32 copy (4), the softmax (4) and the exponential noise
-# of random_sample (4); top-k/top-p masking is in place (Triton or FlashInfer).
-SAMPLER_BYTES_PER_LOGIT = 14
-# Older vLLM (0.9-0.11 without VLLM_USE_FLASHINFER_SAMPLER=1) sorted every row in PyTorch:
-# model-dtype logits 2 + FP32 copy 4 + int64 iota 8 + sorted values and indices 12 + the radix
-# sort's double buffer 12 (docs/budget.md, "Sampler": a logged profile shows 38.6).
-SORT_SAMPLER_BYTES_PER_LOGIT = 38
+# The sampler's dummy run: max_num_seqs rows of the full vocabulary on every rank, 14 B a logit in
+# vLLM 0.33 and ~38 B with 0.9-0.11's sort sampler: the one formula in oomguard.logits.
 # Above this many parameters a MoE model's non-KV memory is least certain (Qwen3-235B-A22B-FP8
 # at TP 4 on vLLM 0.9.2 logged 1.1 GiB more than this accounting, cause not found): the output
 # says so.
@@ -120,6 +117,17 @@ class Budget:
     overhead_parts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # What the figures rest on that nobody stated (defaulted dtype, KV heads, block size, two
+    # in-flight chunks, vLLM's defaults for this GPU...): in the text and the JSON.
+    assumptions: list[str] = field(default_factory=list)
+    # Logits (oomguard.logits): a max_num_batched_tokens chunk with prompt_logprobs, the room
+    # outside vLLM's budget it has, and the longest prompt_logprobs prompt that fits there.
+    prompt_logprobs_chunk_bytes: int = 0
+    prompt_logprobs_room_bytes: int = 0
+    longest_prompt_logprobs_prompt: int = 0
+    sizing_path: str = "python"  # "vllm": specs and planning by vLLM's own code
+    schema_version: int = SCHEMA_VERSION
+    inputs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,7 +146,8 @@ def serve_defaults(gpu_memory_bytes: int, gpu_name: str = "") -> tuple[int, int]
 
 def kv_bytes_for(shape: ModelShape, kv_cache_dtype: str) -> float:
     if kv_cache_dtype == "auto":
-        return shape.dtype_bytes
+        # vLLM resolves auto from the checkpoint first (modelopt FP8 KV: 1 byte)
+        return shape.kv_auto_dtype_bytes or shape.dtype_bytes
     if kv_cache_dtype not in DTYPE_BYTES:
         raise BudgetError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
     return DTYPE_BYTES[kv_cache_dtype]
@@ -195,8 +204,9 @@ def overhead_per_gpu(
     if inp.v0_engine and shape.quantization.method in MARLIN_METHODS and not shape.experts:
         activation += MARLIN_REDUCE_ROWS * h * 4  # down_proj's FP32 reduce buffer
     # The sampler's dummy run: max_num_seqs rows of the full vocabulary on every rank.
-    per_logit = SORT_SAMPLER_BYTES_PER_LOGIT if inp.sort_sampler else SAMPLER_BYTES_PER_LOGIT
-    sampler = seqs * shape.vocab_size * per_logit
+    sampler = LogitsShape(shape.vocab_size, int(shape.dtype_bytes)).sampler_peak(
+        seqs, inp.sort_sampler
+    )
     graphs = inp.profile_cuda_graphs and not inp.enforce_eager
     # The profile's peak is the larger of the two: the forward pass's activations are freed
     # before the sampler's dummy run (gpu_model_runner.profile_run).
@@ -383,6 +393,22 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
             "the KV pool is an estimate: vLLM's 'Available KV cache memory' log line is "
             "authoritative (pass it as --kv-pool-bytes)"
         )
+    logits = LogitsShape(shape.vocab_size, int(shape.dtype_bytes))
+    chunk_bytes = logits.prompt_logprobs_peak(batched)
+    # Room for the logits when prompt logprobs are computed (after the forward pass and the
+    # sampler): what vLLM leaves outside gmu x total, plus the profiled activation/sampler peak
+    # the allocator holds cached by then (gpu_model_runner: forward, sample, prompt logprobs).
+    room = int(inp.gpu_memory_bytes * (1 - inp.gpu_memory_utilization))
+    room += parts.get("activation_or_sampler_peak", 0)
+    longest = longest_prompt_logprobs_prompt(room, logits, batched, True, max_len)
+    if longest < max_len:
+        notes.append(
+            f"prompt_logprobs: a {batched:,}-token chunk holds {chunk_bytes / GIB:.2f} GiB of "
+            f"logits (oomguard.logits); about {room / GIB:.2f} GiB is outside vLLM's budget "
+            f"then: prompts with prompt_logprobs fit up to {longest:,} tokens (cap them at the "
+            "gateway, or lower --max-num-batched-tokens)"
+        )
+    assumptions = _assumptions(shape, inp, batched, seqs, max_len, kv_b)
     low, high = max(1, math.floor(0.7 * concurrency)), max(1, math.floor(0.8 * concurrency))
     recommended = max(1, math.floor(0.75 * concurrency))
     if will_not_start:  # nothing to recommend: 0, not a floor of 1 that reads as advice
@@ -410,4 +436,45 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
         overhead_parts=parts,
         notes=notes,
         warnings=warnings,
+        assumptions=assumptions,
+        prompt_logprobs_chunk_bytes=chunk_bytes,
+        prompt_logprobs_room_bytes=room,
+        longest_prompt_logprobs_prompt=longest,
+        inputs=asdict(inp),
     )
+
+
+def _assumptions(
+    shape: ModelShape, inp: BudgetInputs, batched: int, seqs: int, max_len: int, kv_b: float
+) -> list[str]:
+    out = [n.removeprefix("assumed: ") for n in shape.notes if n.startswith("assumed: ")]
+    if inp.max_model_len is None:
+        out.append(f"max_model_len {max_len:,}: the model's max_position_embeddings")
+    if inp.max_num_batched_tokens is None:
+        out.append(f"max_num_batched_tokens {batched:,}: what vllm serve picks for this GPU")
+    if inp.max_num_seqs is None:
+        out.append(f"max_num_seqs {seqs}: what vllm serve picks for this GPU")
+    if inp.block_size is None:
+        mla = any(s.kind == "mla" for s in shape.layer_specs())
+        out.append(
+            f"block size {64 if mla else 16}: the CUDA backend's (FlashMLA 64 for MLA; "
+            "Blackwell's CUTLASS MLA uses 128: pass --block-size)"
+            if mla
+            else "block size 16: FlashAttention's default on CUDA"
+        )
+    if inp.kv_cache_dtype == "auto":
+        resolved = (
+            "fp8 (the checkpoint's KV quantization)"
+            if shape.kv_auto_dtype_bytes
+            else ("the model dtype")
+        )
+        out.append(f"KV cache dtype auto: {resolved}, {kv_b:g} B per element")
+    if inp.async_scheduling and inp.pipeline_parallel_size == 1:
+        out.append(
+            "two in-flight chunks of max_num_batched_tokens (async scheduling, vLLM 0.33's "
+            "default) for sliding-window and chunked layers"
+        )
+    if inp.gpu_name:
+        out.append(f"GPU memory: {inp.gpu_name}'s CUDA total from oomguard's GPU table")
+    out.append("chunked prefill on (vLLM V1's default): prompt_logprobs logits per chunk")
+    return out

@@ -103,6 +103,9 @@ class ModelShape:
     quantization: Quantization = field(default_factory=Quantization)
     mla_dims: tuple[int, int, int, int] | None = None  # q_lora_rank, qk_nope, qk_rope, v_head
     notes: tuple[str, ...] = ()  # what the reader assumed, for the output
+    # `--kv-cache-dtype auto` as vLLM resolves it from the checkpoint (modelopt's
+    # kv_cache_quant_algo, llm-compressor's kv_cache_scheme): 1 for FP8; None: the model dtype
+    kv_auto_dtype_bytes: float | None = None
     vision_params: int = 0  # the vision tower and projector (config.json's vision_config)
     multimodal: bool = False  # a vision_config or a *ForConditionalGeneration wrapper
     # vLLM's Qwen2MLP (Qwen2, Qwen2.5, Qwen3 dense) names its gate/up output, so in eager
@@ -192,6 +195,18 @@ def _get(cfg: dict[str, Any], *names: str) -> Any:
     return None
 
 
+def _signed(cfg: dict[str, Any], *names: str, default: int) -> int:
+    """An integer field that may be negative (GPTQ's `group_size: -1`)."""
+    value = _get(cfg, *names)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BudgetError(f"config.json field {names[0]} is not an integer: {value!r}")
+    if not -(2**31) < value < 2**31:
+        raise BudgetError(f"config.json field {names[0]} is out of range: {value!r}")
+    return value
+
+
 def _int(cfg: dict[str, Any], *names: str, default: int | None = None) -> int | None:
     value = _get(cfg, *names)
     if value is None:
@@ -255,6 +270,13 @@ def _quantization(cfg: dict[str, Any]) -> Quantization:
     if not isinstance(qc, dict):
         return Quantization()
     method = str(qc.get("quant_method") or qc.get("quant_type") or "").lower()
+    if not method and qc:
+        # vLLM refuses it too (its quantization config needs `quant_method`); sizing it as
+        # unquantized would be a silent guess of 2-4x the weights
+        raise BudgetError(
+            "cannot size this: quantization_config has no quant_method (vLLM cannot load it "
+            "either); add the checkpoint's quant_method"
+        )
     excluded = [
         str(p)
         for key in ("modules_to_not_convert", "ignored_layers", "ignore", "llm_int8_skip_modules")
@@ -271,9 +293,16 @@ def _quantization(cfg: dict[str, Any]) -> Quantization:
         # 4-bit E2M1 values, one E8M0 scale per 32 values: 4.25 bits; experts only.
         return Quantization(method, 4.25 / 8, True, experts_only=True)
     if method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "auto-round", "autoround"):
-        bits = _int(qc, "bits", "w_bit", default=4) or 4
-        group = _int(qc, "group_size", "q_group_size", default=128) or 128
-        group = group if group > 0 else 4096  # -1: one scale per output channel
+        bits = _signed(qc, "bits", "w_bit", default=4)
+        if bits not in (2, 3, 4, 8):
+            # vLLM's GPTQ/AWQ configs take 2, 3, 4 or 8 bits and refuse anything else
+            raise BudgetError(f"cannot size this: {method} with {bits} bits (vLLM takes 2-4 or 8)")
+        group = _signed(qc, "group_size", "q_group_size", default=128)
+        if group == 0 or group < -1:
+            raise BudgetError(f"cannot size this: {method} group_size {group} (-1 or positive)")
+        # -1: per-channel, one scale and zero point per output channel (amortised over the
+        # input dimension, 4,096 here: under 0.1 % of the weights either way)
+        group = group if group > 0 else 4096
         # per group: one FP16 scale and one packed zero point of `bits` bits
         return Quantization(method, (bits + (16 + bits) / group) / 8, attention_excluded)
     if method == "bitsandbytes":
@@ -328,6 +357,108 @@ def _vision_params(config: dict[str, Any], text_hidden: int) -> int:
     return channels * patch * patch * vh + layers * per_layer + projector
 
 
+def _decilm_layers(blocks: list[Any], specs: list[LayerKV], heads: int) -> list[LayerKV]:
+    """DeciLM / Nemotron-NAS `block_configs`: per layer, attention with `n_heads_in_group`
+    query heads per KV head, or none (`no_op`, `replace_with_linear`: no KV cache), as vLLM's
+    nemotron_nas.py builds it."""
+    if len(blocks) != len(specs):
+        raise BudgetError(f"block_configs lists {len(blocks)} layers, the model has {len(specs)}")
+    out = []
+    for spec, block in zip(specs, blocks, strict=True):
+        attn = block.get("attention") if isinstance(block, dict) else None
+        if not isinstance(attn, dict):
+            raise BudgetError("cannot size this: a block_configs entry without attention")
+        if attn.get("no_op") or attn.get("replace_with_linear"):
+            out.append(
+                LayerKV(spec.kind, spec.kv_heads, spec.head_dim, spec.head_dim_v, None, False)
+            )
+            continue
+        group = _int(attn, "n_heads_in_group")
+        if not group or heads % group:
+            raise BudgetError(f"cannot size this: n_heads_in_group {group} for {heads} heads")
+        out.append(LayerKV(spec.kind, heads // group, spec.head_dim, spec.head_dim_v, spec.window))
+    return out
+
+
+def _kv_auto_bytes(cfg: dict[str, Any]) -> float | None:
+    """Bytes of `--kv-cache-dtype auto` as vLLM resolves it from the checkpoint
+    (vllm/utils/torch_utils.py, resolve_kv_cache_dtype_string), or None: the model dtype."""
+    qc = cfg.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    algo = qc.get("kv_cache_quant_algo")
+    if isinstance(algo, str) and algo:
+        if algo.upper() == "FP8":
+            return 1.0
+        raise BudgetError(
+            f"cannot size this without vLLM: kv_cache_quant_algo {algo!r} (packed KV layout)"
+        )
+    scheme = qc.get("kv_cache_scheme")
+    if isinstance(scheme, dict):
+        return 1.0  # llm-compressor's FP8 KV cache (Attention.__init__ sets fp8)
+    return None
+
+
+# Architectures whose configs the corpus checks against vLLM (tests/test_budget_vllm.py)
+CHECKED_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Phi3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForConditionalGeneration",
+        "Gemma4ForConditionalGeneration",
+        "GptOssForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
+        "MiniMaxM2ForCausalLM",
+        "Llama4ForConditionalGeneration",
+        "Mistral3ForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+    }
+)
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa")
+
+
+def _is_mla(cfg: dict[str, Any]) -> bool:
+    """vLLM builds MLA attention for DeepSeek-V2/V3-family configs (ModelConfig.use_mla reads
+    `kv_lora_rank` on those architectures); a stray kv_lora_rank elsewhere is not MLA."""
+    model_type = str(cfg.get("model_type", ""))
+    archs = cfg.get("architectures") or []
+    named = any("Deepseek" in str(a) or "Kimi" in str(a) for a in archs)
+    return bool(cfg.get("qk_rope_head_dim")) and (model_type in MLA_MODEL_TYPES or named)
+
+
+def _kv_heads(cfg: dict[str, Any], heads: int) -> int:
+    """KV heads as vLLM reads them (vllm/transformers_utils/model_arch_config_convertor.py,
+    get_total_num_kv_heads): Falcon/GPTBigCode `multi_query` means one; ChatGLM's
+    `multi_query_group_num`; else `num_key_value_heads` (or MHA: the attention heads)."""
+    model_type = str(cfg.get("model_type", ""))
+    if model_type == "falcon" and cfg.get("new_decoder_architecture"):
+        kv = _int(cfg, "num_kv_heads", default=None)
+    elif cfg.get("multi_query") is True and model_type in ("falcon", "gpt_bigcode", "RefinedWeb"):
+        kv = 1
+    elif cfg.get("multi_query_group_num") is not None:
+        kv = _int(cfg, "multi_query_group_num")
+    else:
+        kv = _int(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", default=None)
+    if kv is None:
+        return heads
+    if kv <= 0:
+        raise BudgetError(f"cannot size this: {kv} KV heads (a model caches at least one)")
+    if kv > heads or heads % kv:
+        raise BudgetError(
+            f"cannot size this: {kv} KV heads for {heads} attention heads (KV heads must "
+            "divide the attention heads)"
+        )
+    return kv
+
+
 def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     """Read a Hugging Face `config.json`. Unsupported or incomplete configs raise BudgetError."""
     if not isinstance(config, dict):
@@ -368,18 +499,47 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
         raise BudgetError(
             f"config.json field num_hidden_layers is {layers:,}: over {MAX_LAYERS:,}, not a model"
         )
-    kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", default=heads) or heads
-    head_dim = _int(cfg, "head_dim", default=hidden // heads) or hidden // heads
+    kv_heads = _kv_heads(cfg, heads)
+    head_dim = _int(cfg, "head_dim", "kv_channels", default=hidden // heads) or hidden // heads
+    notes: list[str] = []
+    if _get(cfg, "torch_dtype", "dtype") is None:
+        notes.append("assumed: no torch_dtype in config.json, bfloat16 (vLLM's auto would read it)")
+    if (
+        not any(
+            cfg.get(k) is not None
+            for k in ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+        )
+        and cfg.get("multi_query") is not True
+    ):
+        notes.append("assumed: no KV head field, multi-head attention (KV heads = heads)")
+    archs = config.get("architectures")
+    arch = str(archs[0]) if isinstance(archs, list) and archs else ""
+    if arch not in CHECKED_ARCHITECTURES:
+        notes.append(
+            f"architecture {arch or '(none)'} is not one this reader was checked on against "
+            "vLLM: its standard fields were read; where vLLM is installed its own code sizes it"
+        )
     dtype_name = str(_get(cfg, "torch_dtype", "dtype") or "bfloat16").removeprefix("torch.")
     if dtype_name not in DTYPE_BYTES:
         raise BudgetError(f"unknown dtype {dtype_name!r} in config.json")
     # vLLM's dtype "auto" runs FP32 checkpoints in BF16/FP16 (vllm/config/model.py).
     dtype_bytes = min(DTYPE_BYTES[dtype_name], 2)
-    notes: list[str] = []
 
     mla = None
     mla_dims = None
     if cfg.get("kv_lora_rank"):
+        if not _is_mla(cfg):
+            raise BudgetError(
+                "cannot size this: kv_lora_rank on a model that is not an MLA architecture "
+                f"(model_type {cfg.get('model_type')!r}, no qk_rope_head_dim): vLLM would not "
+                "build MLA attention for it"
+            )
+        if cfg.get("index_topk") or cfg.get("index_head_dim"):
+            raise BudgetError(
+                "cannot size this without vLLM: sparse MLA (DeepSeek-V3.2 / GLM-5 style, "
+                "index_topk) adds an indexer cache per layer whose page vLLM sizes with its own "
+                "kernels' layout; run `oomguard budget` where vLLM is installed"
+            )
         rope = _int(cfg, "qk_rope_head_dim", default=0) or 0
         mla = (_int(cfg, "kv_lora_rank", default=0) or 0) + rope
         mla_dims = (
@@ -424,15 +584,28 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
             specs.append(LayerKV("chunked", kv_heads, head_dim, v_dim or head_dim, chunk, owns))
         else:
             specs.append(LayerKV("full", full_heads, full_dim, v_dim or full_dim, None, owns))
-    if cfg.get("no_rope_layers") and chunk and all(s.kind == "full" for s in specs):
+    no_rope = cfg.get("no_rope_layers")
+    if not no_rope and chunk and str(cfg.get("model_type", "")).startswith("llama4"):
+        # transformers' Llama4TextConfig default: every 4th layer is NoPE (global attention),
+        # the others use RoPE and chunked local attention (no_rope_layer_interval 4)
+        interval = _int(cfg, "no_rope_layer_interval", default=4) or 4
+        no_rope = [int((i + 1) % interval != 0) for i in range(layers)]
+        notes.append(
+            f"no_rope_layers not set: transformers' default, every {interval}th layer global"
+        )
+    if no_rope and chunk and all(s.kind == "full" for s in specs):
         # Llama 4: three of four layers use chunked local attention (no_rope_layers marks them)
-        flags = cfg["no_rope_layers"]
+        flags = no_rope
         specs = [
             LayerKV("chunked", s.kv_heads, s.head_dim, s.head_dim_v, chunk, s.owns_cache)
             if i < len(flags) and flags[i]
             else s
             for i, s in enumerate(specs)
         ]
+    blocks = cfg.get("block_configs")
+    if isinstance(blocks, list) and blocks:
+        specs = _decilm_layers(blocks, specs, heads)
+        notes.append("per-layer attention from block_configs (DeciLM / Nemotron-NAS)")
     overrides = cfg.get("per_layer_config")
     if isinstance(overrides, dict):  # explicit per-layer shapes win
         for key, o in overrides.items():
@@ -478,6 +651,7 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
         dense_layers=min(first_dense, layers) if experts else 0,
         layer_kv=tuple(specs),
         quantization=_quantization(cfg),
+        kv_auto_dtype_bytes=_kv_auto_bytes(cfg),
         mla_dims=mla_dims,
         notes=tuple(notes),
         vision_params=_vision_params(config, hidden),

@@ -1,0 +1,287 @@
+"""Run in a child process by `oomguard.sizing.vllm_path`: build a model with vLLM's own code on
+the meta device (no weights, no GPU) and size its KV cache with vLLM's own planner.
+
+`python -m oomguard.sizing.vllm_probe` reads a JSON list of jobs on stdin and writes one JSON
+result per job on stdout (a list). The steps are vLLM 0.33's own, in the engine's order:
+
+1. `EngineArgs(...).create_engine_config()`: vLLM reads config.json (and a modelopt
+   `hf_quant_config.json` beside it) with its config classes, resolves `--kv-cache-dtype auto`
+   from the checkpoint (`resolve_kv_cache_dtype_string`: modelopt's `kv_cache_quant_algo`,
+   llm-compressor's `kv_cache_scheme`) and checks `max_model_len` against the model.
+2. `initialize_model` under `torch.device("meta")`: every layer is constructed as on a GPU rank,
+   parameters without storage. Tensor parallelism is rank 0's view: the model-parallel group of
+   this one process reports `tensor_parallel_size` ranks while the model is built, so every layer
+   shards its heads as rank 0 of a real TP group does.
+3. `Attention.get_kv_cache_spec(vllm_config)` for every attention layer in the static forward
+   context, skipping layers that share another layer's cache (`GPUModelRunner.get_kv_cache_spec`).
+4. `get_global_kv_cache_groups` -> `get_kv_cache_configs` (which refuses as the engine does:
+   "To serve at least one request ...") -> `generate_scheduler_kv_cache_config` ->
+   `get_kv_cache_capacity` ("GPU KV cache size" tokens and "Maximum concurrency"), for each pool
+   size asked.
+
+What runs on the CPU platform and is set back to what a CUDA engine does (and reported as an
+assumption): the block size (16, or 64 for MLA models, FlashMLA's; or the one given), async
+scheduling (0.33's default with one pipeline stage; the CPU platform turns it off). Where the CPU
+platform cannot construct a checkpoint's quantized linear layers (FP8 block kernels), the model is
+rebuilt with unquantized linear layers: linear kernels do not change a KV cache spec, the KV cache
+dtype was already resolved from the checkpoint in step 1, and the parameter bytes are then not
+reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# A multimodal checkpoint's language model, built alone: its attention layers are the ones the
+# wrapper builds (the vision encoder has no KV cache). The wrappers' own modules import image
+# processors (torchvision) that a CPU environment may lack.
+TEXT_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
+    "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "gemma4_text"),
+    "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "llama4_text"),
+    "Mistral3ForConditionalGeneration": ("MistralForCausalLM", None),
+    "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3"),
+    "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def text_model_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The config vLLM is given: a known multimodal wrapper's `text_config` with the text
+    architecture (and the wrapper's quantization), else the config itself. Also a note."""
+    archs = config.get("architectures") or []
+    arch = str(archs[0]) if isinstance(archs, list) and archs else ""
+    text = config.get("text_config")
+    if arch in TEXT_ARCHITECTURES and isinstance(text, dict):
+        text_arch, model_type = TEXT_ARCHITECTURES[arch]
+        out = {**text, "architectures": [text_arch]}
+        if model_type:
+            out["model_type"] = model_type
+        for key in ("quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"):
+            if key in config and key not in out:
+                out[key] = config[key]
+        return out, f"{arch}: its language model built alone as {text_arch}"
+    return config, ""
+
+
+def _torch_bytes(dtype: Any) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=dtype).element_size())
+
+
+def _layer(name: str, spec: Any) -> dict[str, Any]:
+    kind = type(spec).__name__
+    out: dict[str, Any] = {
+        "name": name,
+        "spec": kind,
+        "block_size": int(spec.block_size),
+        "page_size_bytes": int(spec.page_size_bytes),
+    }
+    for field in ("num_kv_heads", "head_size", "head_size_v", "sliding_window"):
+        value = getattr(spec, field, None)
+        if value is not None:
+            out[field] = int(value)
+    chunk = getattr(spec, "attention_chunk_size", None)
+    if chunk is not None:
+        out["attention_chunk_size"] = int(chunk)
+    dtype = getattr(spec, "dtype", None)
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+        out["dtype_bytes"] = _torch_bytes(dtype)
+    return out
+
+
+class Probe:
+    """vLLM's imports and its one-process distributed setup, done once per child process."""
+
+    def __init__(self) -> None:
+        import torch
+        from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+        from vllm.distributed import parallel_state
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.v1.core.kv_cache_planning import (
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_kv_cache_capacity,
+        )
+
+        self.torch = torch
+        self.ps = parallel_state
+        self.set_config = set_current_vllm_config
+        self.layers_of = get_layers_from_vllm_config
+        self.attention_base: Any = AttentionLayerBase
+        self.engine_args: Any = EngineArgs
+        self.initialize_model = initialize_model
+        self.global_groups = get_global_kv_cache_groups
+        self.configs = get_kv_cache_configs
+        self.scheduler_config = generate_scheduler_kv_cache_config
+        self.capacity = get_kv_cache_capacity
+        self.distributed = False
+
+    def _distributed(self, vllm_config: Any) -> None:
+        """One process, world size 1; the model-parallel groups are made anew for each model
+        (vLLM creates the expert-parallel group only for a MoE model's config)."""
+        from vllm.distributed import (
+            ensure_model_parallel_initialized,
+            init_distributed_environment,
+        )
+
+        with self.set_config(vllm_config):
+            if not self.distributed:
+                init_distributed_environment(
+                    world_size=1,
+                    rank=0,
+                    distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                    local_rank=0,
+                    backend="gloo",
+                )
+                self.distributed = True
+            else:
+                self.ps.destroy_model_parallel()
+            ensure_model_parallel_initialized(1, 1)
+
+    def run(self, job: dict[str, Any]) -> dict[str, Any]:
+        config, note = text_model_config(job["config"])
+        notes = [note] if note else []
+        with tempfile.TemporaryDirectory(prefix="oomguard-sizing-") as folder:
+            (Path(folder) / "config.json").write_text(json.dumps(config))
+            if job.get("hf_quant_config"):
+                (Path(folder) / "hf_quant_config.json").write_text(
+                    json.dumps(job["hf_quant_config"])
+                )
+            args: Any = self.engine_args(
+                model=folder,
+                skip_tokenizer_init=True,
+                load_format="dummy",
+                enforce_eager=True,
+                max_model_len=job.get("max_model_len"),
+                kv_cache_dtype=job.get("kv_cache_dtype") or "auto",
+                max_num_batched_tokens=job.get("max_num_batched_tokens"),
+            )
+            vllm_config = args.create_engine_config()
+        tp = int(job.get("tensor_parallel_size") or 1)
+        mla = bool(vllm_config.model_config.use_mla)
+        block = job.get("block_size") or (64 if mla else 16)
+        vllm_config.cache_config.block_size = int(block)
+        if hasattr(vllm_config.cache_config, "kv_cache_layout"):
+            # FlashAttention's layout on CUDA: layers outermost, no block-outermost packing
+            vllm_config.cache_config.kv_cache_layout = "LBNHC"
+        vllm_config.scheduler_config.async_scheduling = bool(job.get("async_scheduling", True))
+        vllm_config.parallel_config.tensor_parallel_size = tp
+        self._distributed(vllm_config)
+        tp_group = self.ps.get_tp_group()
+        saved = (tp_group.world_size, tp_group.rank_in_group)
+        weights: int | None = None
+        try:
+            tp_group.world_size, tp_group.rank_in_group = tp, 0
+            try:
+                model = self._build(vllm_config)
+                weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            except Exception as exc:
+                if vllm_config.quant_config is None:
+                    raise
+                notes.append(
+                    f"linear layers built unquantized ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:160]}); the KV cache spec does not depend "
+                    "on them"
+                )
+                scheme = getattr(vllm_config.quant_config, "kv_cache_scheme", None)
+                if scheme is not None and vllm_config.cache_config.cache_dtype == "auto":
+                    vllm_config.cache_config.cache_dtype = "fp8"  # as Attention.__init__ does
+                vllm_config.quant_config = None
+                vllm_config.compilation_config.static_forward_context.clear()
+                self._build(vllm_config)
+        finally:
+            tp_group.world_size, tp_group.rank_in_group = saved
+        specs: dict[str, Any] = {}
+        for name, layer in self.layers_of(vllm_config, self.attention_base).items():
+            if getattr(layer, "kv_sharing_target_layer_name", None):
+                continue  # reads another layer's cache (GPUModelRunner.get_kv_cache_spec)
+            spec = layer.get_kv_cache_spec(vllm_config)
+            if spec:
+                specs[name] = spec
+        plans = [self._plan(vllm_config, specs, int(a)) for a in job.get("available", [])]
+        return {
+            "ok": True,
+            "architecture": (config.get("architectures") or [""])[0],
+            "layers": [_layer(n, s) for n, s in specs.items()],
+            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+            "block_size": int(vllm_config.cache_config.block_size),
+            "max_model_len": int(vllm_config.model_config.max_model_len),
+            "use_mla": mla,
+            "weights_bytes_per_gpu": weights,
+            "plans": plans,
+            "notes": notes,
+        }
+
+    def _build(self, vllm_config: Any) -> Any:
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        # as vLLM's loaders do: parameters are made in the model dtype
+        dtype = vllm_config.model_config.dtype
+        with (
+            self.set_config(vllm_config),
+            set_default_torch_dtype(dtype),
+            self.torch.device("meta"),
+        ):
+            return self.initialize_model(vllm_config=vllm_config)
+
+    def _plan(self, vllm_config: Any, specs: dict[str, Any], available: int) -> dict[str, Any]:
+        mine = copy.deepcopy(specs)  # grouping may unify page sizes in place
+        out: dict[str, Any] = {"available": available}
+        try:
+            groups = self.global_groups(vllm_config, [mine])
+            configs = self.configs(vllm_config, [mine], [available], groups)
+        except ValueError as exc:  # the engine's own refusal
+            out["error"] = " ".join(str(exc).split())
+            return out
+        sched = self.scheduler_config(configs)
+        tokens, concurrency = self.capacity(vllm_config, sched)
+        out.update(
+            num_blocks=int(configs[0].num_blocks),
+            groups=len(sched.kv_cache_groups),
+            tokens=int(tokens),
+            max_concurrency=float(concurrency),
+        )
+        return out
+
+
+def main() -> int:
+    jobs = json.load(sys.stdin)
+    results: list[dict[str, Any]] = []
+    # vLLM prints to stdout as it imports and builds: keep stdout for the one JSON answer.
+    with contextlib.redirect_stdout(io.StringIO()):
+        probe = Probe()
+        for job in jobs:
+            try:
+                results.append(probe.run(job))
+            except Exception as exc:
+                first = " ".join(str(exc).split())[:400]
+                results.append({"ok": False, "error": f"{type(exc).__name__}: {first}"})
+    sys.stdout.write(json.dumps(results) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    sys.exit(main())
