@@ -408,9 +408,9 @@ def test_a_streamed_request_is_decided_when_generate_is_called():
         AsyncLLM.generate(object(), rendered, params, "cmpl-early-0")  # not iterated
     assert exc.value.parameter == "prompt_logprobs"
 
-    small = engine_request(1000, prompt_logprobs=0)
+    small = engine_request(600, prompt_logprobs=0)
     stream = AsyncLLM.generate(
-        object(), {"type": "token", "prompt_token_ids": list(range(1000))},
+        object(), {"type": "token", "prompt_token_ids": list(range(600))},
         small.sampling_params, "cmpl-early-1",
     )  # fmt: skip
     assert hasattr(stream, "__anext__")  # vLLM's own generator, not started
@@ -422,7 +422,7 @@ def test_a_streamed_request_is_decided_when_generate_is_called():
     assert guard.last is None  # decided once, at the call
     assert small.external_req_id == "cmpl-early-1"
     # a request generate did not see rendered (a text prompt) is decided at assign_request_id
-    other = engine_request(1000, prompt_logprobs=0)
+    other = engine_request(600, prompt_logprobs=0)
     other.request_id, other.external_req_id = "cmpl-late-0", None
     InputProcessor.assign_request_id(other)
     assert guard.last is not None and guard.last.action == "admit"
