@@ -256,3 +256,56 @@ def test_unrenderable_samples_are_counted_not_fatal():
         == 1
     )
     assert b"oomguard_exporter_polls_total" in text
+
+
+class Killed(BaseException):
+    """What no loop catches: the injected death of a thread."""
+
+
+def test_a_dead_collector_thread_is_restarted_counted_and_degrades_healthz():
+    import time
+
+    import httpx
+
+    from oomguard.exporter.server import MetricsServer
+
+    dies = Scripted(name="nvml")
+    dies.error = Killed("injected")  # collect() raises what poll() does not catch
+    ok = Scripted(name="dcgm")
+    poller = Poller([dies, ok], interval=0.05)
+    server = MetricsServer(("127.0.0.1", 0), lambda: poller.latest, 30.0, problems=poller.problems)
+    poller.start(first_results_within=0.5)
+    for t in poller._threads:
+        t.settle = 2.0
+    server.start()
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        deadline = time.monotonic() + 10
+        while not poller.problems() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = httpx.get(f"{url}/healthz")
+        assert r.status_code == 503 and "collector-nvml-" in r.text
+        dies.error = None  # it runs again once restarted (after 1 s)
+        deadline = time.monotonic() + 10
+        while dies_results(poller) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dies_results(poller) is not None
+        got = series(httpx.get(f"{url}/metrics").content)
+        key = (
+            "oomguard_exporter_thread_restarts_total",
+            frozenset({("thread", "collector-nvml-")}),
+        )
+        assert got[key] == 1
+        render = ("oomguard_exporter_thread_restarts_total", frozenset({("thread", "render")}))
+        assert got[render] == 0  # every thread's series, present at 0 from the start
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/healthz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/healthz").status_code == 200
+    finally:
+        server.stop()
+        poller.stop()
+
+
+def dies_results(poller: Poller):
+    return poller.states[0].result

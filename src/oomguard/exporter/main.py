@@ -77,6 +77,7 @@ class Exporter:
             config.listen_address,
             lambda: self.poller.latest,
             max_snapshot_age=max(10.0, 5 * config.interval_seconds),
+            problems=self.poller.problems,
         )
 
     def start(self) -> None:

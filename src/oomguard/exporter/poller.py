@@ -8,6 +8,7 @@ result older than `stale_after` is not served: its collector reports up 0, reaso
 
 from __future__ import annotations
 
+import functools
 import gzip
 import logging
 import threading
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard import __version__
+from oomguard import __version__, supervised
 from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.allocator import AllocatorReading
 from oomguard.exporter.collectors.base import (
@@ -35,6 +36,7 @@ from oomguard.exporter.render import (
     TextRenderer,
     render_openmetrics,
 )
+from oomguard.supervised import Supervised
 from oomguard.thresholds import PressureThresholds
 
 log = logging.getLogger("oomguard.exporter")
@@ -111,7 +113,8 @@ class Poller:
         self.render_dropped: Counter[str] = Counter()  # samples refused while building
         self.polls = 0
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._threads: list[Supervised] = []
+        self.thread_restarts: Counter[str] = Counter()
         self._render_lock = threading.Lock()
         self.latest: Snapshot = Snapshot(0.0, [], b"")
         self._last_render_seconds = 0.0
@@ -182,21 +185,30 @@ class Poller:
         `first_results_within` seconds and is then reported stuck, like at any other time.
         """
         for state in self.states:
-            t = threading.Thread(
-                target=self._collector_loop,
-                args=(state,),
-                name=f"collector-{state.collector.name}-{state.collector.target}",
-                daemon=True,  # a hung NVML call must not block process exit
+            t = Supervised(  # a daemon thread: a hung NVML call must not block process exit
+                f"collector-{state.collector.name}-{state.collector.target}",
+                functools.partial(self._collector_loop, state),
+                self._stop,
+                self._died,
             )
+            self.thread_restarts[t.name] = 0
             t.start()
             self._threads.append(t)
         deadline = time.monotonic() + first_results_within
         while time.monotonic() < deadline and any(s.result is None for s in self.states):
             time.sleep(0.01)
         self.render()
-        t = threading.Thread(target=self._render_loop, name="render", daemon=True)
+        t = Supervised("render", self._render_loop, self._stop, self._died)
+        self.thread_restarts[t.name] = 0
         t.start()
         self._threads.append(t)
+
+    def _died(self, name: str) -> None:
+        self.thread_restarts[name] += 1
+
+    def problems(self) -> list[str]:
+        """The supervised threads that make the exporter degraded now (its /healthz)."""
+        return supervised.problems(self._threads)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -387,6 +399,8 @@ class Poller:
             out.add("oomguard_exporter_invalid_samples_total", ("render", "", reason), count)
         out.add("oomguard_exporter_snapshot_timestamp_seconds", (), now)
         out.add("oomguard_exporter_polls_total", (), self.polls)
+        for name, count in sorted(self.thread_restarts.items()):
+            out.add("oomguard_exporter_thread_restarts_total", (name,), count)
         out.add("oomguard_exporter_render_duration_seconds", (), self._last_render_seconds)
 
 

@@ -151,9 +151,11 @@ class MetricsServer(ThreadingHTTPServer):
         request_timeout: float = REQUEST_TIMEOUT,
         idle_timeout: float = IDLE_TIMEOUT,
         write_timeout: float = WRITE_TIMEOUT,
+        problems: Callable[[], list[str]] = lambda: [],
     ) -> None:
         super().__init__(address, _Handler)
         self._snapshot = snapshot
+        self._problems = problems  # e.g. a poller thread that died (poller.problems)
         self.max_snapshot_age = max_snapshot_age
         self.clock = clock
         self.max_connections = max_connections
@@ -212,6 +214,9 @@ class MetricsServer(ThreadingHTTPServer):
         age = self.clock() - self.snapshot().timestamp
         if age > self.max_snapshot_age:
             return False, f"stale: last snapshot {age:.1f}s old"
+        problems = self._problems()
+        if problems:
+            return False, "degraded: " + "; ".join(problems)
         return True, "ok"
 
     @property
