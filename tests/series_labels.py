@@ -196,8 +196,10 @@ def _top_level(expr: str) -> list[tuple[int, str]]:
     return out
 
 
-def labels(expr: str) -> frozenset[str]:
-    """The labels the series of `expr` carry."""
+def labels(expr: str, best: bool = False) -> frozenset[str]:
+    """The labels the series of `expr` carry: every series (`or` yields what both sides carry),
+    or with `best` the most a series can carry (`or` yields the union: an alert that carries
+    a label wherever it is known, as a page carries its engine's model)."""
     expr = _strip_outer(expr)
     ops = _top_level(expr)
     for level in _LEVELS:
@@ -210,9 +212,11 @@ def labels(expr: str) -> frozenset[str]:
             assert mod is not None
             right = rest[mod.end() :]
             on_kind, on_labels, group, extra = mod.groups()
-            lhs, rhs = labels(left), labels(right)
+            lhs, rhs = labels(left, best), labels(right, best)
             if op == "or":
-                return lhs if rhs == ANY else rhs if lhs == ANY else lhs & rhs
+                if ANY in (lhs, rhs):
+                    return lhs if rhs == ANY else rhs
+                return lhs | rhs if best else lhs & rhs
             if op in ("and", "unless"):
                 return lhs
             if group == "group_left":
@@ -228,10 +232,10 @@ def labels(expr: str) -> frozenset[str]:
             if on_kind == "ignoring":
                 return lhs - _names(on_labels)
             return lhs
-    return _term(expr)
+    return _term(expr, best)
 
 
-def _term(expr: str) -> frozenset[str]:
+def _term(expr: str, best: bool = False) -> frozenset[str]:
     if re.fullmatch(r"-?[0-9.eE+]+", expr) or expr.startswith("time()"):
         return frozenset()
     m = re.match(r"(\w+)\s*(by|without)?\s*(?:\(([^)]*)\))?\s*\(", expr)
@@ -244,11 +248,11 @@ def _term(expr: str) -> frozenset[str]:
         if tail_clause:
             clause, clause_labels = tail_clause.groups()
         if name in ("topk", "bottomk", "quantile"):
-            inner = labels(body.split(",", 1)[1])
+            inner = labels(body.split(",", 1)[1], best)
             if not clause:
                 return inner
         else:
-            inner = labels(body)
+            inner = labels(body, best)
         if clause == "by":
             return frozenset(_names(clause_labels))
         if clause == "without":
@@ -262,10 +266,10 @@ def _term(expr: str) -> frozenset[str]:
         if name == "vector" or name == "scalar":
             return frozenset()
         if name == "histogram_quantile":
-            return labels(body.split(",", 1)[1]) - {"le"}
+            return labels(body.split(",", 1)[1], best) - {"le"}
         if name == "label_replace":
             args = body.split(",")
-            return labels(args[0]) | {args[1].strip().strip('"')}
+            return labels(args[0], best) | {args[1].strip().strip('"')}
         if name == "absent":
             return frozenset(re.findall(r'(\w+)="', body))
         if name in _KEEP_FIRST_ARG:
@@ -274,7 +278,7 @@ def _term(expr: str) -> frozenset[str]:
                 first = body.rsplit(",", 1)[0] if name != "quantile_over_time" else body
                 if name == "quantile_over_time":
                     first = body.split(",", 1)[1]
-            return labels(first)
+            return labels(first, best)
         raise ValueError(f"function {name} not modelled in {expr!r}")
     m = re.match(r"([a-zA-Z_:][\w:]*)", expr)
     if m:

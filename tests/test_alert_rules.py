@@ -123,6 +123,21 @@ def test_promtool_unit_tests_can_fail(repo_root, tmp_path):
             "increase(oomguard_host_oom_kills_total[10m]) > 0 or (oomguard_host_oom_kills_total "
             "> 0 unless oomguard_host_oom_kills_total offset 10m)",
         ),
+        # a crashed engine's reload counted as a reconcile error storm (a second page per OOM)
+        (
+            "OomguardRemediationFailing",
+            'increase(oomguard_remediator_actions_total{result="failed"}[10m]) > 0 '
+            "or increase(oomguard_remediator_reconcile_errors_total[10m]) > 2",
+        ),
+        # the single-replica fallback (cap, not drain) paged as a safety limit
+        (
+            "OomguardRemediationLimited",
+            "increase(oomguard_remediator_safety_limited_total[15m]) > 0 or "
+            "(oomguard_remediator_safety_limited_total > 0 unless "
+            "oomguard_remediator_safety_limited_total offset 15m)",
+        ),
+        # a restart that a recorded incident or oomguard's own restart explains
+        ("OomguardEngineRestarted", "resets(oomguard_vllm_generation_tokens_total[15m]) > 0"),
         # compared by identity but `ignoring` nothing new: an OOM during the rollout (old pod at
         # 1, new at 2) is missed
         (
@@ -202,7 +217,16 @@ def test_every_alert_has_a_firing_and_a_quiet_case():
     assert {c.expr for c in expr_cases()} == {
         "target:oomguard_capacity_withheld_seqs:max",
         "model_name:oomguard_capacity_withheld_seqs:sum",
+        "engine:oomguard_vllm_model:info",
     }
+
+
+def test_the_rules_know_the_remediators_fallback_limits():
+    """RemediationLimited leaves out the limits under which the remediator caps instead."""
+    from oomguard.alerts.rules import FALLBACK_LIMITS
+    from oomguard.remediator.decision import FALLBACK_LIMITS as REMEDIATOR
+
+    assert set(FALLBACK_LIMITS) == set(REMEDIATOR)
 
 
 def test_mixin_conventions():
@@ -225,8 +249,25 @@ def test_recording_rules_are_named_level_metric_operations():
 
 def test_every_group_sets_its_interval():
     for group in rule_groups(T)["groups"]:  # type: ignore[index]
-        assert re.fullmatch(r"[0-9]+[smh]", group["interval"]), group["name"]
-    assert rule_groups(AlertThresholds(rule_interval="15s"))["groups"][0]["interval"] == "15s"  # type: ignore[index]
+        assert re.fullmatch(r"[0-9]+(ms|[smh])", group["interval"]), group["name"]
+    groups = rule_groups(AlertThresholds(rule_interval="15s", action_rule_interval="1s"))
+    intervals = {g["name"]: g["interval"] for g in groups["groups"]}  # type: ignore[index]
+    assert intervals == {"oomguard-actions": "1s", "oomguard": "15s", "oomguard-slo": "1m"}
+
+
+def test_the_fast_group_holds_only_work_orders_on_raw_levels():
+    """The quarter-second group: the remediator's work orders on the exporter's level gauge,
+    nothing that reads a range or a recording rule (those need the main group's order)."""
+    groups = {g["name"]: g for g in rule_groups(T)["groups"]}  # type: ignore[index]
+    fast = groups["oomguard-actions"]["rules"]
+    assert {r["alert"] for r in fast} == {
+        "OomguardMemoryPressure",
+        "OomguardMemoryCritical",
+        "OomguardPressureBlind",
+    }
+    for rule in fast:
+        assert metric_names(rule["expr"]) == {"oomguard_engine_pressure_level"}
+        assert "[" not in rule["expr"]
 
 
 def test_every_aggregation_keeps_the_cluster_label():

@@ -95,13 +95,50 @@ def test_one_page_per_incident_type():
     assert paging & oom_incident == {"OomguardCudaOomObserved"}
 
 
-def test_a_page_groups_every_rank_and_engine_of_a_target(repo_root):
-    """Two ranks of one engine hitting OOMs at once are one incident: one group, one page."""
+def test_a_page_groups_every_alert_of_a_models_incident(repo_root):
+    """One pager group per model: a CUDA OOM on any rank or engine, the model unavailable while
+    it reloads, its budget burning and its engines' remediation are one incident, one page."""
     config = yaml.safe_load((repo_root / ALERTMANAGER).read_text())
     pager = next(r for r in config["route"]["routes"] if r["receiver"] == PAGER)
     group_by = pager.get("group_by", config["route"]["group_by"])
-    assert "target" in group_by and T.cluster_label in group_by
-    assert not {"rank", "pid", "engine", "instance", "gpu", "UUID"} & set(group_by)
+    assert set(group_by) == {T.cluster_label, "model_name"}
+
+
+def test_every_page_about_an_engine_carries_its_model():
+    """The pager groups by model_name: an engine's page without it would be its own incident."""
+    from tests.series_labels import labels
+
+    for alert in ALERTS:
+        if PAGER not in expected_receivers(alert):
+            continue
+        carried = labels(alert.expr, best=True)
+        if carried & {"target", "model_name"}:
+            assert "model_name" in carried, alert.name
+
+
+def test_every_inhibition_and_grouping_names_labels_the_alerts_carry():
+    """An `equal` label missing on either side never matches (ModelUnavailable carries no
+    `instance`, so a CUDA OOM could not inhibit it by instance)."""
+    from tests.series_labels import labels
+
+    config = alertmanager_config(T)
+    carried = {a.name: labels(a.expr, best=True) | set(a.labels()) | {"alertname"} for a in ALERTS}
+
+    def matching(matchers: list[str]) -> list[str]:
+        import re
+
+        names = [m for m in matchers if m.startswith("alertname")]
+        (m,) = names
+        op, value = re.fullmatch(r'alertname(=~|=)"(.*)"', m).groups()  # type: ignore[union-attr]
+        pattern = value if op == "=~" else re.escape(value)
+        return [n for n in carried if re.fullmatch(pattern, n)]
+
+    for rule in config["inhibit_rules"]:
+        sources, targets = matching(rule["source_matchers"]), matching(rule["target_matchers"])
+        assert sources and targets, rule
+        for name in sources + targets:
+            missing = set(rule["equal"]) - carried[name]
+            assert not missing, (name, missing, rule["equal"])
 
 
 def test_inhibition_never_hides_a_work_order():
@@ -114,11 +151,15 @@ def test_inhibition_never_hides_a_work_order():
         assert T.cluster_label in rule["equal"], rule
 
 
-def test_the_remediator_route_paces_with_rule_evaluation():
-    config = alertmanager_config(AlertThresholds(rule_interval="15s"))
+def test_the_remediator_gets_every_alert_as_its_own_group_at_once():
+    """Alertmanager sends a group's first notification after group_wait, later changes only at
+    group_interval ticks: one group per alert and group_wait 0 send each new alert at once."""
+    config = alertmanager_config(AlertThresholds(remediator_group_interval="250ms"))
     routes = [r for r in config["route"]["routes"] if r["receiver"] == "remediator"]
-    assert routes and all(r["group_interval"] == "15s" for r in routes)
-    assert all(r["group_wait"] == "0s" for r in routes)
+    assert len(routes) == 2
+    for r in routes:
+        assert r["group_by"] == ["..."] and r["group_wait"] == "0s"
+        assert r["group_interval"] == "250ms"
 
 
 def test_a_wrong_expectation_fails(repo_root):

@@ -27,7 +27,8 @@ def test_the_alerting_path_is_what_the_generator_writes():
     shipped = alertmanager_path()
     t = AlertThresholds()
     assert shipped.keep_firing_s == seconds(t.action_keep_firing_for)
-    assert shipped.eval_s == shipped.deliver_s == seconds(t.rule_interval)
+    assert shipped.eval_s == seconds(t.action_rule_interval)
+    assert shipped.deliver_s == seconds(t.remediator_group_interval)
     slower = alertmanager_path(t.model_copy(update={"action_keep_firing_for": "2m"}))
     assert slower.keep_firing_s == 120
     assert standalone_path().deliver_s == 0  # no Alertmanager hop

@@ -172,6 +172,21 @@ class AlertThresholds(BaseModel):
         description="Evaluation interval of the rule group, set in the group itself so that "
         "`for` and hysteresis hold whatever the server's global evaluation_interval is.",
     )
+    action_rule_interval: str = Field(
+        "250ms",
+        pattern=_DURATION,
+        description="Evaluation interval of the work orders on the exporter's level series "
+        "(MemoryPressure, MemoryCritical, PressureBlind): a comparison of one gauge, cheap at "
+        "any fleet size, so that detection is not held up by the rule schedule.",
+    )
+    remediator_group_interval: str = Field(
+        "100ms",
+        pattern=_DURATION,
+        description="group_interval of Alertmanager's remediator route: every alert is its own "
+        "group there (new ones go out at once); an alert that fires again while its group "
+        "still exists (about 30 s after it resolved) waits at most this long. Alertmanager "
+        "sends only what changed, so a short interval sends no more webhooks.",
+    )
     kv_usage_high_ratio: float = Field(0.9, gt=0, le=1)
     kv_usage_high_for: str = Field("15m", pattern=_DURATION)
     preemption_ratio: float = Field(0.01, gt=0, description="Preemptions per finished request.")

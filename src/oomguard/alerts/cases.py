@@ -365,6 +365,21 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardCudaOomObserved", "18m", rose, oom_fired("1", rank_new)))
     seam = {**rolled, ooms_new: "_x10 2x20"}
     add(Case("OomguardCudaOomObserved", "12m", seam, oom_fired("1", rank_new)))
+    # the engine served a model: the page carries it, so the model's other pages (no ready
+    # engine while it reloads, its error budget) are the same incident in Alertmanager. The
+    # engine's series stop when it dies (2m); the model it served in the hour still counts.
+    served = {
+        ooms: "0 0 0 1x15",
+        sel("oomguard_vllm_requests_running", L.engine): "5 5 5",
+    }
+    add(
+        Case(
+            "OomguardCudaOomObserved",
+            "5m",
+            served,
+            [{**oom_fired("1")[0], "model_name": MODEL}],
+        )
+    )
 
     # the classified incident: a ticket whose runbook link opens the section of its type
     def incident(kind: str, pod: str | None = None) -> str:
@@ -439,6 +454,16 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             {tokens: "0+100x5 stale", tokens_new: "_x5 600+100x10"},
         )
     )
+    # a restart with a recorded incident is that incident's (its ticket, its page); one the
+    # remediator made itself (mode restarting) is no news either
+    restarted = {tokens: "0+100x5 0+100x10"}
+    recorded = sel(
+        "oomguard_incidents_total",
+        {**L.exp, "Hostname": NODE, "target": L.target, "engine": "0", "type": "under_load"},
+    )
+    add(Case("OomguardEngineRestarted", "10m", {**restarted, recorded: "0x5 1x10"}))
+    restarting = sel("oomguard_remediator_target_mode", {**L.rem_target, "mode": "restarting"})
+    add(Case("OomguardEngineRestarted", "10m", {**restarted, restarting: "0x4 1 1 0x10"}))
 
     # host OOM kills, read from the kubepods cgroup the DaemonSet mounts (the v2 root has none)
     host = sel("oomguard_host_oom_kills_total", {**L.exp, "Hostname": NODE, "cgroup": L.cgroup})
@@ -866,6 +891,36 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardRemediationFailing", "5m", {failed: "0 0 1x10"}, failing))
     add(Case("OomguardRemediationFailing", "5m", {failed: "_ _ 1x10"}, failing))
     add(Case("OomguardRemediationFailing", "5m", {failed: "0x12"}))
+    # a crashed engine cannot be read: the remediator counts a reconcile error each pass while
+    # it reloads (8 minutes here, from 2m). That is the crash's incident, not a failing
+    # remediator: quiet while the exporter could not scrape the engine within the window; an
+    # engine up again for 10 minutes that still cannot be read or changed pages.
+    errors = sel("oomguard_remediator_reconcile_errors_total", L.rem_target)
+    vllm_up = sel("oomguard_vllm_up", {**L.exp, "target": L.target})
+    crashed = {
+        errors: "0 0 60+60x8 540x20",
+        vllm_up: "1 1 0x8 1x20",
+        sel("oomguard_vllm_requests_running", L.engine): "5 5 _x8 5x20",
+    }
+    add(Case("OomguardRemediationFailing", "6m", crashed))
+    add(Case("OomguardRemediationFailing", "15m", crashed))
+    still = {**crashed, errors: "0 0 60+60x8 540+60x20"}  # errors go on once it is back
+    add(
+        Case(
+            "OomguardRemediationFailing",
+            "22m",
+            still,
+            [
+                {
+                    **L.rem_target,
+                    "model_name": MODEL,
+                    "severity": "critical",
+                    "description": f"The remediator on {L.rem['instance']} failed on target "
+                    f"{L.target} (600 in 10 minutes): the engine is not protected.",
+                }
+            ],
+        )
+    )
     # the remediator's Deployment rolls at 30m: its counters live in the process, so the new
     # pod (a new address too) starts again at 0: nothing new; its own first failure pages
     new_rem = L.rolled(L.rem_target, NEW_REMEDIATOR_POD, "10.0.4.2")
@@ -904,13 +959,20 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             "limit": "cooldown",
             "severity": "critical",
             "description": f"The remediator on {L.rem['instance']} held back an action on "
-            f"{L.target} because of its cooldown limit: the engine is in danger and nothing "
-            "protects it.",
+            f"{L.target} because of its cooldown limit: the engine is in danger and the action "
+            "it needed was not taken.",
         }
     ]
     add(Case("OomguardRemediationLimited", "5m", {limited: "0 0 1x10"}, held_back))
     add(Case("OomguardRemediationLimited", "5m", {limited: "_ _ 1x10"}, held_back))
     add(Case("OomguardRemediationLimited", "25m", {limited: "3x30"}))
+    # the last ready replica of its model: the drain is refused and the remediator caps
+    # instead, as designed; nothing is held back
+    for fallback in ("last_ready", "disruption_budget"):
+        fell_back = sel(
+            "oomguard_remediator_safety_limited_total", {**L.rem_target, "limit": fallback}
+        )
+        add(Case("OomguardRemediationLimited", "5m", {fell_back: "0 0 1x10"}))
     limited_new = sel(
         "oomguard_remediator_safety_limited_total",
         {**L.rolled(L.rem_target, NEW_REMEDIATOR_POD, "10.0.4.2"), "limit": "cooldown"},
@@ -1106,10 +1168,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             "OomguardRequestErrorBudgetBurn",
             "65m",
             {success("error"): "0+10x70", success("stop"): "0+90x70"},
-            [
-                burn("critical", "10%", errors, "99.9", "hours"),
-                burn("warning", "10%", errors, "99.9", "days"),
-            ],
+            [burn("critical", "10%", errors, "99.9", "hours")],  # the page covers the ticket
         )
     )
     add(
@@ -1155,10 +1214,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             "OomguardTTFTBudgetBurn",
             "65m",
             ttft("10"),
-            [
-                burn("critical", "90%", slow, "95", "hours"),
-                burn("warning", "90%", slow, "95", "days"),
-            ],
+            [burn("critical", "90%", slow, "95", "hours")],
         )
     )
     add(
@@ -1191,6 +1247,10 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     return c
 
 
+def model_e(engine: dict[str, str]) -> dict[str, str]:
+    return {**engine, "model_name": MODEL}
+
+
 def expr_cases(t: AlertThresholds | None = None) -> list[ExprCase]:
     """Recording rules other systems act on (capacity withheld), checked value by value."""
     t = t or AlertThresholds()
@@ -1203,7 +1263,23 @@ def expr_cases(t: AlertThresholds | None = None) -> list[ExprCase]:
     model = {**L.cluster, "model_name": MODEL}
     capped = {startup: "64x10", cap: "16x10", mode: "0x10", running: "5x10"}
     drained = {**capped, mode: "0 0 0 1x7"}
+    engine = {**L.cluster, "instance": L.exp["instance"], "target": L.target, "engine": "0"}
+    running_old = sel("oomguard_vllm_requests_running", {**L.engine, "model_name": "old/model"})
     return [
+        # the model an engine serves now; while it reloads after a crash, the one it served
+        ExprCase(
+            "engine:oomguard_vllm_model:info", "5m", {running: "5x10"}, [(model_e(engine), "1")]
+        ),
+        ExprCase(
+            "engine:oomguard_vllm_model:info", "8m", {running: "5x3"}, [(model_e(engine), "1")]
+        ),
+        # redeployed with another model 5 minutes ago: the one it serves now, only
+        ExprCase(
+            "engine:oomguard_vllm_model:info",
+            "10m",
+            {running_old: "5x5 stale", running: "_x5 5x5"},
+            [(model_e(engine), "1")],
+        ),
         ExprCase("target:oomguard_capacity_withheld_seqs:max", "5m", capped, [(target, "48")]),
         ExprCase("model_name:oomguard_capacity_withheld_seqs:sum", "5m", capped, [(model, "48")]),
         # draining admits nothing: the whole startup capacity is withheld

@@ -118,19 +118,29 @@ def alertmanager_config(t: AlertThresholds | None = None) -> dict[str, Any]:
     t = t or AlertThresholds()
     c = t.cluster_label
     actions = f'oomguard_action=~"{"|".join(ACTIONS)}"'
-    # The remediator gets one group per engine; on-call gets one page per incident: per alert
-    # and engine target, however many ranks, engines or GPUs report it.
-    engine_group = ["alertname", c, "instance", "target", "engine"]
-    incident_group = ["alertname", c, "target", "model_name"]
+    # The remediator gets every alert as its own group: Alertmanager (0.25, dispatch.go) sends
+    # a new group's first notification after group_wait, but a group that has notified once
+    # sends what is new only at its next group_interval tick. One group per alert makes every
+    # new alert (an escalation from pressure to critical, another reason, another engine) a
+    # new group, sent at once; the same alert firing again while its resolved group is still
+    # kept (Alertmanager collects empty groups every 30 s) waits one short group_interval.
+    # Alertmanager notifies only when a group's alerts changed, so short ticks cost no webhooks.
     remediator: dict[str, Any] = {
         "receiver": "remediator",
-        "group_by": engine_group,
+        "group_by": ["..."],
         "group_wait": "0s",
-        # a machine receiver: it is level-triggered and deduplicates, so frequent updates
-        # cost nothing; one rule evaluation is the natural pace
-        "group_interval": t.rule_interval,
+        "group_interval": t.remediator_group_interval,
         "repeat_interval": "5m",
     }
+    # On-call gets one page per incident: a model's incident is one group (a CUDA OOM, the
+    # model unavailable while it reloads, its error budget burning, the remediation of its
+    # engines), whatever alerts, ranks, engines or GPUs report it; an alert joining an open
+    # group updates the same pager incident (PagerDuty's and Opsgenie's dedup key is the group
+    # key), it does not page again. Alerts without a model (the remediator down) are one group
+    # per cluster.
+    page_group = [c, "model_name"]
+    # Tickets: one per alert and engine.
+    incident_group = ["alertname", c, "target", "model_name"]
     return {
         "global": {"resolve_timeout": "5m"},
         "route": {
@@ -151,16 +161,21 @@ def alertmanager_config(t: AlertThresholds | None = None) -> dict[str, Any]:
                 # the incident's page, so it continues to the pager.
                 {
                     **remediator,
-                    "group_by": list(engine_group),
+                    "group_by": ["..."],
                     "matchers": [actions, 'severity="critical"'],
                     "continue": True,
                 },
                 {
                     **remediator,
-                    "group_by": list(engine_group),  # a copy: no YAML alias in the output
+                    "group_by": ["..."],  # a copy: no YAML alias in the output
                     "matchers": [actions, 'severity!="critical"'],
                 },
-                {"receiver": PAGER, "matchers": ['severity="critical"'], "group_wait": "10s"},
+                {
+                    "receiver": PAGER,
+                    "group_by": page_group,
+                    "matchers": ['severity="critical"'],
+                    "group_wait": "10s",
+                },
                 {"receiver": TICKET, "matchers": ['severity="warning"']},
                 # info alerts are for dashboards: no ticket, fleet-wide or not
                 {"receiver": NOWHERE, "matchers": ['severity=~"info|none"']},
@@ -183,10 +198,34 @@ def alertmanager_config(t: AlertThresholds | None = None) -> dict[str, Any]:
                 "source_matchers": ['alertname="OomguardCudaOomObserved"'],
                 "target_matchers": [
                     'alertname=~"Oomguard(EngineDown|EngineRestarted|GpuMemoryCritical'
-                    '|GpuMemoryPressure|ModelUnavailable)"',
+                    '|GpuMemoryPressure)"',
                     NOT_AN_ACTION,
                 ],
                 "equal": [c, "instance"],
+            },
+            {
+                # ... and so are its model with no ready engine while it reloads, and the
+                # requests it lost burning the model's error budget (the OOM alert carries the
+                # engine's model_name; these carry no instance).
+                "source_matchers": ['alertname="OomguardCudaOomObserved"'],
+                "target_matchers": [
+                    'alertname=~"Oomguard(ModelUnavailable|RequestErrorBudgetBurn)"',
+                    NOT_AN_ACTION,
+                ],
+                "equal": [c, "model_name"],
+            },
+            {
+                # One SLO burn is a page or a ticket, not both: the fast burn covers the slow.
+                "source_matchers": [
+                    'alertname=~"Oomguard(RequestError|TTFT)BudgetBurn"',
+                    'severity="critical"',
+                ],
+                "target_matchers": [
+                    'alertname=~"Oomguard(RequestError|TTFT)BudgetBurn"',
+                    'severity="warning"',
+                    NOT_AN_ACTION,
+                ],
+                "equal": ["alertname", c, "model_name"],
             },
             {
                 "source_matchers": ['alertname="OomguardGpuMemoryCritical"'],

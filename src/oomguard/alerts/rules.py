@@ -111,6 +111,24 @@ def exporter_identity(t: AlertThresholds, metric: str) -> tuple[str, ...]:
     return (t.cluster_label, "job", "instance", *CATALOG[metric].labels)
 
 
+ENGINE_MODEL = "engine:oomguard_vllm_model:info"
+# The safety limits under which the remediator caps instead of draining (or restarting): the
+# designed fallback for the last ready replica of a model, nothing held back
+# (remediator/decision.py FALLBACK_LIMITS; tests/test_alert_rules.py checks they agree).
+FALLBACK_LIMITS = ("disruption_budget", "last_ready")
+
+
+def with_model(expr: str, c: str, on: tuple[str, ...]) -> str:
+    """`expr` with the `model_name` of the engine its series name (ENGINE_MODEL, joined `on`
+    those labels); a series whose engine never reported a model is kept without one."""
+    by = ", ".join((c, *on))
+    model = f"topk by ({by}) (1, {ENGINE_MODEL})"
+    return (
+        f"(\n{expr}\n)\n+ on ({by}) group_left (model_name) (0 * {model})\n"
+        f"or\n(\n{expr}\n)\nunless on ({by}) {ENGINE_MODEL}"
+    )
+
+
 def _num(x: float) -> str:
     return f"{x:.10g}"
 
@@ -136,6 +154,20 @@ def recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
             "rate(oomguard_vllm_preemptions_total[5m])\n"
             "/ clamp_min(sum without (finished_reason) "
             "(rate(oomguard_vllm_requests_finished_total[5m])), 1 / 300)",
+        ),
+        # The model each engine serves now, else the one it served within the hour (a crashed
+        # engine has no series while it reloads): pages about an engine carry its model, so a
+        # CUDA OOM, the model's unavailability and its error budget are one incident
+        # (Alertmanager's pager route groups by model). topk keeps one model per engine.
+        RecordingRule(
+            ENGINE_MODEL,
+            f"group by ({c}, instance, target, engine, model_name) (\n"
+            f"  topk by ({c}, instance, target, engine) (1,\n"
+            f"    2 * group by ({c}, instance, target, engine, model_name) ({running})\n"
+            f"    or group by ({c}, instance, target, engine, model_name) "
+            f"(last_over_time({running}[1h]))\n"
+            "  )\n"
+            ")",
         ),
         RecordingRule(
             "rank:oomguard_allocator_fragmentation_bytes:diff",
@@ -214,29 +246,13 @@ _GPU = "GPU {{ $labels.gpu }} ({{ $labels.UUID }}) on {{ $labels.Hostname }}"
 _REASON = "(reason {{ $labels.reason }})"
 
 
-def alerts(t: AlertThresholds | None = None) -> list[Alert]:
-    """The fast group's alerts (SLO burn-rate alerts are in `slo_alerts`)."""
+def action_alerts(t: AlertThresholds | None = None) -> list[Alert]:
+    """The work orders the remediator acts on at once, on the exporter's level series alone,
+    evaluated every `action_rule_interval` (a quarter second: cheap comparisons of one gauge,
+    so that an engine about to run out of memory is drained within a scrape of the exporter
+    detecting it)."""
     t = t or AlertThresholds()
-    exp, rem = f'job="{t.exporter_job}"', f'job="{t.remediator_job}"'
-    c = t.cluster_label
-    ksm, ksm_job = "kube_", f'job="{t.kube_state_metrics_job}"'
-    ds = "kube_daemonset_status"
-    ds_sel = f'{ksm_job}, daemonset="{t.exporter_daemonset}"'
     return [
-        # -- the remediator's work orders (no page: the remediator acts on them) ---------------
-        Alert(
-            "OomguardPreemptionRateHigh",
-            f"engine:oomguard_vllm_preemption_ratio:rate5m > {t.preemption_ratio}\n"
-            f"and increase(oomguard_vllm_preemptions_total[5m]) >= {t.preemption_min_count}",
-            "warning",
-            "A vLLM engine preempts a high share of its requests.",
-            f"{_ENGINE} preempted {{{{ $value | humanizePercentage }}}} of its finished "
-            "requests over 5 minutes. Preemption is how vLLM meets a full KV cache; sustained, "
-            "it costs latency and throughput, so oomguard lowers the admission cap.",
-            for_=t.preemption_for,
-            keep_firing_for=t.action_keep_firing_for,
-            action="lower_cap",
-        ),
         Alert(
             "OomguardMemoryPressure",
             "oomguard_engine_pressure_level >= 2",
@@ -272,13 +288,44 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             keep_firing_for=t.action_keep_firing_for,
             action="drain",
         ),
+    ]
+
+
+def alerts(t: AlertThresholds | None = None) -> list[Alert]:
+    """The main group's alerts (work orders on raw levels are in `action_alerts`, SLO
+    burn-rate alerts in `slo_alerts`)."""
+    t = t or AlertThresholds()
+    exp, rem = f'job="{t.exporter_job}"', f'job="{t.remediator_job}"'
+    c = t.cluster_label
+    ksm, ksm_job = "kube_", f'job="{t.kube_state_metrics_job}"'
+    ds = "kube_daemonset_status"
+    ds_sel = f'{ksm_job}, daemonset="{t.exporter_daemonset}"'
+    return [
+        # -- the remediator's work orders (no page: the remediator acts on them) ---------------
+        Alert(
+            "OomguardPreemptionRateHigh",
+            f"engine:oomguard_vllm_preemption_ratio:rate5m > {t.preemption_ratio}\n"
+            f"and increase(oomguard_vllm_preemptions_total[5m]) >= {t.preemption_min_count}",
+            "warning",
+            "A vLLM engine preempts a high share of its requests.",
+            f"{_ENGINE} preempted {{{{ $value | humanizePercentage }}}} of its finished "
+            "requests over 5 minutes. Preemption is how vLLM meets a full KV cache; sustained, "
+            "it costs latency and throughput, so oomguard lowers the admission cap.",
+            for_=t.preemption_for,
+            keep_firing_for=t.action_keep_firing_for,
+            action="lower_cap",
+        ),
         # -- pages: one per incident -----------------------------------------------------------
         Alert(
             "OomguardCudaOomObserved",
-            rose_since(
-                "oomguard_allocator_ooms_total",
-                "5m",
-                exporter_identity(t, "oomguard_allocator_ooms_total"),
+            with_model(
+                rose_since(
+                    "oomguard_allocator_ooms_total",
+                    "5m",
+                    exporter_identity(t, "oomguard_allocator_ooms_total"),
+                ),
+                c,
+                ("instance", "target", "engine"),
             ),
             "critical",
             "A vLLM worker hit a CUDA out-of-memory error.",
@@ -320,8 +367,18 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardRemediationFailing",
-            new_or_increased('oomguard_remediator_actions_total{result="failed"}', "10m")
-            + "\nor increase(oomguard_remediator_reconcile_errors_total[10m]) > 2",
+            # an engine that crashed cannot be read or changed: that is its own incident (the
+            # OOM page, ModelUnavailable), not the remediator failing. Errors on a target whose
+            # engine the exporter could not scrape either, within the window, do not count.
+            with_model(
+                "(\n"
+                + new_or_increased('oomguard_remediator_actions_total{result="failed"}', "10m")
+                + "\nor increase(oomguard_remediator_reconcile_errors_total[10m]) > 2\n)\n"
+                f"unless on ({c}, target) "
+                f"(min_over_time(oomguard_vllm_up{{{exp}}}[10m]) == 0)",
+                c,
+                ("target",),
+            ),
             "critical",
             "The oomguard remediator fails to act on an engine.",
             "The remediator on {{ $labels.instance }} failed on target {{ $labels.target }} "
@@ -330,12 +387,22 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardRemediationLimited",
-            new_or_increased("oomguard_remediator_safety_limited_total", "15m"),
+            # a drain or restart refused for the last ready replica (or the disruption budget)
+            # is answered with a lower cap: the designed fallback, not an engine left alone
+            with_model(
+                new_or_increased(
+                    "oomguard_remediator_safety_limited_total"
+                    f'{{limit!~"{"|".join(FALLBACK_LIMITS)}"}}',
+                    "15m",
+                ),
+                c,
+                ("target",),
+            ),
             "critical",
             "A safety limit stopped the oomguard remediator from acting.",
             "The remediator on {{ $labels.instance }} held back an action on "
             "{{ $labels.target }} because of its {{ $labels.limit }} limit: the engine is in "
-            "danger and nothing protects it.",
+            "danger and the action it needed was not taken.",
             keep_firing_for=t.keep_firing_for,
         ),
         Alert(
@@ -412,7 +479,16 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardEngineRestarted",
-            "resets(oomguard_vllm_generation_tokens_total[15m]) > 0",
+            # restarts nothing else explains: not one with a recorded incident (its
+            # IncidentClassified ticket, the OOM page), not one oomguard made itself
+            "resets(oomguard_vllm_generation_tokens_total[15m]) > 0\n"
+            f"unless on ({c}, instance, target) (\n"
+            + rose_since(
+                "oomguard_incidents_total", "30m", exporter_identity(t, "oomguard_incidents_total")
+            )
+            + "\n)\n"
+            f"unless on ({c}, target) (max_over_time("
+            'oomguard_remediator_target_mode{mode="restarting"}[15m]) == 1)',
             "warning",
             "A vLLM engine restarted.",
             f"The counters of {_ENGINE} reset {{{{ $value }}}} times in 15 minutes: the engine "
@@ -536,7 +612,9 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardCollectorDown",
-            "oomguard_exporter_collector_up == 0",
+            # a vLLM target the exporter cannot scrape is OomguardEngineDown's (15 minutes: a
+            # reload after a crash or a rollout takes minutes and is no collector failure)
+            'oomguard_exporter_collector_up{collector!="vllm"} == 0',
             "warning",
             "An oomguard exporter collector fails.",
             "Collector {{ $labels.collector }} {{ $labels.target }} of the exporter on "
@@ -678,10 +756,19 @@ def slo_alerts(t: AlertThresholds | None = None) -> list[Alert]:
                 if sev == severity
             ]
             fast = severity == "critical"
+            expr = "\nor ".join(arms)
+            if not fast:
+                # one burn is a page or a ticket: a model whose fast burn paged in the last 6h
+                # (the longest short window here) gets no ticket for its tail
+                expr = (
+                    f"(\n{expr}\n)\nunless on ({t.cluster_label}, model_name)\n"
+                    f'max_over_time(ALERTS{{alertname="{name}", alertstate="firing", '
+                    f'severity="critical"}}[6h])'
+                )
             out.append(
                 Alert(
                     name,
-                    "\nor ".join(arms),
+                    expr,
                     severity,
                     "A model burns its SLO error budget fast."
                     if fast
@@ -720,6 +807,7 @@ def rule_groups(t: AlertThresholds) -> dict[str, object]:
 
     return {
         "groups": [
+            group("oomguard-actions", t.action_rule_interval, [], action_alerts(t)),
             group("oomguard", t.rule_interval, recording_rules(t), alerts(t)),
             # long windows (up to 3 days) cost more and change slowly: once a minute
             group("oomguard-slo", "1m", slo_recording_rules(t), slo_alerts(t)),
@@ -729,7 +817,7 @@ def rule_groups(t: AlertThresholds) -> dict[str, object]:
 
 def all_alerts(t: AlertThresholds | None = None) -> list[Alert]:
     t = t or AlertThresholds()
-    return alerts(t) + slo_alerts(t)
+    return action_alerts(t) + alerts(t) + slo_alerts(t)
 
 
 @dataclass

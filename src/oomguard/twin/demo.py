@@ -288,9 +288,10 @@ class Demo:
                     labels={address: {"instance": node} for address, node in exporters.items()},
                     every_job_at="1s",
                 )
-                # Alertmanager's routes are the shipped ones, not scaled: the remediator route
-                # flushes a resolve every group_interval (5 s wall, 100 s of trace at x20).
-                # Re-reading the firing alerts each second stands in for the scaled flush.
+                # Alertmanager's routes are the shipped ones, not scaled (the remediator route
+                # sends each alert at once and flushes a resolve within its short
+                # group_interval). Re-reading the firing alerts each second keeps the remediator
+                # in step with the compressed trace all the same.
                 config["alertmanager"] = {"url": am.url, "resync_seconds": 1}
                 self.say(f"Prometheus {prom.url} (generated rules, timings /{c:g})")
             else:

@@ -64,12 +64,13 @@ class AlertPath:
 def alertmanager_path(t: AlertThresholds | None = None) -> AlertPath:
     """Prometheus rules + Alertmanager, as `oomguard generate` writes them from `t`."""
     t = t or AlertThresholds()
-    every = seconds(t.rule_interval)
     return AlertPath(
         "prometheus+alertmanager",
         staleness_s=EXPORTER_POLL_S + EXPORTER_SCRAPE_S,
-        eval_s=every,
-        deliver_s=every,  # the remediator route's group_interval is the rule interval
+        eval_s=seconds(t.action_rule_interval),  # the work orders' own rule group
+        # every alert is its own group on the remediator route; a re-fire within its group's
+        # life waits at most the route's group_interval
+        deliver_s=seconds(t.remediator_group_interval),
         pressure_for_s=seconds(t.pressure_for),
         critical_for_s=seconds(t.critical_for),
         keep_firing_s=seconds(t.action_keep_firing_for),

@@ -1,0 +1,117 @@
+"""One page per incident, measured: incident timelines (tests/incident_timelines.py) through the
+generated rules (promtool) into a real Alertmanager with the shipped configuration, counted at
+the receivers (tests/alert_replay.py).
+
+Each incident that warrants a page pages once; designed behaviour pages nobody: the single
+replica's cap instead of a drain, an engine the remediator cannot read because it crashed, a
+model unavailable while the engine that crashed reloads (the OOM's page covers it), the slow
+burn that follows a fast one. The remediator gets every work order, a few webhooks each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from oomguard.twin.processes import have_prometheus_stack
+from tests.alert_replay import (
+    AlertmanagerProcess,
+    Outcome,
+    Sink,
+    alertmanager_config,
+    firing,
+    outcome,
+    replay,
+)
+from tests.incident_timelines import timelines
+
+pytestmark = pytest.mark.skipif(not have_prometheus_stack(), reason="needs Alertmanager")
+
+COMPRESSION = 180.0  # timeline seconds per real second (Alertmanager's timings divided alike)
+TAIL = 420.0  # timeline seconds replayed after the last alert: the pager's 5m group_interval
+
+# What each incident sends, as designed: the page (its alert names: the first notification of
+# the incident's pager group) and the tickets.
+EXPECTED: dict[str, tuple[list[set[str]], list[set[str]]]] = {
+    # the OOM pages; the model unavailable while the engine reloads (no ready peer, 8 minutes)
+    # joins the same pager incident (grouped by model), it does not page again. The
+    # classification follows as a ticket; the reload's own alerts (EngineRestarted, the vLLM
+    # collector down, the remediator's reads failing) are that incident, no ticket or page.
+    "cuda-oom-3m-alone": ([{"OomguardCudaOomObserved"}], [{"OomguardIncidentClassified"}]),
+    "cuda-oom-8m-alone": ([{"OomguardCudaOomObserved"}], [{"OomguardIncidentClassified"}]),
+    "cuda-oom-3m-peer": ([{"OomguardCudaOomObserved"}], [{"OomguardIncidentClassified"}]),
+    "cuda-oom-8m-peer": ([{"OomguardCudaOomObserved"}], [{"OomguardIncidentClassified"}]),
+    # the remediator handles it (cap, then a lower cap as the last replica is not drained):
+    # tickets for the fragmentation, the GPU and the queue behind the cap, no page
+    "fragmentation-creep": (
+        [],
+        [
+            {"OomguardAllocatorFragmentationGrowing"},
+            {"OomguardGpuMemoryPressure"},
+            {"OomguardGpuMemoryCritical"},
+            {"OomguardRequestsQueueing"},
+        ],
+    ),
+    # the fast burn pages; its slow burn is no ticket, then or after
+    "slo-burn-2pct": ([{"OomguardRequestErrorBudgetBurn"}], []),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+    tls = timelines()
+    steps = firing(tls)
+    sink = Sink()
+    am = AlertmanagerProcess(
+        tmp_path_factory.mktemp("am"), alertmanager_config(sink.url, COMPRESSION)
+    )
+    try:
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                replay(am.url, tls[i], steps[tls[i].name], COMPRESSION, TAIL)
+            except BaseException as exc:  # reported below, not lost in a thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(tls))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=600)
+        assert not errors, errors
+        time.sleep(TAIL / COMPRESSION)  # the last flushes (a resolve, a repeat) arrive
+    finally:
+        am.stop()
+        sink.close()
+    return {tl.name: outcome(sink.received, tl.name) for tl in tls}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("incident", sorted(EXPECTED))
+def test_one_page_per_incident(outcomes, incident):
+    pages, tickets = EXPECTED[incident]
+    got = outcomes[incident]
+    assert got.pages == pages, got
+    assert sorted(map(sorted, got.tickets)) == sorted(map(sorted, tickets)), got
+    assert got.paged_with_ticket_open == 0, got
+
+
+@pytest.mark.slow
+def test_the_remediator_gets_every_work_order_without_a_storm(outcomes):
+    """Every action alert reaches the remediator; each alert is its own group there, so it is
+    told when one fires and when it resolves (and every repeat_interval while it lasts)."""
+    oom = outcomes["cuda-oom-8m-alone"]
+    assert {"OomguardCudaOomObserved", "OomguardMemoryCritical", "OomguardPressureBlind"} <= (
+        oom.remediator_alerts
+    )
+    creep = outcomes["fragmentation-creep"]
+    assert {"OomguardMemoryPressure", "OomguardMemoryCritical"} <= creep.remediator_alerts
+    repeat = 300 / COMPRESSION  # the remediator route's repeat_interval, compressed
+    for name, got in outcomes.items():
+        for key, times in got.remediator_groups.items():
+            # fired, resolved, and one repeat per repeat_interval while it fires
+            allowed = 2 + (max(times) - min(times)) / repeat + 1
+            assert len(times) <= allowed, (name, key, len(times), allowed)
