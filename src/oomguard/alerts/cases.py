@@ -456,14 +456,14 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     )
     # a restart with a recorded incident is that incident's (its ticket, its page); one the
     # remediator made itself (mode restarting) is no news either
-    restarted = {tokens: "0+100x5 0+100x10"}
+    reset = {tokens: "0+100x5 0+100x10"}
     recorded = sel(
         "oomguard_incidents_total",
         {**L.exp, "Hostname": NODE, "target": L.target, "engine": "0", "type": "under_load"},
     )
-    add(Case("OomguardEngineRestarted", "10m", {**restarted, recorded: "0x5 1x10"}))
+    add(Case("OomguardEngineRestarted", "10m", {**reset, recorded: "0x5 1x10"}))
     restarting = sel("oomguard_remediator_target_mode", {**L.rem_target, "mode": "restarting"})
-    add(Case("OomguardEngineRestarted", "10m", {**restarted, restarting: "0x4 1 1 0x10"}))
+    add(Case("OomguardEngineRestarted", "10m", {**reset, restarting: "0x4 1 1 0x10"}))
 
     # host OOM kills, read from the kubepods cgroup the DaemonSet mounts (the v2 root has none)
     host = sel("oomguard_host_oom_kills_total", {**L.exp, "Hostname": NODE, "cgroup": L.cgroup})
