@@ -22,6 +22,8 @@ class FakeMig:
     total: int
     used: int
     free: int
+    # what NVML lists for the MIG device handle: the processes inside that instance
+    processes: list[tuple[int, int | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class FakeNvml:
         self.v2_supported = True
         self.process_error: type[pynvml.NVMLError] | None = None
         self.init_calls = 0
+        self._filled: dict[Any, Any] = {}  # the driver's process arrays, per handle and list
         for name in dir(self):
             if name.startswith("nvml"):
                 monkeypatch.setattr(pynvml, name, getattr(self, name))
@@ -106,17 +109,29 @@ class FakeNvml:
         return s1
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        """What pynvml's own nvmlDeviceGetComputeRunningProcesses_v3 does with the driver's
+        answer: one array of c_nvmlProcessInfo_v3_t (filled by NVML in C: built once here while
+        the list does not change), each element made a friendly object in Python, an
+        unavailable usedGpuMemory turned into None."""
         if self.process_error:
             raise self.process_error()
-        if handle[0] == "mig":
-            return []
+        gpu = self._gpu(handle)
+        listed = gpu.mig[handle[2]].processes if handle[0] == "mig" else gpu.processes
+        key = (handle, tuple(listed))
+        c_procs = self._filled.get(key)
+        if c_procs is None:
+            c_procs = (pynvml.c_nvmlProcessInfo_v3_t * len(listed))()
+            for i, (pid, used) in enumerate(listed):
+                c_procs[i].pid = pid
+                c_procs[i].usedGpuMemory = (
+                    used if used is not None else pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+                )
+            self._filled = {k: v for k, v in self._filled.items() if k[0] != handle}
+            self._filled[key] = c_procs
         out = []
-        for pid, used in self._gpu(handle).processes:
-            s = pynvml.c_nvmlProcessInfo_v2_t()
-            s.pid = pid
-            s.usedGpuMemory = used if used is not None else 0
-            obj = pynvml.nvmlStructToFriendlyObject(s)
-            if used is None:
+        for i in range(len(listed)):
+            obj = pynvml.nvmlStructToFriendlyObject(c_procs[i])
+            if obj.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
                 obj.usedGpuMemory = None  # what pynvml does for NVML_VALUE_NOT_AVAILABLE
             out.append(obj)
         return out

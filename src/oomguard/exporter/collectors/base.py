@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 from oomguard.exporter.render import FamilyBuilder
@@ -45,6 +46,10 @@ class GpuIdentity:
     gpu_instance_profile: str = ""
 
     def labels(self) -> tuple[str, ...]:
+        return self._labels
+
+    @cached_property  # frozen: one tuple per identity, reused by every series of this GPU
+    def _labels(self) -> tuple[str, ...]:
         return (
             self.gpu,
             self.uuid,
@@ -56,7 +61,7 @@ class GpuIdentity:
             self.gpu_instance_profile,
         )
 
-    @property
+    @cached_property  # frozen: computed once, read per process and GPU on every render
     def key(self) -> tuple[str, str]:
         """A GPU or MIG instance: the parent's UUID plus the GPU instance id. Without a UUID
         (a source that does not label it) the index stands in, so two GPUs never merge."""

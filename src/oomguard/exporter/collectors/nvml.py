@@ -20,6 +20,7 @@ from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
 from oomguard.exporter.render import FamilyBuilder
 
 _MIG_PROFILE = re.compile(r"MIG\s+(\S+)")
+_MAX_MIG_SLOTS = 7  # GPU instances per GPU at most (NVIDIA's MIG user guide: A100, H100)
 
 
 def _text(value: Any) -> str:
@@ -55,6 +56,12 @@ class NvmlCollector:
         self.timeout = timeout
         self._initialized = False
         self._identities: dict[int, GpuIdentity] = {}
+        # MIG instances as last seen: the same identity object while nothing about it changes,
+        # so that an unchanged process list compares equal by reference (see families)
+        self._mig_identities: dict[GpuIdentity, GpuIdentity] = {}
+        # the per-process series of the last render, and the process list they came from
+        self._last_processes: list[tuple[GpuIdentity, int, float]] = []
+        self._last_series: list[tuple[tuple[str, ...], float]] = []
         self._memory_v2 = True
 
     # -- NVML lifecycle ------------------------------------------------------------------------
@@ -86,6 +93,7 @@ class NvmlCollector:
 
     def _reset(self) -> None:
         self._identities.clear()
+        self._mig_identities.clear()
         self.close()
 
     # -- reading ---------------------------------------------------------------------------------
@@ -157,6 +165,7 @@ class NvmlCollector:
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission):
             return
         seen: set[int] = set()
+        keep, append = seen.add, reading.processes.append  # thousands a poll on a busy node
         for proc in processes:
             used = getattr(proc, "usedGpuMemory", None)
             if used is None:
@@ -167,8 +176,8 @@ class NvmlCollector:
                 # One series per (GPU, pid): a repeat would be a duplicate series on our page.
                 reading.invalid["duplicate_process"] += 1
                 continue
-            seen.add(pid)
-            reading.processes.append((identity, pid, float(used)))
+            keep(pid)
+            append((identity, pid, float(used)))
 
     def _read_mig(self, device: _Device, reading: GpuReading) -> None:
         nvml = self.nvml
@@ -195,11 +204,22 @@ class NvmlCollector:
                 gpu_instance_id=instance_id,
                 gpu_instance_profile=match.group(1) if match else "",
             )
+            if len(self._mig_identities) > 4 * _MAX_MIG_SLOTS * (len(self._identities) or 1):
+                self._mig_identities.clear()  # reconfigured again and again: start over
+            identity = self._mig_identities.setdefault(identity, identity)
             total, used, free, reserved = self._memory(mig)
             reading.gpus.append(GpuMemory(identity, total, used, free, reserved))
             if self.process_metrics:
                 self._read_processes(identity, mig, reading)
 
     def families(self, reading: GpuReading, out: FamilyBuilder) -> None:
-        for identity, pid, used in reading.processes:
-            out.add("oomguard_gpu_process_memory_used_bytes", (*identity.labels(), str(pid)), used)
+        # A node can list thousands of processes, most of them unchanged since the last poll:
+        # the same list (identities are kept, so this compares references, in C) gives the same
+        # series, and the renderer then finds the family unchanged as well.
+        if reading.processes != self._last_processes:
+            # built here from the driver's ints and floats: labels are strings, values floats
+            self._last_series = [
+                ((*identity.labels(), str(pid)), used) for identity, pid, used in reading.processes
+            ]
+            self._last_processes = reading.processes
+        out.extend("oomguard_gpu_process_memory_used_bytes", self._last_series)

@@ -1,0 +1,154 @@
+"""The exporter at node scale (issue 30): faster, and the same exposition as before.
+
+The node scenario of bench/exporter.py (8 GPUs, 28 MIG instances, 16 data-parallel vLLM servers,
+32 ranks, per-process series) rendered by the code before the speed-ups is kept in
+tests/fixtures/exporter/node-2000.prom.gz (2,000 series: every family and path of the 10,000-series
+run, fewer per-process series). The caches the speed-ups added (each family's text while its
+samples hold still, each MIG identity, the per-process series) are checked against a renderer
+without them over random sequences of snapshots.
+"""
+
+from __future__ import annotations
+
+import difflib
+import gzip
+import math
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.render import Family, FamilyBuilder, TextRenderer
+from tests.fake_nvml import GIB, FakeGpu, FakeMig, FakeNvml
+
+GOLDEN = Path(__file__).parent / "fixtures" / "exporter" / "node-2000.prom.gz"
+NOW = 2_000_000_000.0
+_DURATION = re.compile(r"^(oomguard_\w+_duration_seconds(?:\{[^}]*\})?) .*$", re.M)
+
+
+def node_exposition(series: int) -> str:
+    """The node scenario polled twice on a fixed clock; timings (durations) masked."""
+    from bench.exporter import node, running
+
+    scenario = node(series, now=NOW)
+    with running(scenario, clock=lambda: NOW) as poller:
+        poller.render()
+        for state in poller.states:
+            poller.poll(state)
+        text = poller.render().text.decode()
+    return _DURATION.sub(r"\1 X", text)
+
+
+@pytest.mark.slow  # serves the scenario's 16 vLLM pages from a subprocess
+def test_node_exposition_is_what_the_code_before_issue_30_rendered() -> None:
+    before = gzip.decompress(GOLDEN.read_bytes()).decode()
+    now = node_exposition(2000)
+    if now != before:
+        diff = difflib.unified_diff(before.splitlines(), now.splitlines(), "before", "now", n=0)
+        pytest.fail("the exposition changed:\n" + "\n".join(list(diff)[:40]))
+    assert now.count("\noomguard_gpu_process_memory_used_bytes{") > 1000
+    assert 'GPU_I_PROFILE="1g.10gb"' in now  # MIG instances, with their own series
+
+
+# -- the renderer's family cache against a renderer without one --------------------------------
+NAMES = (
+    "oomguard_gpu_process_memory_used_bytes",  # 9 labels
+    "oomguard_vllm_requests_running",  # 3 labels
+    "oomguard_exporter_polls_total",  # none, a counter
+)
+LABELS = {"oomguard_gpu_process_memory_used_bytes": 9, "oomguard_vllm_requests_running": 3}
+values = st.one_of(
+    st.sampled_from([0.0, -0.0, 1.0, 2.5, math.nan, math.inf, -math.inf, 1e300]),
+    st.floats(allow_nan=True),
+    st.sampled_from(["1", None, "x"]),  # added around FamilyBuilder's checks: dropped, counted
+)
+
+
+@st.composite
+def snapshots(draw: st.DrawFn) -> list[list[Family]]:
+    """Renders in a row, each a few families; later ones repeat, edit or drop earlier samples."""
+    out: list[list[Family]] = []
+    for _ in range(draw(st.integers(1, 6))):
+        families = []
+        for name in draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=3)):
+            family = Family(name)
+            width = LABELS.get(name, 0)
+            keys = draw(st.lists(st.sampled_from(["a", "b", "c", 'd"\n']), max_size=4))
+            for key in keys:
+                labels = tuple(f"{key}{i}" for i in range(width))
+                family.samples.append((labels, draw(values)))  # type: ignore[arg-type]
+            families.append(family)
+        if out and draw(st.booleans()):
+            families = out[-1]  # the same families again: the cache's common case
+        out.append(families)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(snapshots())
+def test_a_long_lived_renderer_renders_what_a_fresh_one_renders(
+    sequence: list[list[Family]],
+) -> None:
+    cached = TextRenderer()
+    dropped = 0
+    for families in sequence:
+        fresh = TextRenderer()
+        assert cached.render(families) == fresh.render(families)
+        dropped += sum(fresh.dropped.values())
+        assert sum(cached.dropped.values()) == dropped  # a repeated bad sample counts again
+
+
+def test_negative_zero_after_zero_is_not_served_from_the_cache() -> None:
+    renderer = TextRenderer()
+    zero, negative = (
+        Family("oomguard_exporter_polls_total"),
+        Family("oomguard_exporter_polls_total"),
+    )
+    zero.samples, negative.samples = [((), 0.0)], [((), -0.0)]
+    assert renderer.render([zero]).endswith(b"oomguard_exporter_polls_total 0.0\n")
+    assert renderer.render([negative]).endswith(b"oomguard_exporter_polls_total -0.0\n")
+
+
+# -- the NVML collector's kept series ---------------------------------------------------------
+def process_series(collector: NvmlCollector) -> dict[tuple[str, ...], float]:
+    out = FamilyBuilder()
+    collector.families(collector.collect(), out)
+    (family,) = [f for f in out.families() if f.spec.name.endswith("process_memory_used_bytes")]
+    return dict(family.samples)
+
+
+def test_process_series_follow_every_change_of_the_process_lists(monkeypatch) -> None:
+    gpus = [
+        FakeGpu("GPU-a", processes=[(101, 40 * GIB), (102, GIB)]),
+        FakeGpu(
+            "GPU-b",
+            bus_id="00000000:2A:00.0",
+            minor=1,
+            mig=[FakeMig(9, "1g.10gb", 10 * GIB, 9 * GIB, GIB, processes=[(201, 9 * GIB)])],
+        ),
+    ]
+    FakeNvml(monkeypatch, gpus)
+    collector = NvmlCollector("node-1")
+    first = process_series(collector)
+    assert sorted((k[0], k[6], k[8], v) for k, v in first.items()) == [
+        ("0", "", "101", 40 * GIB),
+        ("0", "", "102", GIB),
+        ("1", "9", "201", 9 * GIB),
+    ]
+    assert process_series(collector) == first  # nothing moved
+
+    gpus[0].processes[1] = (102, 2 * GIB)  # a process grows
+    gpus[1].mig[0].processes.append((202, GIB))  # one starts in the MIG instance
+    second = process_series(collector)
+    assert (
+        second[("0", "GPU-a", "00000000:18:00.0", "nvidia0", gpus[0].name, "node-1", "", "", "102")]
+        == 2 * GIB
+    )
+    assert sorted(k[8] for k in second) == ["101", "102", "201", "202"]
+
+    gpus[1].mig[0] = FakeMig(3, "1g.10gb", 10 * GIB, 9 * GIB, GIB, processes=[(201, 9 * GIB)])
+    third = process_series(collector)  # the GPU re-partitioned: instance 9 became 3
+    assert sorted((k[6], k[8]) for k in third if k[0] == "1") == [("3", "201")]
