@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 MetricType = Literal["gauge", "counter"]
-Component = Literal["exporter", "remediator", "plugin"]
+Component = Literal["exporter", "remediator", "plugin", "supervisor"]
 
 # Identity labels of a GPU, spelled as dcgm-exporter spells them so that oomguard's series join
 # with dcgm-exporter's. MIG instances fill GPU_I_ID/GPU_I_PROFILE; whole GPUs leave them empty
@@ -542,6 +542,29 @@ _SPECS: tuple[MetricSpec, ...] = (
         "",
         ("reason",),
         component="remediator",
+    ),
+    # --- `oomguard serve`, the supervisor of one vLLM (its GET /metrics) ---------------------
+    _counter(
+        "oomguard_supervisor_thread_restarts_total",
+        "Threads of `oomguard serve` (the reader of vLLM's output) that died and were restarted.",
+        "",
+        ("thread",),
+        component="supervisor",
+    ),
+    _counter(
+        "oomguard_supervisor_log_dropped_lines_total",
+        "Lines of vLLM's output not written to its log (full disk): the pipe is still drained.",
+        "",
+        (),
+        component="supervisor",
+    ),
+    _counter(
+        "oomguard_supervisor_state_write_errors_total",
+        "Writes of `oomguard serve`'s state (flags, restart record) that failed; a requested "
+        "restart is refused then.",
+        "",
+        (),
+        component="supervisor",
     ),
     # --- served on vLLM's own /metrics by the plugin's request guard -------------------------
     _counter(

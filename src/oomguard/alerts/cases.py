@@ -1101,6 +1101,26 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         )
     )
     add(Case("OomguardThreadRestarting", "5m", {leader_thread: "0x10", collector: "0x10"}))
+    # `oomguard serve` on one box: its reader of vLLM's output (job as the single-box config)
+    serve = {"instance": "127.0.0.1:9851", "job": "oomguard-supervisor"}
+    reader = sel("oomguard_supervisor_thread_restarts_total", {**serve, "thread": "log-reader"})
+    add(
+        Case(
+            "OomguardThreadRestarting",
+            "5m",
+            {reader: "0 0 1x10"},
+            [
+                {
+                    **serve,
+                    "thread": "log-reader",
+                    "severity": "warning",
+                    "description": "Thread log-reader of oomguard-supervisor on 127.0.0.1:9851 "
+                    "died and was restarted (1 in 15 minutes): its loop lost time, and a bug or "
+                    "a hostile input killed it.",
+                }
+            ],
+        )
+    )
     # a rollout: the new remediator pod starts its counters again at 0; nothing died
     leader_new = sel(
         "oomguard_remediator_thread_restarts_total",

@@ -99,6 +99,13 @@ def prometheus_config(t: AlertThresholds) -> dict[str, Any]:
                 "static_configs": [{"targets": ["127.0.0.1:9849"]}],
             },
             {
+                # `oomguard serve` (the vLLM unit): its reader of vLLM's output and its state
+                # writes (OomguardThreadRestarting)
+                "job_name": "oomguard-supervisor",
+                "scrape_interval": "15s",
+                "static_configs": [{"targets": ["127.0.0.1:9851"]}],
+            },
+            {
                 # webhook delivery failures (OomguardAlertmanagerWebhookFailing)
                 "job_name": "alertmanager",
                 "scrape_interval": "15s",

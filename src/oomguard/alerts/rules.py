@@ -681,9 +681,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardThreadRestarting",
-            new_or_increased("oomguard_exporter_thread_restarts_total", "15m")
-            + "\nor "
-            + new_or_increased("oomguard_remediator_thread_restarts_total", "15m"),
+            "\nor ".join(
+                new_or_increased(f"oomguard_{c}_thread_restarts_total", "15m")
+                for c in ("exporter", "remediator", "supervisor")
+            ),
             "warning",
             "A background thread of oomguard died and was restarted.",
             "Thread {{ $labels.thread }} of {{ $labels.job }} on {{ $labels.instance }} died "

@@ -207,6 +207,12 @@ class RemediatorConfig(BaseModel):
     actuation_timeout_seconds: float = Field(3.0, gt=0)
     actuation_attempts: int = Field(3, ge=1)
     max_body_bytes: int = Field(1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    max_connections: int = Field(
+        256, ge=1, le=65536, description="HTTP connections at once; more are answered 503."
+    )
+    request_timeout_seconds: float = Field(
+        10.0, gt=0, description="A request must arrive whole this soon; slower clients are cut."
+    )
     unhealthy_after_failed_passes: int = Field(
         3, ge=1, description="/healthz answers 503 after this many failed passes in a row."
     )

@@ -9,10 +9,9 @@ clamps it too.
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +20,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from oomguard.errors import ConfigError
+from oomguard.remediator import statefile
+
+log = logging.getLogger("oomguard.supervisor")
 
 GMU = "--gpu-memory-utilization"
 SEQS = "--max-num-seqs"
@@ -145,36 +147,64 @@ class FlagState:
 
 
 class FlagStore:
-    """One JSON file, replaced atomically, so a crash mid-write never loses the flags."""
+    """One JSON file, replaced atomically, so a crash or a full disk mid-write never loses the
+    flags (statefile.py). A file whose content cannot be used is moved aside and reported in
+    `problem`: the engine starts with the command line's flags rather than not at all."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self.problem: str | None = None
 
     def load(self, original: Flags) -> FlagState:
-        try:
-            data = json.loads(self.path.read_text())
-            return FlagState(
-                Flags(**data["original"]),
-                Flags(**data["current"]),
-                float(data["changed_at"]),
-                list(data.get("history", [])),
-            )
-        except FileNotFoundError:
+        data, why = statefile.read(self.path)
+        if data is None:
+            self.problem = why
             return FlagState(original, original)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"flag state {self.path} is unreadable: {exc}") from exc
+        try:
+            state = FlagState(
+                _flags(data["original"]),
+                _flags(data["current"]),
+                _finite(data["changed_at"]),
+                [h for h in data.get("history", []) if isinstance(h, dict)][-50:],
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.problem = statefile.set_aside(self.path, f"{self.path}: {exc!r}")
+            return FlagState(original, original)
+        if state.original != original:
+            log.warning(
+                "the command line's flags %s differ from the original ones in %s (%s): "
+                "the recorded ones are kept",
+                original,
+                self.path,
+                state.original,
+            )
+        return state
 
     def save(self, state: FlagState) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = {
-            "original": asdict(state.original),
-            "current": asdict(state.current),
-            "changed_at": state.changed_at,
-            "history": state.history,
-        }
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".flags-")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        """Raises OSError when the file cannot be written; the old one is kept then."""
+        statefile.write(
+            self.path,
+            {
+                "original": asdict(state.original),
+                "current": asdict(state.current),
+                "changed_at": state.changed_at,
+                "history": state.history,
+            },
+        )
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"not a finite number: {value!r}")
+    return float(value)
+
+
+def _flags(value: Any) -> Flags:
+    if not isinstance(value, dict):
+        raise TypeError(f"flags are not an object: {value!r}")
+    gmu, seqs = _finite(value["gpu_memory_utilization"]), value["max_num_seqs"]
+    if not 0 < gmu <= 1:
+        raise ValueError(f"gpu_memory_utilization {gmu} outside (0, 1]")
+    if isinstance(seqs, bool) or not isinstance(seqs, int) or not 1 <= seqs <= 1_000_000:
+        raise ValueError(f"max_num_seqs {seqs!r} is not a count of sequences")
+    return Flags(gmu, seqs)

@@ -177,8 +177,8 @@ class Intake:
             before = {a.fingerprint for a in self.book.current()}
             changed = self.book.sync(active, as_of)
             after = {a.fingerprint for a in self.book.current()}
-        if changed:
-            self.audit.record(
+        if changed:  # Alertmanager's own state, read again next time: noted, best-effort
+            self.audit.try_record(
                 "resynced",
                 reason=f"alertmanager {source.url}",
                 before=sorted(before),

@@ -70,6 +70,11 @@ class RotatingLog:
             self._fail(exc)
             self.dropped += 1
 
+    @property
+    def failing(self) -> bool:
+        """True from a failed write until the file takes lines again."""
+        return self._failed_at is not None
+
     def _open(self) -> BinaryIO | None:
         if self._out is not None:
             return self._out

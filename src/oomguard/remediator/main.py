@@ -321,7 +321,13 @@ class Remediator:
         gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
         self.start()
         try:
-            httpserve.run(self.app, host, port)
+            httpserve.run(
+                self.app,
+                host,
+                port,
+                max_connections=self.config.max_connections,
+                request_timeout=self.config.request_timeout_seconds,
+            )
         finally:
             self.stop()
         return 0

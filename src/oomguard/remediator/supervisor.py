@@ -16,9 +16,18 @@ The local backend of the restart actuator, for single boxes, the demo and the tw
   reports `gave_up` until an operator (or the remediator) asks for a restart;
 - restart rate limit: at most `max_restarts` requested restarts within `restart_window_seconds`
   (each one drops the KV cache and reloads the model); beyond it the API answers 429 with
-  Retry-After.
+  Retry-After. The restarts are recorded in `<state-dir>/restarts.json` before they happen, so
+  the limit holds across restarts of `oomguard serve` itself;
+- state that cannot be written (a full state directory) is never reported as in force: a
+  requested restart whose record or new flags cannot be saved is refused (503, nothing
+  restarted, the old flags reported and running); a state file whose content cannot be used is
+  moved aside (`.bad`) and reported, never a reason not to start;
+- vLLM's output is read by a supervised thread (supervised.py) that never stops draining the
+  pipe: a full disk drops log lines (counted), a death of the thread restarts it. Either makes
+  /healthz answer 503 `degraded`, and GET /metrics counts it.
 
-HTTP API (bearer token): GET /v1/status, POST /v1/restart; GET /healthz (no token).
+HTTP API (bearer token): GET /v1/status, POST /v1/restart; GET /healthz and GET /metrics (no
+token).
 POST /v1/restart body, checked strictly after authentication (400 names the field):
   {"flags": {"gpu_memory_utilization": <number>, "max_num_seqs": <integer>} | null,
    "initial_cap": <integer> | null, "reason": <string> | null}
@@ -28,6 +37,7 @@ No coercion: `true`, `2.9` or `"0.85"` where an integer or a number belongs is a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -37,8 +47,9 @@ import signal
 import subprocess
 import threading
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,25 +66,28 @@ from pydantic import (
 )
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from oomguard.catalog import spec
 from oomguard.digits import decimal
 from oomguard.engine_env import INITIAL_CAP_ENV
 from oomguard.errors import ConfigError
-from oomguard.remediator import httpserve
+from oomguard.remediator import clocks, httpserve, statefile
 from oomguard.remediator.auth import Authenticator
 from oomguard.remediator.config import AuthConfig
 from oomguard.remediator.flags import (
     SEQS,
     FlagLimits,
     Flags,
+    FlagState,
     FlagStore,
     apply,
     read,
 )
 from oomguard.remediator.logfile import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, RotatingLog
+from oomguard.supervised import Supervised
 
 log = logging.getLogger("oomguard.supervisor")
 
@@ -120,6 +134,77 @@ class RateLimited(Exception):
     def __init__(self, retry_after: float) -> None:
         super().__init__(f"restart rate limit reached; retry in {retry_after:.0f} s")
         self.retry_after = retry_after
+
+
+class StateUnavailable(Exception):
+    """The state directory cannot take a record the restart needs: nothing was restarted."""
+
+
+class RestartBudget:
+    """Requested restarts within the window, on the monotonic clock, recorded in a state file
+    (restarts.json) before each restart, so the limit survives a restart of this process. A
+    recorded restart whose age cannot be told (dated in the future: the clock stepped back)
+    counts for the whole window: the limit errs on the side of fewer restarts."""
+
+    def __init__(
+        self,
+        path: Path,
+        max_restarts: int,
+        window: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path, self.max_restarts, self.window, self.clock = path, max_restarts, window, clock
+        self.times: deque[float] = deque()
+        self.problem: str | None = None
+        data, self.problem = statefile.read(path)
+        records = data.get("restarts") if isinstance(data, dict) else None
+        if data is not None and not isinstance(records, list):
+            self.problem = statefile.set_aside(path, f"{path}: no list of restarts")
+            records = []
+        now = clock()
+        ages = []
+        for record in records or []:
+            age = clocks.age(record) if isinstance(record, dict) else 0.0
+            ages.append(0.0 if age is None else age)  # unknown: as if it were now
+        for age in sorted(a for a in ages if a < window)[: max_restarts * 2][::-1]:
+            self.times.append(now - age)
+
+    def admit(self) -> None:
+        """Record one more restart (durably), or raise RateLimited when `max_restarts` happened
+        within the window, or StateUnavailable when the record cannot be written."""
+        now = self.clock()
+        while self.times and now - self.times[0] >= self.window:
+            self.times.popleft()
+        if len(self.times) >= self.max_restarts:
+            raise RateLimited(self.window - (now - self.times[0]))
+        self.times.append(now)
+        stamp = statefile.now_stamp()
+        records = []
+        for t in self.times:
+            age = now - t
+            record = {**stamp, "time": stamp["time"] - age}
+            if "uptime" in record:
+                record["uptime"] = round(stamp["uptime"] - age, 6)
+            records.append(record)
+        try:
+            statefile.write(self.path, {"restarts": records})
+        except OSError as exc:
+            self.times.pop()
+            raise StateUnavailable(
+                f"cannot record the restart in {self.path}: {exc.strerror or exc}"
+            ) from exc
+
+
+@dataclass
+class _Generation:
+    """One child and what its reader knows of it (kept across a restart of the reader)."""
+
+    child: subprocess.Popen[bytes]
+    generation: int
+    log: RotatingLog
+    oom_line_seen: bool = False
+    exit_handled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -224,6 +309,17 @@ class Supervisor:
         self.limits = limits or FlagLimits()
         self.store = FlagStore(state_dir / "flags.json")
         self.flags = self.store.load(read(argv, 0))
+        self.budget = RestartBudget(
+            state_dir / "restarts.json", max_restarts, restart_window_seconds
+        )
+        # what could not be read or written (a full state directory): /healthz degrades on it
+        self.state_problems = [p for p in (self.store.problem, self.budget.problem) if p]
+        self.flags_persisted = True
+        self.thread_restarts: Counter[str] = Counter({"log-reader": 0})
+        self._reader: Supervised | None = None
+        self._log: RotatingLog | None = None
+        self.log_dropped = 0  # lines of earlier generations' logs lost to failed writes
+        self.state_write_errors = 0
         self.log_path = state_dir / "vllm.log"  # rotated by size (logfile.py)
         self.log_max_bytes, self.log_backups = log_max_bytes, log_backups
         self.max_crashes, self.window = max_crashes, crash_window_seconds
@@ -231,7 +327,6 @@ class Supervisor:
         self.readmit_start = readmit_start
         self.adjust_on_crash = adjust_on_crash  # False: a plain restart policy (baselines)
         self.max_restarts, self.restart_window = max_restarts, restart_window_seconds
-        self._restarts: deque[float] = deque()  # monotonic times of requested restarts
         self.env = env or {}
         self.host, self.port = _port(argv)
         self.exits: deque[Exit] = deque(maxlen=50)
@@ -276,26 +371,46 @@ class Supervisor:
                 self.child.pid,
                 " ".join(self.command()),
             )
-            threading.Thread(
-                target=self._watch, args=(self.child, self.generation), daemon=True
-            ).start()
+            if self._log is not None:
+                self.log_dropped += self._log.dropped
+            self._log = RotatingLog(self.log_path, self.log_max_bytes, self.log_backups)
+            gen = _Generation(self.child, self.generation, self._log)
+            # the reader of this generation's output: supervised, so that vLLM's pipe is
+            # drained whatever happens to one line (supervised.py); done when the exit is handled
+            self._reader = Supervised(
+                "log-reader", functools.partial(self._watch, gen), gen.done, self._died
+            )
+            self._reader.start()
 
-    def _watch(self, child: subprocess.Popen[bytes], generation: int) -> None:
+    def _died(self, thread: str) -> None:
+        self.thread_restarts[thread] += 1
+
+    def _watch(self, gen: _Generation) -> None:
+        """Copy the child's output to the log until it ends, then handle its exit. Entered
+        again after a death (supervised): reading goes on where it stopped, an exit already
+        handled is not handled twice."""
+        child = gen.child
         assert child.stdout is not None
-        oom_line_seen = False
-        with RotatingLog(self.log_path, self.log_max_bytes, self.log_backups) as out:
-            for line in child.stdout:
-                out.write(line)
-                text = line.decode(errors="replace")
-                self._tail.append(text)
-                oom_line_seen = oom_line_seen or any(m in text for m in OOM_MARKERS)
+        for line in child.stdout:
+            gen.log.write(line)  # never raises: a full disk drops the line (logfile.py)
+            text = line.decode(errors="replace")
+            self._tail.append(text)
+            gen.oom_line_seen = gen.oom_line_seen or any(m in text for m in OOM_MARKERS)
+        gen.log.close()
+        if not gen.exit_handled:
+            gen.exit_handled = True
+            self._exited(gen)
+        gen.done.set()
+
+    def _exited(self, gen: _Generation) -> None:
+        child, generation = gen.child, gen.generation
         code = child.wait()
         with self._lock:
             # a child we stopped: restart() started the next generation under this lock, or
             # stop() is shutting everything down
             if generation != self.generation or self._stopping:
                 return
-            oom_seen = oom_line_seen or bool(self._oom_records_since_start())
+            oom_seen = gen.oom_line_seen or bool(self._oom_records_since_start())
             reason = classify(code, list(self._tail), oom_seen=oom_seen)
             self._record(code, reason)
             self._write_exit_incident(child.pid, code, reason)
@@ -311,14 +426,40 @@ class Supervisor:
                 )
                 return
             if reason == "cuda_oom" and self.adjust_on_crash:
-                lowered = self.flags.current.lower(self.limits)
-                self.flags.set(lowered, "crashed with a CUDA out-of-memory error")
-                self.store.save(self.flags)
+                lowered = self._with(
+                    self.flags.current.lower(self.limits), "crashed with a CUDA out-of-memory error"
+                )
+                # in force at the next start either way: it comes back lower, saved or not
+                self.flags = lowered
+                self._save_flags(lowered)
         time.sleep(self.restart_delay)  # a model reload in real life; never a tight loop
         with self._lock:
             if generation == self.generation and not self._stopping:
                 # after a crash, come back through staged re-admission
-                self.start(initial_cap=self.readmit_start if self.adjust_on_crash else None)
+                try:
+                    self.start(initial_cap=self.readmit_start if self.adjust_on_crash else None)
+                except OSError as exc:  # cannot even start it: an operator has to look
+                    self.gave_up = True
+                    self.state_problems.append(f"cannot start vLLM: {exc}")
+                    log.error("cannot start vLLM again: %s; not restarting until asked", exc)
+
+    def _with(self, flags: Flags, reason: str) -> FlagState:
+        """The flag state with `flags` in force (a copy: the current one is kept until the new
+        one is saved, or deliberately put in force)."""
+        state = replace(self.flags, history=list(self.flags.history))
+        state.set(flags, reason)
+        return state
+
+    def _save_flags(self, state: FlagState) -> bool:
+        try:
+            self.store.save(state)
+        except OSError as exc:
+            self.state_write_errors += 1
+            self.flags_persisted = False
+            log.error("cannot save the flags to %s: %s", self.store.path, exc)
+            return False
+        self.flags_persisted = True
+        return True
 
     def _record(self, code: int, reason: str) -> None:
         self.exits.append(
@@ -386,15 +527,6 @@ class Supervisor:
             os.killpg(group, signal.SIGKILL)
             child.wait(10)
 
-    def _admit_restart(self) -> None:
-        """Raise RateLimited when `max_restarts` already happened within the window."""
-        now = time.monotonic()
-        while self._restarts and now - self._restarts[0] >= self.restart_window:
-            self._restarts.popleft()
-        if len(self._restarts) >= self.max_restarts:
-            raise RateLimited(self.restart_window - (now - self._restarts[0]))
-        self._restarts.append(now)
-
     def clamp_cap(self, initial_cap: int | None, flags: Flags | None) -> int | None:
         """An initial cap within 1..max_num_seqs of the flags the child will start with."""
         if initial_cap is None:
@@ -403,18 +535,29 @@ class Supervisor:
         return max(1, min(initial_cap, ceiling))
 
     def restart(self, flags: Flags | None, initial_cap: int | None, reason: str) -> int:
-        """Stop the child and start it with `flags` (persisted first). Returns the generation.
+        """Stop the child and start it with `flags`. The restart is recorded (the rate limit)
+        and the flags saved first; only then is anything changed. Returns the generation.
 
-        Raises ValueError for flags outside the limits, RateLimited beyond the restart budget.
+        Raises ValueError for flags outside the limits, RateLimited beyond the restart budget,
+        StateUnavailable when the state directory cannot take the records (nothing restarted,
+        the old flags in force and reported).
         """
         with self._lock:
             if flags is not None:
                 self._check(flags)
-            self._admit_restart()
+            try:
+                self.budget.admit()
+            except StateUnavailable:
+                self.state_write_errors += 1
+                raise
             initial_cap = self.clamp_cap(initial_cap, flags)
-            if flags is not None:
-                self.flags.set(flags, reason)
-                self.store.save(self.flags)
+            if flags is not None and flags != self.flags.current:
+                state = self._with(flags, reason)
+                if not self._save_flags(state):
+                    raise StateUnavailable(
+                        f"cannot save the new flags to {self.store.path}: nothing restarted"
+                    )
+                self.flags = state
             self._stop_child()
             if self.child is not None:
                 self._record(self.child.returncode or 0, "requested")
@@ -464,10 +607,28 @@ class Supervisor:
                 "current": asdict(self.flags.current),
                 "changed_at": self.flags.changed_at,
                 "history": self.flags.history[-10:],
+                "persisted": self.flags_persisted,
             },
             "exits": [asdict(e) for e in self.exits],
             "command": self.command(),
+            "log": {"path": str(self.log_path), "dropped_lines": self.dropped_lines()},
+            "problems": self.problems(),
         }
+
+    def dropped_lines(self) -> int:
+        return self.log_dropped + (self._log.dropped if self._log is not None else 0)
+
+    def problems(self) -> list[str]:
+        """What makes `oomguard serve` degraded now (/healthz): its reader, its files."""
+        out = list(self.state_problems)
+        if not self.flags_persisted:
+            out.append(f"the flags in force are not saved in {self.store.path}")
+        if self._reader is not None and (problem := self._reader.problem()):
+            out.append(problem)
+        current = self._log
+        if current is not None and current.failing:
+            out.append(f"vLLM's log {self.log_path} cannot be written: lines are dropped")
+        return out
 
 
 class BadBody(Exception):
@@ -479,10 +640,13 @@ class BadBody(Exception):
 async def read_restart_request(request: Request) -> RestartRequest:
     """The restart body, bounded in size and depth, validated strictly (BadBody names why)."""
     raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise BadBody(f"body larger than {MAX_BODY_BYTES} bytes", 413)
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise BadBody(f"body larger than {MAX_BODY_BYTES} bytes", 413)
+    except ClientDisconnect:  # gone, or cut for sending too slowly (httpserve.py)
+        raise BadBody("the client went away before its body arrived") from None
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -536,6 +700,12 @@ def create_app(sup: Supervisor, auth: AuthConfig) -> Starlette:
             return JSONResponse(
                 {"error": str(exc)}, 429, headers={"Retry-After": str(math.ceil(exc.retry_after))}
             )
+        except StateUnavailable as exc:
+            return JSONResponse(
+                {"error": f"state directory unavailable, nothing restarted: {exc}"},
+                503,
+                headers={"Retry-After": "30"},
+            )
         return JSONResponse(
             {
                 "generation": generation,
@@ -546,15 +716,43 @@ def create_app(sup: Supervisor, auth: AuthConfig) -> Starlette:
         )
 
     async def healthz(_: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        problems = sup.problems()
+        if problems:
+            return JSONResponse({"status": "degraded", "problems": problems}, 503)
+        return JSONResponse({"status": "ok", "problems": []})
+
+    async def metrics(_: Request) -> Response:
+        return Response(metrics_text(sup), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return Starlette(
         routes=[
             Route("/v1/status", status, methods=["GET"]),
             Route("/v1/restart", restart, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ]
     )
+
+
+def metrics_text(sup: Supervisor) -> bytes:
+    """The supervisor's own series (catalog names, component `supervisor`)."""
+    lines: list[str] = []
+
+    def family(name: str, kind: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {spec(name).help}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
+
+    family(
+        "oomguard_supervisor_thread_restarts_total",
+        "counter",
+        [(f'{{thread="{t}"}}', n) for t, n in sorted(sup.thread_restarts.items())],
+    )
+    family("oomguard_supervisor_log_dropped_lines_total", "counter", [("", sup.dropped_lines())])
+    family(
+        "oomguard_supervisor_state_write_errors_total", "counter", [("", sup.state_write_errors)]
+    )
+    return ("\n".join(lines) + "\n").encode()
 
 
 def serve(sup: Supervisor, listen: str, auth: AuthConfig) -> int:
