@@ -53,37 +53,11 @@ def vllm_sizing() -> dict[str, vllm_path.VllmSizing]:
 # Configs vLLM 0.33 cannot construct on a CPU build here, and why (the fallback sizes them; the
 # corpus count below says how many were checked on both paths).
 CPU_BUILD_GAPS = {
-    "DeepSeek-V3": "FP8 block-scaled linear kernels and the CPU MLA backend's block size",
     "MiniMax-M2-AWQ": "the trimmed fixture lacks rotary_dim, which vLLM's MiniMax-M2 reads",
 }
 
 
-# Open: for sliding-window and chunked-attention models vLLM's engine path
-# (get_global_kv_cache_groups -> get_kv_cache_configs, as EngineCore._initialize_kv_caches runs it)
-# plans fewer blocks than the pure planner (about half for gpt-oss), which matched the older
-# get_kv_cache_groups -> get_kv_cache_config_from_groups path (tests/test_budget.py). Whether the
-# CPU platform's spec layout or the pure planner is wrong is not settled: strict xfail, so the
-# day they agree this fails and the mark goes.
-HYBRID_OPEN = {
-    "Llama-4-Scout-17B-16E-Instruct",
-    "Mistral-7B-v0.1",
-    "Phi-3.5-mini-instruct",
-    "gemma-2-9b-it",
-    "gemma-3-27b-it",
-    "gpt-oss-120b",
-    "gpt-oss-20b",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="sliding/chunked: open"))
-        if n in HYBRID_OPEN
-        else n
-        for n in NAMES
-    ],
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_fallback_equals_vllms_own_sizing(
     vllm_sizing: dict[str, vllm_path.VllmSizing], name: str
 ) -> None:

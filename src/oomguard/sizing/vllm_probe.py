@@ -21,7 +21,11 @@ result per job on stdout (a list). The steps are vLLM 0.33's own, in the engine'
 
 What runs on the CPU platform and is set back to what a CUDA engine does (and reported as an
 assumption): the block size (16, or 64 for MLA models, FlashMLA's; or the one given), async
-scheduling (0.33's default with one pipeline stage; the CPU platform turns it off). Where the CPU
+scheduling (0.33's default with one pipeline stage; the CPU platform turns it off), and the
+attention backend a layer's spec asks for its kernel block sizes: FlashAttention's (multiples of
+16, CUDA's default backend) instead of the CPU backend's multiples of 32, from which a
+sliding-window layer picks its block size (with the CPU's, gpt-oss, Gemma 2/3, Mistral v0.1 and
+Phi-3.5 planned up to half the blocks a GPU plans). Where the CPU
 platform cannot construct a checkpoint's quantized linear layers (FP8 block kernels), the model is
 rebuilt with unquantized linear layers: linear kernels do not change a KV cache spec, the KV cache
 dtype was already resolved from the checkpoint in step 1, and the parameter bytes are then not
@@ -161,24 +165,27 @@ class Probe:
             ensure_model_parallel_initialized(1, 1)
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
+        # The checkpoint folder lives until the model is built: some models read more of it
+        # while they are constructed (Llama 4 its generation config).
+        with tempfile.TemporaryDirectory(prefix="oomguard-sizing-") as folder:
+            return self._run(job, Path(folder))
+
+    def _run(self, job: dict[str, Any], folder: Path) -> dict[str, Any]:
         config, note = text_model_config(job["config"])
         notes = [note] if note else []
-        with tempfile.TemporaryDirectory(prefix="oomguard-sizing-") as folder:
-            (Path(folder) / "config.json").write_text(json.dumps(config))
-            if job.get("hf_quant_config"):
-                (Path(folder) / "hf_quant_config.json").write_text(
-                    json.dumps(job["hf_quant_config"])
-                )
-            args: Any = self.engine_args(
-                model=folder,
-                skip_tokenizer_init=True,
-                load_format="dummy",
-                enforce_eager=True,
-                max_model_len=job.get("max_model_len"),
-                kv_cache_dtype=job.get("kv_cache_dtype") or "auto",
-                max_num_batched_tokens=job.get("max_num_batched_tokens"),
-            )
-            vllm_config = args.create_engine_config()
+        (folder / "config.json").write_text(json.dumps(config))
+        if job.get("hf_quant_config"):
+            (folder / "hf_quant_config.json").write_text(json.dumps(job["hf_quant_config"]))
+        args: Any = self.engine_args(
+            model=str(folder),
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            enforce_eager=True,
+            max_model_len=job.get("max_model_len"),
+            kv_cache_dtype=job.get("kv_cache_dtype") or "auto",
+            max_num_batched_tokens=job.get("max_num_batched_tokens"),
+        )
+        vllm_config = args.create_engine_config()
         tp = int(job.get("tensor_parallel_size") or 1)
         mla = bool(vllm_config.model_config.use_mla)
         block = job.get("block_size") or (64 if mla else 16)
@@ -214,10 +221,12 @@ class Probe:
         finally:
             tp_group.world_size, tp_group.rank_in_group = saved
         specs: dict[str, Any] = {}
+        cuda_backend = self._cuda_backend()
         for name, layer in self.layers_of(vllm_config, self.attention_base).items():
             if getattr(layer, "kv_sharing_target_layer_name", None):
                 continue  # reads another layer's cache (GPUModelRunner.get_kv_cache_spec)
-            spec = layer.get_kv_cache_spec(vllm_config)
+            with self._as_on_cuda(layer, cuda_backend), self.set_config(vllm_config):
+                spec = layer.get_kv_cache_spec(vllm_config)
             if spec:
                 specs[name] = spec
         plans = [self._plan(vllm_config, specs, int(a)) for a in job.get("available", [])]
@@ -233,6 +242,39 @@ class Probe:
             "plans": plans,
             "notes": notes,
         }
+
+    @staticmethod
+    def _cuda_backend() -> Any:
+        """FlashAttention's backend class, the default on a CUDA GPU (Ampere, Ada, Hopper): a
+        sliding-window layer picks its block size from the backend's kernel block sizes
+        (`Attention.get_kv_cache_spec`, `_largest_kernel_block_within`), and the CPU backend
+        this process built the layers with takes multiples of 32 where CUDA's take 16. None if
+        it cannot be imported (the spec is then the CPU backend's, and the output says so)."""
+        try:
+            from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+        except Exception:
+            return None
+        return FlashAttentionBackend
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _as_on_cuda(layer: Any, backend: Any) -> Any:
+        """The layer's spec with the CUDA backend in place of the CPU one (MLA layers keep
+        theirs: their block size is the cache config's)."""
+        current = getattr(layer, "attn_backend", None)
+        swap = (
+            backend is not None
+            and current is not None
+            and not current.is_mla()
+            and current.get_name() == "CPU_ATTN"
+        )
+        if swap:
+            layer.attn_backend = backend
+        try:
+            yield
+        finally:
+            if swap:
+                layer.attn_backend = current
 
     def _build(self, vllm_config: Any) -> Any:
         from vllm.utils.torch_utils import set_default_torch_dtype
