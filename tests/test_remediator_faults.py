@@ -267,3 +267,23 @@ def test_a_target_token_file_that_is_not_utf8_is_a_config_error(tmp_path):
     )
     with pytest.raises(ConfigError, match="not UTF-8"):
         load(cfg)
+
+
+def test_an_uncommitted_intent_is_reconciled_once_its_engine_can_be_read(tmp_path, monkeypatch):
+    from oomguard.remediator import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "INTENT_RETRY_SECONDS", 0.0)
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.record("intent", target="a", action="lower_cap", after={"cap": 80}, intent="k1")
+    engines = Engines.of("a", "b")
+    engines.down.add("a")
+    c = Controller(config(tmp_path, "a", "b"), engines, AuditLog(tmp_path / "audit.jsonl"))
+    c.reconcile()
+    assert c.view()["audit"]["uncommitted_intents"] == 1  # cannot tell yet: kept, still counted
+    assert not [e for e in log.entries() if e["event"] == "reconciled"]
+    engines.down.discard("a")
+    engines.engines["a"].cap = 80  # the killed remediator's step did reach the engine
+    c.reconcile()
+    (done,) = [e for e in log.entries() if e["event"] == "reconciled"]
+    assert done["intent"] == "k1" and done["result"] == "applied" and done["after"]["cap"] == 80
+    assert c.view()["audit"]["uncommitted_intents"] == 0

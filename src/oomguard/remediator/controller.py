@@ -40,6 +40,7 @@ from oomguard.remediator.webhook import Alert, Webhook
 
 log = logging.getLogger("oomguard.remediator")
 
+INTENT_RETRY_SECONDS = 30.0  # uncommitted intents whose engine could not be read: next try
 # what a restart needs from the audit log (the rest, mostly `received`, is not held in memory)
 RESTORED_EVENTS = frozenset({"paused", "unpaused", "intent", "acted", "failed", "reconciled"})
 
@@ -112,6 +113,7 @@ class Controller:
         self.failed_passes = 0  # consecutive passes that raised (/healthz degrades on these)
         self.restore_error: str | None = None  # the audit log could not be read (no action)
         self._uncommitted: list[dict[str, Any]] = []  # intents to reconcile with the engines
+        self._intents_due = 0.0  # (monotonic) when to try the ones left again
         # what survives a remediator restart: the pause switch, each target's recent actions
         # (cooldowns, rate limits), the episodes already answered by a restart, and intents a
         # killed predecessor never committed
@@ -202,8 +204,11 @@ class Controller:
         conv = self.convergence
         if self.restore_error is not None and not self.restore():
             raise RuntimeError(self.restore_error)  # a failed pass: counted, /healthz degrades
-        if self._uncommitted:
+        if self._uncommitted and time.monotonic() >= self._intents_due:
             self._uncommitted = conv.reconcile_intents(self._uncommitted)
+            # an engine that cannot be read now is asked again later, not every pass (each
+            # read of an unreachable engine costs a timeout)
+            self._intents_due = time.monotonic() + INTENT_RETRY_SECONDS
         with self._decide:
             plan = conv.begin()
         if plan is None:
@@ -256,6 +261,7 @@ class Controller:
         self.safety = self.convergence.safety = safety
         self.restarts.restore(entries)
         self._uncommitted = safety.uncommitted
+        self._intents_due = 0.0
         if safety.unreadable:
             self.audit.last_replay.skipped["bad_fields"] += safety.unreadable
         self.restore_error = None
