@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from oomguard.catalog import CATALOG
@@ -262,6 +263,7 @@ class Killed(BaseException):
     """What no loop catches: the injected death of a thread."""
 
 
+@pytest.mark.slow  # waits out a restart backoff (seconds)
 def test_a_dead_collector_thread_is_restarted_counted_and_degrades_healthz():
     import time
 

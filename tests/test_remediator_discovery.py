@@ -418,6 +418,7 @@ class Killed(BaseException):
     """What no loop catches: the injected death of a thread."""
 
 
+@pytest.mark.slow  # waits out a restart backoff (seconds)
 def test_a_dead_discovery_thread_is_restarted_and_counted(monkeypatch):
     standin = KubeStandIn([], ROLE)
     standin.put_pod(pod("vllm-0", "10.0.0.1"))

@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from oomguard.twin.processes import RemediatorProcess, free_port
 
 
+@pytest.mark.slow  # waits out a restart backoff (seconds)
 def test_connections_are_capped_and_slow_clients_cut(tmp_path):
     config = {
         "listen": f"127.0.0.1:{free_port()}",

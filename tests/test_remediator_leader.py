@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 from kubernetes import client
 from starlette.testclient import TestClient
 
@@ -304,6 +305,7 @@ class Killed(BaseException):
     """What no loop catches: the injected death of a thread."""
 
 
+@pytest.mark.slow  # waits out a restart backoff (seconds)
 def test_a_dead_election_thread_is_restarted_counted_and_degrades_healthz(tmp_path, monkeypatch):
     standin = KubeStandIn([], ROLE)
     one = replica(tmp_path, monkeypatch, standin)

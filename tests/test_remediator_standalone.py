@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import StandaloneConfig
 from oomguard.remediator.controller import Controller
@@ -123,6 +125,7 @@ class Killed(BaseException):
     """What no loop catches: the injected death of a thread."""
 
 
+@pytest.mark.slow  # waits out a restart backoff (seconds)
 def test_a_dead_standalone_watch_is_restarted_counted_and_degrades_healthz(
     local_server, tmp_path, monkeypatch
 ):

@@ -141,6 +141,7 @@ class Killed(BaseException):
     """What no loop catches: the injected death of a thread."""
 
 
+@pytest.mark.slow  # waits out a restart backoff (seconds)
 def test_a_dead_log_reader_is_restarted_and_the_pipe_stays_drained(tmp_path, monkeypatch):
     script = shell(
         "i=0; while [ $i -lt 3000 ]; do echo line $i; i=$((i+1)); done; echo last; sleep 600"
