@@ -294,3 +294,23 @@ def test_an_uncommitted_intent_is_reconciled_once_its_engine_can_be_read(tmp_pat
     (done,) = [e for e in log.entries() if e["event"] == "reconciled"]
     assert done["intent"] == "k1" and done["result"] == "applied" and done["after"]["cap"] == 80
     assert c.view()["audit"]["uncommitted_intents"] == 0
+
+
+def test_a_restart_killed_after_its_intent_still_answers_its_episodes(tmp_path):
+    """kill -9 between a restart's intent and its commit: the episodes are answered (the next
+    remediator does not restart the engine again for the same alert) and the restart counts."""
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.record(
+        "intent",
+        target="a",
+        action="restart",
+        after={"episode": "e2", "episodes": ["e1", "e2"], "max_num_seqs": 51},
+        intent="r1",
+    )
+    restarts = restarts_of(tmp_path)
+    restarts.restore(AuditLog(tmp_path / "audit.jsonl").entries())
+    assert restarts.answered("a") == {"e1", "e2"}
+    s = Safety(SafetyConfig(cooldown_seconds=600, max_actions=5))
+    s.restore(AuditLog(tmp_path / "audit.jsonl").entries())
+    assert s.check("a", "restart", FLEET) == "cooldown"
+    assert [e["intent"] for e in s.uncommitted] == ["r1"]
