@@ -10,8 +10,11 @@ import argparse
 import json
 import logging
 import os
+import re
 import socket
+import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,6 +27,58 @@ from oomguard.units import duration_arg, size_arg
 
 # A model's config.json: a few KB; multimodal ones with label maps stay well under 4 MiB.
 MODEL_CONFIG_LIMITS = bounded.Limits(max_bytes=4 * bounded.MIB)
+MAX_PARALLEL = 4096  # ranks in one parallel dimension: far beyond any deployment
+
+
+def _whole(low: int, high: int) -> Callable[[str], int]:
+    """argparse type: a whole number of ASCII digits from `low` to `high` (int() would also take
+    '١٣', '1_000' and 5,000 digits)."""
+
+    def whole(text: str) -> int:
+        value = decimal(text.strip())
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number from {low:,} to {high:,}, got {_shown(text)}"
+            )
+        return value
+
+    return whole
+
+
+def _shown(text: str, keep: int = 40) -> str:
+    """A value quoted in an error, shortened: an error line never carries a 5,000-character
+    input whole."""
+    return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text):,} characters)"
+
+
+_LONG_WORD = re.compile(r"\S{121,}")
+
+
+def _one_line(text: str) -> str:
+    """An error as one line: lines joined, and any word over 120 characters (a value quoted
+    whole) shortened."""
+    parts = [line.strip() for line in str(text).splitlines() if line.strip()] or [""]
+    line = parts[0] + (" " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+    return _LONG_WORD.sub(lambda m: f"{m[0][:60]}... ({len(m[0]):,} characters)", line)
+
+
+def _check_dir(what: str, path: str, create: bool = False) -> None:
+    """A directory argument: wrong when the path exists as something else or cannot be one;
+    with `create`, made now (an output or state directory), so a permission problem stops the
+    command before it starts anything."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:  # ENOTDIR: a parent is a file; ELOOP, EACCES...
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{what} {path}: not a directory")
+    if st is None and create:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"{what} {path}: cannot create it: {exc.strerror or exc}") from None
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -152,11 +207,44 @@ def exporter_config_from_args(args: argparse.Namespace) -> Any:
         data["cgroups"] = [{"name": n, "path": p} for n, p in args.cgroup]
     config = validate(ExporterConfig, data, args.config or "command-line flags")
     for target in config.vllm:
-        try:
-            urlsplit(target.url).port  # noqa: B018 (it raises on a port out of range)
-        except ValueError as exc:
-            raise ConfigError(f"vllm target {target.name}: {target.url}: {exc}") from exc
+        _check_url(f"vllm target {target.name}:", target.url)
+    if config.dcgm.url:
+        _check_url("dcgm.url", config.dcgm.url)
+    # Read later, on every poll: what is not there yet may come (a sidecar's first write, the
+    # first rank's report), but a path that can never be right stops the start.
+    if config.dcgm.file:
+        _check_regular_or_missing("dcgm.file", config.dcgm.file)
+    if config.allocator.enabled:
+        _check_dir("allocator.directory", config.allocator.directory)
+        if config.allocator.incident_directory:
+            _check_dir("allocator.incident_directory", config.allocator.incident_directory)
+    for cg in config.cgroups:
+        _check_dir(f"cgroup {cg.name}:", cg.path)
     return config
+
+
+def _check_url(what: str, url: str) -> None:
+    """An http(s) URL with a host and a valid port (the scraper refuses anything else later,
+    with a traceback)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (it raises on a port out of range)
+    except ValueError as exc:
+        raise ConfigError(f"{what} {_shown(url, 80)}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{what} {_shown(url, 80)}: expected an http:// or https:// URL")
+
+
+def _check_regular_or_missing(what: str, path: str) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO or device?)"
+        raise ConfigError(f"{what} {path}: {kind}")
 
 
 def _run_exporter(args: argparse.Namespace) -> int:
@@ -193,26 +281,34 @@ def _add_budget(sub: Any) -> None:
     )
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=_whole(1, 2147483647),
         help="vLLM's --max-model-len (default: the model's max_position_embeddings)",
     )
     p.add_argument(
         "--max-num-seqs",
-        type=int,
+        type=_whole(1, 2147483647),
         help="vLLM's --max-num-seqs (default: what vllm serve picks for this GPU size)",
     )
     p.add_argument(
         "-tp",
         "--tensor-parallel-size",
-        type=int,
+        type=_whole(1, MAX_PARALLEL),
         default=1,
         help="vLLM's --tensor-parallel-size (default 1)",
     )
     p.add_argument(
-        "-pp", "--pipeline-parallel-size", type=int, default=1, help="vLLM's -pp (default 1)"
+        "-pp",
+        "--pipeline-parallel-size",
+        type=_whole(1, MAX_PARALLEL),
+        default=1,
+        help="vLLM's -pp (default 1)",
     )
     p.add_argument(
-        "-dp", "--data-parallel-size", type=int, default=1, help="vLLM's -dp (default 1)"
+        "-dp",
+        "--data-parallel-size",
+        type=_whole(1, MAX_PARALLEL),
+        default=1,
+        help="vLLM's -dp (default 1)",
     )
     p.add_argument(
         "--enable-expert-parallel",
@@ -226,17 +322,19 @@ def _add_budget(sub: Any) -> None:
         help="vLLM's --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2 (default auto)",
     )
     p.add_argument(
-        "--block-size", type=int, help="KV block size in tokens (default 16, 64 for MLA)"
+        "--block-size",
+        type=_whole(1, 2**16),
+        help="KV block size in tokens (default 16, 64 for MLA)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_whole(1, 2**31 - 1),
         help="largest prefill chunk, drives the activation estimate (default: vllm serve's "
         "for this GPU size)",
     )
     p.add_argument(
         "--context-len",
-        type=int,
+        type=_whole(1, 2**31 - 1),
         help="context length for the concurrency figure (default max-model-len)",
     )
     p.add_argument(
@@ -468,9 +566,14 @@ def _add_preflight(sub: Any) -> None:
         "--margin", metavar="SIZE", default="256MiB", help="stop this far below the device"
     )
     p.add_argument(
-        "--max-concurrency", type=int, default=256, help="phase B's ceiling (default 256)"
+        "--max-concurrency",
+        type=_whole(1, 2**16),
+        default=256,
+        help="phase B's ceiling (default 256)",
     )
-    p.add_argument("--target-prompt-len", type=int, help="default: max_model_len - 1")
+    p.add_argument(
+        "--target-prompt-len", type=_whole(1, 2**31 - 1), help="default: max_model_len - 1"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_run_preflight)
 
@@ -506,9 +609,17 @@ def _run_preflight(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     if not args.url.startswith(("http://", "https://")):
-        raise PreflightError(f"URL must start with http:// or https://, got {args.url!r}")
+        raise PreflightError(f"URL must start with http:// or https://, got {_shown(args.url)}")
+    try:
+        parts = urlsplit(args.url)
+        parts.port  # noqa: B018 (it raises on a port out of range)
+    except ValueError as exc:
+        raise PreflightError(f"URL {_shown(args.url)}: {exc}") from None
+    if not parts.hostname:
+        raise PreflightError(f"URL {_shown(args.url)} names no host")
     if args.max_concurrency < 1 or (args.target_prompt_len or 1) < 1:
         raise PreflightError("--max-concurrency and --target-prompt-len must be at least 1")
+    _check_dir("--allocator-dir", args.allocator_dir)
     report = run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     _emit(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return report.exit_code
@@ -519,7 +630,7 @@ def _one_line_errors(p: argparse.ArgumentParser) -> None:
     """This (sub)command's usage mistakes (unknown flags included) as one line and exit 2."""
 
     def error(message: str) -> Any:
-        print(f"{p.prog}: {message}", file=sys.stderr)
+        print(_one_line(f"{p.prog}: {message}"), file=sys.stderr)
         sys.exit(2)
 
     parse_known = p.parse_known_args
@@ -582,10 +693,17 @@ def _run_incidents(args: argparse.Namespace) -> int:
 
         try:
             text = _read_file(args.dcgm_file, DEFAULT_MAX_BYTES)
-            xids = xids_from_text(text, os.stat(args.dcgm_file).st_mtime)
-            counted = bool(parse(text, (XID_COUNT,)).get(XID_COUNT))
         except CollectorError as exc:  # the reader's message names the file
             raise ConfigError(f"--dcgm-file {exc}") from None
+        try:
+            if not parse(text).samples:  # every line checked; a page of none is no scrape
+                raise CollectorError("no_data", "no samples")
+            xids = xids_from_text(text, os.stat(args.dcgm_file).st_mtime)
+            counted = bool(parse(text, (XID_COUNT,)).get(XID_COUNT))
+        except CollectorError as exc:
+            raise ConfigError(
+                f"--dcgm-file {args.dcgm_file}: not a dcgm-exporter scrape ({exc})"
+            ) from None
         except OSError as exc:
             raise ConfigError(f"--dcgm-file {args.dcgm_file}: {exc.strerror or exc}") from None
         if not counted:  # dcgm-exporter's shipped counters CSV leaves the XID count out
@@ -664,7 +782,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     thresholds = None
     if args.thresholds:
         thresholds = validate(AlertThresholds, load_yaml(args.thresholds), args.thresholds)
-    drift = sync(Path(args.root), generated_files(thresholds), check=args.check)
+    _check_dir("--root", args.root)
+    try:
+        drift = sync(Path(args.root), generated_files(thresholds), check=args.check)
+    except OSError as exc:  # a file in the tree that cannot be written (or read)
+        raise ConfigError(f"--root {args.root}: {exc}") from None
     for path in drift:
         print(f"{'differs' if args.check else 'wrote'}: {path}")
     return 1 if args.check and drift else 0
@@ -706,6 +828,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     from oomguard.twin.demo import Options, run
 
+    _check_dir("--report", args.report, create=True)  # before minutes of demo, not after
     if shutil.which("vllm", path=str(Path(sys.executable).parent)) is None:
         raise ConfigError(
             "vLLM is not installed in this environment: run `make demo`, which "
@@ -842,7 +965,7 @@ def _add_serve(sub: Any) -> None:
     )
     p.add_argument(
         "--max-crashes",
-        type=int,
+        type=_whole(0, 10**6),
         default=5,
         metavar="N",
         help="crashes within --crash-window before it stops restarting (default %(default)s)",
@@ -870,7 +993,7 @@ def _add_serve(sub: Any) -> None:
     )
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=_whole(0, 10**6),
         default=6,
         metavar="N",
         help="requested restarts allowed within --restart-window; beyond it the API answers 429 "
@@ -899,7 +1022,7 @@ def _add_serve(sub: Any) -> None:
     )
     p.add_argument(
         "--log-backups",
-        type=int,
+        type=_whole(0, 1000),
         default=5,
         metavar="N",
         help="rotated logs kept: vllm.log.1 (newest) to vllm.log.N (default %(default)s)",
@@ -937,6 +1060,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.token_file:
         _check_secret_file("--token-file", args.token_file)
     _check_listen("--listen", args.listen)  # before vLLM starts, not after its minutes of loading
+    _check_dir("--state-dir", args.state_dir, create=True)
     sup = Supervisor(
         argv,
         Path(args.state_dir),
@@ -997,9 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except (ConfigError, BudgetError, bounded.InputError) as exc:
         # one line: a message quoting a file's content must not spill over several
-        parts = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
-        text = parts[0] + (" " + "; ".join(parts[1:]) if len(parts) > 1 else "")
-        print(f"oomguard {args.command}: {text}", file=sys.stderr)
+        print(_one_line(f"oomguard {args.command}: {exc}"), file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         extra = _EXTRAS.get((exc.name or "").partition(".")[0])

@@ -857,6 +857,8 @@ def _classified(
 # -- reading it ---------------------------------------------------------------------------------
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(s|m|h|d)")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MAX_SINCE_DAYS = 36_500  # a century: any incident record is younger
+MAX_SINCE_SECONDS = MAX_SINCE_DAYS * 86400.0
 
 
 def parse_since(text: str, now: float | None = None) -> float:
@@ -866,7 +868,10 @@ def parse_since(text: str, now: float | None = None) -> float:
     now = time.time() if now is None else now
     match = _DURATION.fullmatch(text.strip())
     if match:
-        return now - float(match.group(1)) * _UNITS[match.group(2)]
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+        if not seconds <= MAX_SINCE_SECONDS:  # 5,000 digits: inf
+            raise ValueError(f"--since {text[:40]!r}: more than {MAX_SINCE_DAYS:,} days back")
+        return now - seconds
     try:
         when = datetime.fromisoformat(text.strip())
     except ValueError:

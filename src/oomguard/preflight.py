@@ -155,7 +155,7 @@ class Server:
         url = self.s.url + path
         try:
             status, body = await self.get(path, JSON_LIMITS)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise PreflightError(f"cannot reach {url}: {exc}") from exc
         except bounded.InputError as exc:  # too large, too slow
             raise PreflightError(str(exc)) from None
@@ -176,14 +176,14 @@ class Server:
     async def healthy(self) -> bool:
         try:
             return (await self.get("/health", HEALTH_LIMITS))[0] == 200
-        except (httpx.HTTPError, bounded.InputError):
+        except (httpx.HTTPError, httpx.InvalidURL, bounded.InputError):
             return False
 
     async def kv_cache_tokens(self) -> int | None:
         try:
             status, body = await self.get("/metrics", METRICS_LIMITS)
             text = bounded.decode(body, self.s.url + "/metrics")
-        except (httpx.HTTPError, bounded.InputError):
+        except (httpx.HTTPError, httpx.InvalidURL, bounded.InputError):
             return None
         m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
         if status != 200 or not m:
@@ -215,7 +215,7 @@ class Server:
                 "POST", self.s.url + "/v1/completions", json=body, timeout=self.s.request_timeout
             ) as r:
                 return r.status_code
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL):
             return 599
 
 
