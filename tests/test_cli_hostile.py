@@ -33,6 +33,8 @@ import pytest
 from oomguard.cli import _parsers, build_parser
 from oomguard.engine_state import EngineCoreState, EngineState, SinceCapChange
 
+pytestmark = pytest.mark.slow  # hundreds of command runs: `make test`, not `make check`
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "src" / "oomguard" / "twin" / "models" / "llama-3-8b" / "config.json"
 CASE_TIMEOUT = 40.0  # a loaded 2-core box; a hang is far longer, a normal case ~0.1 s
