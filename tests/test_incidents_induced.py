@@ -254,6 +254,21 @@ def test_a_full_batch_whose_small_allocation_fails_is_an_oom_under_load(engine):
     assert any(f"max_num_seqs {SEQS}" in line for line in found.evidence), found.evidence
     # the supervisor's exit record is joined to the observer's record
     assert len(found.records) == 2 and found.records[0].startswith("exit-")
+    # what the engine held as it died: every request EngineCore's scheduler had (noted after
+    # each schedule), at least the failing step's batch, at most what the clients lost; the
+    # exporter counts it for the error budget under the model vLLM's metrics name
+    from oomguard.exporter.collectors.incidents import IncidentCollector
+    from oomguard.exporter.render import FamilyBuilder
+
+    assert record["in_flight_source"] == "scheduler"
+    failed = sum(1 for c in codes if c >= 500)
+    assert record["batch"]["requests"] <= record["in_flight"] <= failed, (record, codes)
+    assert record["model_name"] == str(MODEL)
+    out = FamilyBuilder()
+    collector = IncidentCollector(str(e.incidents), "twin-node")
+    collector.families(collector.collect(), out)
+    [lost] = [f for f in out.families() if f.spec.name == "oomguard_requests_lost_total"]
+    assert lost.samples == [(("twin-node", "llama", str(MODEL), "0"), float(record["in_flight"]))]
 
 
 # -- type 4: after hours ------------------------------------------------------------------------

@@ -89,6 +89,35 @@ def test_a_fatal_oom_is_on_disk_before_the_process_dies(tmp_path):
     assert big["params"]["prompt_logprobs"] == 5
     assert record["flags"]["gpu_memory_utilization"] == 0.9
     assert record["flags"]["max_num_batched_tokens"] == 8192
+    # no scheduler in this process: what the engine held is the step's batch
+    assert (record["in_flight"], record["in_flight_source"]) == (2, "step")
+
+
+def test_the_record_counts_every_request_the_scheduler_held(tmp_path, monkeypatch):
+    """The requests lost with the engine: all the scheduler held (running and queued), noted
+    after each schedule(), with the served model name vLLM labels its metrics with; the
+    record parses as the exporter reads it."""
+    from types import SimpleNamespace
+
+    from oomguard import incidents
+    from oomguard.vllm_plugin import oom
+
+    for name, value in (("_in_flight", None), ("_step", None), ("_model_name", "")):
+        monkeypatch.setattr(oom, name, value)
+    monkeypatch.setattr(oom, "_flags", {})
+    oom.note_flags(
+        SimpleNamespace(model_config=SimpleNamespace(served_model_name=["llama-3", "alias"]))
+    )
+    oom.note_in_flight(37)
+    rec = oom.OomRecorder("", str(tmp_path), "llama", dict, lambda: {"engine": "1"})
+    rec.observe(0, 1, 2, 3)
+    [path] = tmp_path.glob("oom-*.json")
+    record = json.loads(path.read_text())
+    assert (record["in_flight"], record["in_flight_source"]) == (37, "scheduler")
+    assert record["model_name"] == "llama-3"
+    parsed = incidents._parse(path.name, path.read_bytes())
+    assert isinstance(parsed, incidents.OomRecord)
+    assert (parsed.in_flight, parsed.model_name, parsed.engine) == (37, "llama-3", "1")
 
 
 def test_the_observer_never_raises(tmp_path):

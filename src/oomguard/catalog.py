@@ -327,6 +327,15 @@ _SPECS: tuple[MetricSpec, ...] = (
         "",
         ("Hostname", "target", "engine", "type"),
     ),
+    _counter(
+        "oomguard_requests_lost_total",
+        "Requests an engine held, running or queued, when it died of a CUDA out-of-memory error "
+        "(from the OOM observer's records; one count per death, whatever ranks recorded it). "
+        "vLLM's own request counters die with the process and never count them: the "
+        "error-budget SLO adds these.",
+        "",
+        ("Hostname", "target", "model_name", "engine"),
+    ),
     # --- The exporter itself ----------------------------------------------------------------
     _gauge(
         "oomguard_exporter_build_info",

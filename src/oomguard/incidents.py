@@ -231,6 +231,11 @@ class OomRecord(_Model):
     device_free_bytes: int = _Count
     allocator: Allocator = Field(default_factory=Allocator)
     batch: Batch | None = None
+    # requests the engine held as it died (running and queued), and whether EngineCore's
+    # scheduler or only the failing step's batch told (vllm_plugin/oom.py); the served model
+    in_flight: int | None = Field(None, ge=0, le=MAX_COUNT)
+    in_flight_source: str = Field("", max_length=16)
+    model_name: str = Field("", max_length=256)
     flags: dict[str, int | float | bool] = Field(default_factory=dict, max_length=32)
     uptime_seconds: float | None = Field(None, ge=0, le=1e10)
     steps: int | None = Field(None, ge=0, le=MAX_COUNT)

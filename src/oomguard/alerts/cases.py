@@ -1206,6 +1206,23 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             {success("error"): "0x70", success("abort"): "0+5x70", success("stop"): "0+95x70"},
         )
     )
+    # a crash loses 600 requests at 60m of a model serving 1 request a second: vLLM never counts
+    # them (its counters die with it), the exporter does (oomguard_requests_lost_total, born at
+    # 600): over the last hour 1 in 7 requests failed
+    lost = sel(
+        "oomguard_requests_lost_total",
+        {**L.exp, "Hostname": NODE, "target": L.target, "model_name": MODEL, "engine": "0"},
+    )
+    crash = {success("stop"): "0+60x70", lost: "_x60 600x10"}
+    add(
+        Case(
+            "OomguardRequestErrorBudgetBurn",
+            "63m",
+            crash,
+            [burn("critical", "14.29%", errors, "99.9", "hours")],
+        )
+    )
+    add(Case("OomguardRequestErrorBudgetBurn", "55m", crash))  # before the crash
     # the vLLM pod is replaced at 30m: its counters start again on the new pod; no burn
     add(
         Case(
@@ -1285,7 +1302,31 @@ def expr_cases(t: AlertThresholds | None = None) -> list[ExprCase]:
     drained = {**capped, mode: "0 0 0 1x7"}
     engine = {**L.cluster, "instance": L.exp["instance"], "target": L.target, "engine": "0"}
     running_old = sel("oomguard_vllm_requests_running", {**L.engine, "model_name": "old/model"})
+    lost = sel(
+        "oomguard_requests_lost_total",
+        {**L.exp, "Hostname": NODE, "target": L.target, "model_name": MODEL, "engine": "0"},
+    )
+    lost_new = sel(
+        "oomguard_requests_lost_total",
+        {
+            **L.rolled(L.exp, NEW_EXPORTER_POD),
+            "Hostname": NODE,
+            "target": L.target,
+            "model_name": MODEL,
+            "engine": "0",
+        },
+    )
+    stop = sel("vllm:request_success_total", {**L.vllm_engine, "finished_reason": "stop"})
+    # 0.8 requests a second succeed; a crash at 10m loses 60: 0.2 a second over 5 minutes
+    crashed = {stop: "0+48x25", lost: "_x10 60x15"}
+    rolled = {stop: "0+48x25", lost: "_x10 60x3 stale", lost_new: "_x13 60x12"}
+    errors_5m = "model_name:vllm_request_errors:ratio_rate5m"
     return [
+        ExprCase(errors_5m, "12m", crashed, [(model, "0.2")]),
+        ExprCase(errors_5m, "20m", crashed, [(model, "0")]),  # the crash left the window
+        # the exporter rolled at 13m: the same count from a new pod is no new loss
+        ExprCase(errors_5m, "14m", rolled, [(model, "0.2")]),
+        ExprCase(errors_5m, "20m", rolled, [(model, "0")]),
         # the model an engine serves now; while it reloads after a crash, the one it served
         ExprCase(
             "engine:oomguard_vllm_model:info", "5m", {running: "5x10"}, [(model_e(engine), "1")]

@@ -216,12 +216,21 @@ def slo_recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]
     job = f'job="{t.vllm_job}"'
     out = []
     for w in SLO_WINDOWS:
+        # requests lost in engine crashes count as errors, and as requests: vLLM's counters die
+        # with the process and never see them. The exporter's series carry another job than
+        # vLLM's, so `or` keeps both and the sum adds them (0 where no crash was recorded).
+        lost = lost_rate(t, w)
         out.append(
             RecordingRule(
                 f"model_name:vllm_request_errors:ratio_rate{w}",
-                f"sum by ({by}) (rate(vllm:request_success_total"
-                f'{{{job}, finished_reason="error"}}[{w}]))\n'
-                f"/ sum by ({by}) (rate(vllm:request_success_total{{{job}}}[{w}]))",
+                f"sum by ({by}) (\n"
+                f'  rate(vllm:request_success_total{{{job}, finished_reason="error"}}[{w}])\n'
+                f"  or {lost}\n"
+                ")\n"
+                f"/ sum by ({by}) (\n"
+                f"  rate(vllm:request_success_total{{{job}}}[{w}])\n"
+                f"  or {lost}\n"
+                ")",
             )
         )
     for w in SLO_WINDOWS:
@@ -234,6 +243,25 @@ def slo_recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]
             )
         )
     return out
+
+
+def lost_rate(t: AlertThresholds, window: str) -> str:
+    """Requests lost in engine crashes per second over `window`, per engine: the rise of
+    `oomguard_requests_lost_total` since `window` ago, judged by the exporter's identity (a new
+    exporter pod serves the same count from the same records, and a first crash's series is
+    born non-zero: `rate()` would miss it)."""
+    metric = f'oomguard_requests_lost_total{{job="{t.exporter_job}"}}'
+    on = ", ".join(exporter_identity(t, "oomguard_requests_lost_total"))
+    return (
+        f"clamp_min({metric} - on ({on}) group_left ()\n"
+        f"    max by ({on}) ({metric} offset {window} or 0 * {metric}), 0)\n"
+        f"    / {_seconds(window)}"
+    )
+
+
+def _seconds(window: str) -> int:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    return int(window[:-1]) * units[window[-1]]
 
 
 def all_recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:

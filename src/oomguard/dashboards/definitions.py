@@ -300,6 +300,21 @@ def fleet(t: AlertThresholds | None = None) -> dict[str, Any]:
         ],
     )
     L.timeseries(
+        "Requests lost in engine crashes",
+        "Requests the engines of each model held, running or queued, when they died of a CUDA "
+        "out-of-memory error, recorded by the OOM observer (oomguard_requests_lost_total; a "
+        "step up at each crash). vLLM's own counters die with the engine: the error-budget SLO "
+        "adds these.",
+        "short",
+        [
+            target(
+                f"sum by ({s.c}, model_name) (max by ({s.c}, instance, target, model_name, engine) "
+                f'(oomguard_requests_lost_total{{{s.exporters}, model_name=~"$model"}}))',
+                "{{model_name}}",
+            )
+        ],
+    )
+    L.timeseries(
         "Waiting requests by reason",
         "Requests queued in each vLLM engine by reason (vllm:num_requests_waiting_by_reason): "
         "capacity = no room in the batch or the KV cache, deferred = transient constraints.",

@@ -35,6 +35,7 @@ from typing import Any
 
 from oomguard.contract import DRAINING, INITIAL_CAP_ENV
 from oomguard.engine_state import EngineCoreState, SinceCapChange
+from oomguard.vllm_plugin import oom
 
 log = logging.getLogger("oomguard.vllm_plugin")
 
@@ -100,6 +101,8 @@ def _wrap_schedule(schedule: Any) -> Any:
             c = counters(self)
             c.admitted += len(output.scheduled_new_reqs)
             c.finished += len(output.finished_req_ids)
+            # what an OOM in this step would lose: every request the scheduler holds
+            oom.note_in_flight(len(self.requests))
         except Exception:  # counting must never break a step
             log.debug("oomguard: could not count a scheduler step", exc_info=True)
         return output
@@ -351,8 +354,6 @@ UTILITIES = {
 
 
 def _wrap_worker_execute(execute: Any) -> Any:
-    from oomguard.vllm_plugin import oom
-
     @functools.wraps(execute)
     def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(self, "_oomguard_flags_noted", False):

@@ -24,6 +24,13 @@ The step's batch comes from `note_step(scheduler_output)`: the worker's `execute
 reference to the current step's scheduler output (one attribute store per step); it is read only
 when an OOM happens.
 
+The requests the engine held when it died (`in_flight`): every request EngineCore's scheduler
+had, running or queued, noted by the plugin's scheduler wrapper after each `schedule()` (one
+`len` per step, `note_in_flight`); where the worker runs in another process than the scheduler
+(tensor-parallel workers), the step's batch. The API server answers each of them with an error
+when EngineCore dies, and vLLM's own request counters die with the process: the exporter counts
+them from these records (`oomguard_requests_lost_total`) for the error-budget SLO.
+
 Environment: OOMGUARD_ALLOCATOR_DIR (hand-off directory), OOMGUARD_INCIDENT_DIR (default
 `<allocator dir>/incidents`), OOMGUARD_TARGET.
 """
@@ -57,6 +64,8 @@ _flags: dict[str, Any] = {}
 _recorder: OomRecorder | None = None
 _lock = threading.Lock()
 _steps = 0  # steps this process executed (0 at an OOM: it never served)
+_in_flight: int | None = None  # requests EngineCore's scheduler held at its last step, if here
+_model_name = ""  # the served model name, as vLLM's metrics label it
 _active: OomRecorder | None = None  # the recorder whose stats the history samples
 
 
@@ -67,6 +76,12 @@ def note_step(scheduler_output: Any) -> None:
     _steps += 1
     if _active is not None:
         _active.sample()  # one clock read per step; the allocator is read once a minute
+
+
+def note_in_flight(requests: int) -> None:
+    """Remember how many requests the scheduler in this process holds (after each schedule)."""
+    global _in_flight
+    _in_flight = requests
 
 
 def note_flags(vllm_config: Any) -> None:
@@ -86,6 +101,11 @@ def note_flags(vllm_config: Any) -> None:
         values["vocab_size"] = int(model.get_vocab_size())  # type: ignore[union-attr]
     _flags.clear()
     _flags.update({k: v for k, v in values.items() if isinstance(v, bool | int | float)})
+    global _model_name
+    name = getattr(model, "served_model_name", None)  # vLLM's `model_name` metric label
+    if isinstance(name, list | tuple):
+        name = name[0] if name else None
+    _model_name = name[:256] if isinstance(name, str) else ""
 
 
 def _params(sampling: Any) -> dict[str, Any]:
@@ -239,6 +259,7 @@ class OomRecorder:
         extra: dict[str, Any] = {}
         with contextlib.suppress(Exception):
             extra = dict(self.extra())
+        batch = batch_summary(_step)
         record = {
             "schema": INCIDENT_SCHEMA,
             "kind": "cuda_oom",
@@ -262,7 +283,9 @@ class OomRecorder:
                 "ooms": report.ooms,
                 **extra,
             },
-            "batch": batch_summary(_step),
+            "batch": batch,
+            **in_flight(batch),
+            "model_name": _model_name,
             "flags": dict(_flags),
             "process_started_at": _STARTED,
             "uptime_seconds": max(0.0, now - _STARTED),
@@ -271,6 +294,15 @@ class OomRecorder:
         }
         path = Path(self.incident_dir) / f"oom-{report.pid}-{self.ooms}.json"
         _write_json(path, record)
+
+
+def in_flight(batch: dict[str, Any] | None) -> dict[str, Any]:
+    """The requests the engine held as it died, and where the number comes from."""
+    if _in_flight is not None:
+        return {"in_flight": int(_in_flight), "in_flight_source": "scheduler"}
+    if batch is not None:
+        return {"in_flight": int(batch["requests"]), "in_flight_source": "step"}
+    return {}
 
 
 # -- real CUDA ---------------------------------------------------------------------------------
