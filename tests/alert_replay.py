@@ -262,6 +262,7 @@ class Outcome:
     remediator_alerts: set[str] = field(default_factory=set)
     # each remediator group (one alert): when it was notified (real seconds, monotonic)
     remediator_groups: dict[str, list[float]] = field(default_factory=dict)
+    lag: float = 0.0  # how late the replay's latest post was, in timeline seconds
 
 
 def outcome(notifications: Sequence[Notification], cluster: str) -> Outcome:
@@ -298,12 +299,14 @@ def replay(
     steps: list[set[Alert]],
     compression: float,
     tail_seconds: float,
-) -> None:
-    """Post one timeline's alerts as Prometheus would, at `compression` times real speed."""
+) -> float:
+    """Post one timeline's alerts as Prometheus would, at `compression` times real speed.
+    Returns how late the latest post was, in timeline seconds (a loaded machine's lag)."""
     tick = timeline.step / compression
     tail = max(1, round(tail_seconds / timeline.step))
     started: dict[Alert, datetime] = {}
     nxt = time.monotonic()
+    lag = 0.0
     with httpx.Client(timeout=10) as client:
         for i, now_firing in enumerate(steps):
             live = any(steps[j] for j in range(max(0, i - tail), i + 1))
@@ -311,6 +314,7 @@ def replay(
                 nxt = time.monotonic()  # nothing firing, nothing to flush: no time passes
                 continue
             time.sleep(max(0.0, nxt - time.monotonic()))
+            lag = max(lag, (time.monotonic() - nxt) * compression)
             nxt += tick
             now = datetime.now(UTC)
             body = []
@@ -333,3 +337,4 @@ def replay(
                 )
             if body:
                 client.post(f"{am_url}/api/v2/alerts", json=body).raise_for_status()
+    return lag

@@ -29,7 +29,7 @@ from tests.incident_timelines import timelines
 
 pytestmark = pytest.mark.skipif(not have_prometheus_stack(), reason="needs Alertmanager")
 
-COMPRESSION = 180.0  # timeline seconds per real second (Alertmanager's timings divided alike)
+COMPRESSION = 120.0  # timeline seconds per real second (Alertmanager's timings divided alike)
 TAIL = 420.0  # timeline seconds replayed after the last alert: the pager's 5m group_interval
 
 # What each incident sends, as designed: the page (its alert names: the first notification of
@@ -69,10 +69,11 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     )
     try:
         errors: list[BaseException] = []
+        lags: dict[str, float] = {}
 
         def run(i: int) -> None:
             try:
-                replay(am.url, tls[i], steps[tls[i].name], COMPRESSION, TAIL)
+                lags[tls[i].name] = replay(am.url, tls[i], steps[tls[i].name], COMPRESSION, TAIL)
             except BaseException as exc:  # reported below, not lost in a thread
                 errors.append(exc)
 
@@ -86,7 +87,10 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     finally:
         am.stop()
         sink.close()
-    return {tl.name: outcome(sink.received, tl.name) for tl in tls}
+    out = {tl.name: outcome(sink.received, tl.name) for tl in tls}
+    for name, got in out.items():
+        got.lag = lags.get(name, 0.0)
+    return out
 
 
 @pytest.mark.slow
@@ -94,6 +98,8 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
 def test_one_page_per_incident(outcomes, incident):
     pages, tickets = EXPECTED[incident]
     got = outcomes[incident]
+    # a failure names how far the replay fell behind its schedule (in timeline seconds): events a
+    # minute apart are 0.5 s apart here, and a heavily loaded machine can reorder them
     assert got.pages == pages, got
     assert sorted(map(sorted, got.tickets)) == sorted(map(sorted, tickets)), got
     assert got.paged_with_ticket_open == 0, got
