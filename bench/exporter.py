@@ -155,7 +155,7 @@ def small(now: float | None = None) -> Scenario:
         page + "\n",
         ranks,
         {f"e{i}": [str(i)] for i in range(8)},
-        {"gpus": 8, "mig_instances": 0, "servers": 8, "engines": 8, "processes": 64},
+        {"gpus": 8, "mig_gpus": 0, "mig_instances": 0, "servers": 8, "engines": 8, "processes": 64},
     )
 
 
@@ -213,7 +213,9 @@ def node(series: int = 10_000, now: float | None = None) -> Scenario:
         ranks,
         shape={
             "gpus": len(gpus),
+            "mig_gpus": sum(1 for g in gpus if g.mig),
             "mig_instances": sum(len(g.mig) for g in gpus),
+            "data_parallel": 2,
             "servers": len(places) // 2,
             "engines": len(ranks),
             "processes": len(ranks) + extra,
@@ -365,11 +367,13 @@ def update_plain(registry_metrics: dict[str, Any], families: list[Family]) -> No
             (metric.labels(*labels) if labels else metric).set(value)
 
 
-def measure_render(poller: Poller, registry: CollectorRegistry, reps: int) -> dict[str, float]:
+def measure_render(
+    poller: Poller, registry: CollectorRegistry, reps: int, families: list[Family] | None = None
+) -> dict[str, float]:
     """Rendering the same series: unchanged since the last render (a steady node: per-family
     text reused), every value changed (each line formatted again), and prometheus_client's
     generate_latest; with the plain registry's own per-poll cost of setting every series."""
-    families = poller.latest.families
+    families = poller.latest.families if families is None else families  # the registry's
     moved = _moved(families)
     metrics = {name: m for m, name in _registered(registry)}
     plain, steady, changed, update = [], [], [], []
@@ -403,7 +407,11 @@ def _registered(registry: CollectorRegistry) -> Iterator[tuple[Any, str]]:
         yield metric, name + "_total" if metric._type == "counter" else name
 
 
-def measure_scrape(poller: Poller, registry: CollectorRegistry, n: int) -> dict[str, Any]:
+def measure_scrape(
+    poller: Poller, registry: CollectorRegistry, n: int, rounds: int = 5
+) -> dict[str, Any]:
+    """`n` scrapes of oomguard's server and a tenth as many of prometheus_client's (each
+    renders the whole registry again), per encoding, interleaved in `rounds`."""
     snapshot = poller.latest
     ours_srv = MetricsServer(("127.0.0.1", 0), lambda: snapshot, max_snapshot_age=1e9)
     ours_srv.start()
@@ -413,9 +421,8 @@ def measure_scrape(poller: Poller, registry: CollectorRegistry, n: int) -> dict[
     try:
         for encoding in ("identity", "gzip"):
             scrape_latencies(ours_srv.port, 20, encoding)  # warm-up (and the gzip form, cached)
-            scrape_latencies(plain_port, 5, encoding)
+            scrape_latencies(plain_port, 1 if rounds < 5 else 5, encoding)
             ours, plain = [], []
-            rounds = 5
             for _ in range(rounds):  # interleaved, to share the noise
                 ours += scrape_latencies(ours_srv.port, n // rounds, encoding)
                 plain += scrape_latencies(plain_port, max(2, n // (rounds * 10)), encoding)
@@ -457,6 +464,25 @@ def poll_cycle_ms(poller: Poller, cycles: int) -> dict[str, float]:
     cycle = {name: statistics.median(ms) for name, ms in parts.items()}
     cycle["total"] = sum(cycle.values())
     return cycle
+
+
+def driver_process_lists_ms(scenario: Scenario, reps: int) -> float:
+    """CPU of pynvml's own process listing (every GPU and MIG instance), best of `reps`: what
+    any exporter reading per-process memory through pynvml pays before its own work."""
+    handles = []
+    for i, gpu in enumerate(scenario.gpus):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        handles.append(handle)
+        handles += [
+            pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, s) for s in range(len(gpu.mig))
+        ]
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.thread_time()
+        for handle in handles:
+            pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        best = min(best, time.thread_time() - t0)
+    return best * 1e3
 
 
 def poll_cpu_percent(poller: Poller, interval: float, seconds: float) -> float:
@@ -516,6 +542,7 @@ def measure(scenario: Scenario, quick: bool, soak_polls: int) -> dict[str, Any]:
         for encoding in ("identity", "gzip"):
             print(f"  scrape {encoding}: {fmt(results['scrape_ms'][encoding])}", flush=True)
         results["poll_cycle_cpu_ms"] = poll_cycle_ms(poller, 3 if quick else 20)
+        results["pynvml_process_lists_ms"] = driver_process_lists_ms(scenario, 3 if quick else 20)
         print(f"  poll cycle CPU: {fmt(results['poll_cycle_cpu_ms'])}", flush=True)
         cpu: dict[str, float] = {}
         windows = [(1.0, 5.0 if quick else 30.0)]
@@ -573,13 +600,13 @@ def main() -> int:
         "--scenario", choices=("node", "small"), action="append", help="default: both"
     )
     parser.add_argument("--series", type=int, default=10_000, help="node scenario's series")
-    parser.add_argument("--soak-polls", type=int, help="default: 2,000 (node), 10,000 (small)")
+    parser.add_argument("--soak-polls", type=int, help="default: 1,000 (node), 10,000 (small)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "exporter.json"))
     args = parser.parse_args()
     scenarios: dict[str, Any] = {}
     for name in args.scenario or ("node", "small"):
         scenario = node(args.series) if name == "node" else small()
-        polls = args.soak_polls or (200 if args.quick else (2000 if name == "node" else 10_000))
+        polls = args.soak_polls or (200 if args.quick else (1000 if name == "node" else 10_000))
         before = [round(x, 2) for x in __import__("os").getloadavg()]
         results = measure(scenario, args.quick, polls)
         met = targets(name, results)

@@ -33,6 +33,7 @@ LONG_FIRST = (  # by their time in a 2-worker run (22:03 UTC), longest first
     "test_restart.py",
     "test_vllm_plugin_dp.py",
     "test_outcome_bench.py",
+    "test_bench_quick.py",  # one vLLM, and the detection lane's two with Prometheus
     "test_preflight.py",
     "test_live_stack.py",
     "test_vllm_plugin.py",

@@ -41,7 +41,17 @@ def test_quick_outcome_benchmark_on_the_neighbour_trace(repo_root, tmp_path):
         timeout=1200,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    result = json.loads(out.read_text())["traces"]["neighbour-growth"]
+    record = json.loads(out.read_text())
+    # the quick lane of bench/outcome.py (tests/test_bench_quick.py has the others): the record's
+    # schema is the recorded one's, and the trace carries the commit it measured
+    recorded = json.loads((repo_root / "bench" / "results" / "outcome.json").read_text())
+    assert record["provenance"]["commit"] and record["provenance"]["measures"]
+    result = record["traces"]["neighbour-growth"]
+    assert result["provenance"]["commit"] == record["provenance"]["commit"]
+    assert set(result) == set(recorded["traces"]["neighbour-growth"])
+    core = {"requests", "lost", "crashes", "goodput_tokens_per_s", "ttft_p99_s", "recovery_s"}
+    assert core <= set(result["outcomes"]["oomguard"])
+    assert core <= set(recorded["traces"]["neighbour-growth"]["outcomes"]["oomguard"])
     outcomes = result["outcomes"]
     assert set(outcomes) == {"oomguard"}
     assert outcomes["oomguard"]["requests"] > 100

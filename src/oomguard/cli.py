@@ -7,6 +7,7 @@ exporter and nothing does work at import time.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -774,6 +775,24 @@ def generated_files(thresholds: Any = None) -> dict[Path, str]:
     return {**alerts, **dashboards, **manifests}
 
 
+def benchmark_docs(root: Path) -> dict[Path, str]:
+    """docs/benchmarks.md from the recorded results, where `root` is a checkout with bench/.
+
+    bench/report.py lives beside the results it reads, outside the package (a wheel has neither),
+    so it is loaded from the checkout by path. Every figure on the page comes from those files.
+    """
+    script = root / "bench" / "report.py"
+    if not script.is_file():
+        return {}
+    spec = importlib.util.spec_from_file_location("oomguard_bench_report", script)
+    if spec is None or spec.loader is None:
+        return {}
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    outputs: dict[Path, str] = module.outputs(root)
+    return outputs
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from oomguard.config import load_yaml, validate
     from oomguard.generated import sync
@@ -783,10 +802,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.thresholds:
         thresholds = validate(AlertThresholds, load_yaml(args.thresholds), args.thresholds)
     _check_dir("--root", args.root)
+    root = Path(args.root)
     try:
-        drift = sync(Path(args.root), generated_files(thresholds), check=args.check)
+        files = {**generated_files(thresholds), **benchmark_docs(root)}
+        drift = sync(root, files, check=args.check)
     except OSError as exc:  # a file in the tree that cannot be written (or read)
         raise ConfigError(f"--root {args.root}: {exc}") from None
+    except (KeyError, ValueError) as exc:  # bench/results or the page's template: one line
+        raise ConfigError(f"--root {args.root}: docs/benchmarks.md: {exc}") from None
     for path in drift:
         print(f"{'differs' if args.check else 'wrote'}: {path}")
     return 1 if args.check and drift else 0

@@ -1,0 +1,115 @@
+"""docs/benchmarks.md is generated from bench/results/*.json: no figure on it is typed by hand.
+
+`oomguard generate --check` compares the committed page with what bench/report.py makes of the
+results and the prose of bench/docs/benchmarks.md; these tests pin the rules behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomguard.cli import benchmark_docs, main
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import report  # noqa: E402
+
+
+def test_the_committed_page_is_what_the_results_give() -> None:
+    page = benchmark_docs(REPO)[Path("docs/benchmarks.md")]
+    assert (REPO / "docs" / "benchmarks.md").read_text() == page, (
+        "docs/benchmarks.md differs from bench/results: run `oomguard generate`"
+    )
+
+
+def test_the_prose_types_no_figure() -> None:
+    assert report.typed_figures((REPO / report.TEMPLATE).read_text()) == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "recovery took 44.6 s",  # a figure: must come from a result
+        "p99 of 3 ms",
+        "H100 at 0.92",
+        "in `code` but 5 outside",
+    ],
+)
+def test_a_figure_typed_into_the_prose_is_found(line: str) -> None:
+    assert report.typed_figures(f"# Title\n\n{line}\n") == [f"{report.TEMPLATE}:3: {line}"]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "an H100 80 GB, an A100 40 GB, an L4 and an RTX 4090",
+        "MIG 1g.10gb and 3g.40gb",
+        "issue 30, engine 0 and engine 1, FP32 logits",
+        "`--inflight 64` and commit `1b3c99f`",
+        "{{exporter/scenarios/node/results/series|,d}} series, {{target:< 1 ms}}",
+    ],
+)
+def test_names_code_and_placeholders_are_not_figures(line: str) -> None:
+    assert report.typed_figures(line) == []
+
+
+def copy_checkout(tmp: Path) -> Path:
+    """What `oomguard generate` reads: the template, the results, the generator."""
+    for part in ("bench/report.py", "bench/docs", "bench/results"):
+        src, dst = REPO / part, tmp / part
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy(src, dst)
+    (tmp / "docs").mkdir()
+    return tmp
+
+
+def test_a_new_result_changes_the_page_and_check_fails_until_regenerated(tmp_path: Path) -> None:
+    root = copy_checkout(tmp_path)
+    assert main(["generate", "--root", str(root)]) == 0
+    assert main(["generate", "--root", str(root), "--check"]) == 0
+    page = (root / "docs" / "benchmarks.md").read_text()
+
+    results = root / "bench" / "results" / "matrix.json"
+    data = json.loads(results.read_text())
+    data["seconds"] = 987654.0  # a re-recorded run
+    results.write_text(json.dumps(data))
+    assert main(["generate", "--root", str(root), "--check"]) == 1
+    assert main(["generate", "--root", str(root)]) == 0
+    new = (root / "docs" / "benchmarks.md").read_text()
+    assert "987654 s" in new and "987654" not in page
+
+
+def test_a_placeholder_without_its_value_fails_the_generator(tmp_path: Path) -> None:
+    root = copy_checkout(tmp_path)
+    template = root / report.TEMPLATE
+    template.write_text(template.read_text() + "\n{{matrix/no_such_key}}\n")
+    with pytest.raises(KeyError, match="no_such_key"):
+        report.outputs(root)
+
+
+def test_a_typed_figure_fails_the_generator(tmp_path: Path) -> None:
+    root = copy_checkout(tmp_path)
+    template = root / report.TEMPLATE
+    template.write_text(template.read_text() + "\nRecovery took 44.6 s.\n")
+    with pytest.raises(ValueError, match=r"44\.6"):
+        report.outputs(root)
+
+
+def test_outside_a_checkout_generate_writes_no_benchmark_page(tmp_path: Path) -> None:
+    assert benchmark_docs(tmp_path) == {}
+
+
+def test_every_section_says_where_its_figures_come_from() -> None:
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    for name in sorted(p.stem for p in (REPO / "bench" / "results").glob("*.json")):
+        assert f"{{{{provenance:{name}}}}}" in (REPO / report.TEMPLATE).read_text(), name
+    assert page.count("*Recorded ") >= len(list((REPO / "bench" / "results").glob("*.json")))
