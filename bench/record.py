@@ -70,6 +70,20 @@ MEASURES: dict[str, tuple[str, ...]] = {
     ),
     "guard": ("bench/guard.py", "src/oomguard/vllm_plugin", "src/oomguard/twin"),
     "fleet": ("bench/fleet.py", "src/oomguard/remediator"),
+    # scripts/gpu-check on a GPU machine: the code that reads a real GPU, and the checks
+    "gpu-check": (
+        "scripts/gpu-check",
+        "src/oomguard/gpucheck.py",
+        "src/oomguard/exporter/collectors/nvml.py",
+        "src/oomguard/exporter/collectors/allocator.py",
+        "src/oomguard/exporter/pressure.py",
+        "src/oomguard/handoff.py",
+        "src/oomguard/incidents.py",
+        "src/oomguard/vllm_plugin/allocator.py",
+        "src/oomguard/vllm_plugin/oom.py",
+        "src/oomguard/vllm_plugin/engine.py",
+        "src/oomguard/vllm_plugin/guard.py",
+    ),
 }
 
 _STARTED = time.time()
