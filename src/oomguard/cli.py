@@ -878,8 +878,9 @@ def _add_remediator(sub: Any) -> None:
     p.add_argument(
         "--check",
         action="store_true",
-        help="validate the config and its token files, print one line and exit (0 valid, 2 "
-        "not); starts nothing, so it runs beside a remediator that holds the port",
+        help="validate the config and its token files (in standalone mode, fetch each "
+        "exporter once: it must answer with an oomguard /metrics), print one line and exit (0 "
+        "valid, 2 not); starts nothing, so it runs beside a remediator that holds the port",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run_remediator)
@@ -908,13 +909,41 @@ def _load_remediator(args: argparse.Namespace) -> Any:
     return config
 
 
+def _check_exporters(config: Any, strict: bool) -> list[str]:
+    """Standalone mode: fetch each exporter once. Anything that answers but is not an oomguard
+    exporter's /metrics (its HTML index, another server) is a ConfigError; an exporter that
+    cannot be read is one too with `strict` (--check), else a warning (at start it may be
+    coming up beside us). Returns a note per exporter."""
+    from oomguard.errors import CollectorError
+    from oomguard.remediator.standalone import NotAnExporter, check_exporter
+
+    notes = []
+    for i, url in enumerate(config.standalone.exporters if config.standalone else []):
+        where = f"standalone.exporters.{i}"
+        try:
+            engines = check_exporter(url)
+        except NotAnExporter as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        except (CollectorError, ValueError) as exc:
+            if strict:
+                raise ConfigError(f"{where}: cannot read {url}: {exc}") from None
+            logging.getLogger("oomguard.remediator").warning(
+                "%s: cannot read %s yet (%s): holding until it answers", where, url, exc
+            )
+            continue
+        notes.append(f"{url}: {engines} engine levels")
+    return notes
+
+
 def _run_remediator(args: argparse.Namespace) -> int:
     config = _load_remediator(args)
     for where, path in _secret_files(config):
         _check_secret_file(where, path)
+    notes = _check_exporters(config, strict=args.check) if config.mode == "standalone" else []
     if args.check:
         dry = ", dry run" if config.dry_run else ""
-        print(f"{args.config}: ok ({len(config.targets)} targets, mode {config.mode}{dry})")
+        read = f"; {'; '.join(notes)}" if notes else ""
+        print(f"{args.config}: ok ({len(config.targets)} targets, mode {config.mode}{dry}{read})")
         return 0
     _check_listen("listen", config.listen)
     from oomguard.remediator.main import Remediator

@@ -12,7 +12,7 @@ import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -174,7 +174,11 @@ class StandaloneConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    exporters: list[str] = Field(min_length=1, description="Exporter /metrics URLs.")
+    exporters: list[Annotated[str, Field(pattern=r"^https?://\S+$")]] = Field(
+        min_length=1,
+        description="Exporter /metrics URLs, e.g. http://127.0.0.1:9848/metrics (`--check` and "
+        "the start fetch each once and refuse what is not an oomguard exporter's /metrics).",
+    )
     interval_seconds: float = Field(1.0, gt=0)
     pressure_for_seconds: float = Field(30.0, ge=0, description="Level 2 held this long acts.")
     critical_for_seconds: float = Field(0.0, ge=0, description="Level 3 held this long acts.")

@@ -138,3 +138,36 @@ class PressureWatcher:
         digest = hashlib.sha256(repr(sorted(labels.items())).encode()).hexdigest()[:16]
         ends = datetime.now(UTC) if status == "resolved" else None
         return Alert(digest, status, labels, started, ends)
+
+
+# -- `oomguard remediator --check` in standalone mode -------------------------------------------
+BUILD_INFO = "oomguard_exporter_build_info"  # on every page an oomguard exporter serves
+
+
+class NotAnExporter(Exception):
+    """The URL answers, but not with an oomguard exporter's /metrics (its message says how)."""
+
+
+def check_exporter(url: str, timeout: float = 5.0) -> int:
+    """Fetch `url` once, as the watch will; the number of engine levels it carries. Raises
+    CollectorError when it cannot be read, NotAnExporter when it is not an oomguard exporter's
+    /metrics: the exporter's HTML index (`http://host:9848`, no /metrics), another server's
+    page. The watch itself would read such a page as "no engines" forever and never act."""
+    from oomguard.exporter.scrape import Scraper
+
+    scraper = Scraper(url, timeout)
+    try:
+        text, content_type = scraper.get()
+    finally:
+        scraper.close()
+    hint = ""
+    if not urlsplit(url).path.rstrip("/").endswith("/metrics"):
+        hint = f": did you mean {url.rstrip('/')}/metrics?"
+    if "html" in content_type.lower():
+        raise NotAnExporter(f"{url} is an HTML page ({content_type}), not /metrics{hint}")
+    found = parse(text, wanted={LEVEL, BUILD_INFO})
+    if not found.get(BUILD_INFO):
+        raise NotAnExporter(
+            f"{url} answers, but not with an oomguard exporter's /metrics (no {BUILD_INFO}){hint}"
+        )
+    return len(found.get(LEVEL))
