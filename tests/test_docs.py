@@ -10,6 +10,9 @@ carries a marker comment on the line before it:
                                stand-ins that record their arguments and check their preconditions;
                                promtool, amtool, systemd-analyze and kubectl kustomize are the real
                                ones. The test then checks what the block left behind.
+  <!-- docs-test: rehearsal -->  docs/single-box.md's rehearsal without a GPU: run after the
+                               sandbox blocks of steps 1-4 with a stand-in systemd that starts the
+                               units' real commands (tests/test_rehearsal.py)
   <!-- docs-test: skip (why) -->
 
 Commands quoted in docs/budget.md and the runbooks are checked one by one (below), and the
@@ -43,7 +46,7 @@ def blocks(doc: str) -> list[tuple[str, str]]:
 def test_every_shell_block_says_how_it_is_tested():
     for doc in DOCS:
         for mark, code in blocks(doc):
-            assert mark in ("run", "sandbox") or mark.startswith("skip ("), (
+            assert mark in ("run", "sandbox", "rehearsal") or mark.startswith("skip ("), (
                 f"{doc}: a ```sh block without <!-- docs-test: run|sandbox|skip (why) -->:\n{code}"
             )
 
@@ -218,7 +221,13 @@ def test_single_box_walkthrough(tmp_path):
     assert any(c.startswith("systemd-analyze verify") for c in calls)
     assert "systemctl enable --now oomguard-vllm oomguard-exporter oomguard-remediator" in calls
     pip = [c for c in calls if c.startswith("pip install")]
-    assert pip and "'.[remediator]'" not in pip[0] and ".[remediator]" in pip[0]
+    # the GPU host's lock, and the generate extra that step 2 needs (after the install)
+    assert pip and "'" not in pip[0] and ".[remediator,generate]" in pip[0]
+    assert "-c requirements/gpu-lock.txt" in pip[0] and "vllm==0.33.0" in pip[0]
+    assert (root / "etc/oomguard/vllm.env").is_file()
+    site_rules = root / "etc/oomguard/site/src/oomguard/alerts/generated/oomguard.rules.yaml"
+    assert "https://wiki.example.com/oomguard/runbooks/" in site_rules.read_text()
+    assert (root / "etc/prometheus/oomguard.rules.yaml").read_text() == site_rules.read_text()
 
 
 def test_kubernetes_walkthrough(tmp_path):

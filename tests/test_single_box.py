@@ -10,28 +10,25 @@ import yaml
 
 from oomguard.cli import build_parser
 from oomguard.remediator.config import RemediatorConfig
+from oomguard.singlebox import env_file, expand, unit_settings
 
 UNITS = ["oomguard-exporter.service", "oomguard-vllm.service", "oomguard-remediator.service"]
 
 
 def unit(path) -> dict[str, list[str]]:
     """key -> values (systemd allows repeated keys such as Environment)."""
-    out: dict[str, list[str]] = {}
-    section = ""
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("["):
-            section = line.strip("[]")
-            continue
-        key, _, value = line.partition("=")
-        out.setdefault(f"{section}.{key}", []).append(value)
-    return out
+    return unit_settings(path.read_text())
 
 
-def oomguard_args(command: str) -> list[str]:
-    argv = shlex.split(command)
+def exec_start(path) -> list[str]:
+    """The unit's command as systemd runs it: $VLLM_MODEL and $VLLM_ARGS from vllm.env."""
+    u = unit(path)
+    env = env_file((path.parent / "vllm.env").read_text())
+    return expand(u["Service.ExecStart"][0], env)
+
+
+def oomguard_args(command: str | list[str]) -> list[str]:
+    argv = shlex.split(command) if isinstance(command, str) else command
     assert argv[0].endswith("oomguard"), argv[0]
     return argv[1:]
 
@@ -41,15 +38,21 @@ def test_units_run_commands_the_cli_accepts(repo_root, name):
     u = unit(repo_root / "deploy" / "single-box" / name)
     assert {"Unit.Description", "Service.ExecStart", "Install.WantedBy"} <= set(u)
     assert u["Service.Restart"] == ["always"]
-    args = build_parser().parse_args(oomguard_args(u["Service.ExecStart"][0]))
+    args = build_parser().parse_args(
+        oomguard_args(exec_start(repo_root / "deploy/single-box" / name))
+    )
     assert args.command in ("exporter", "serve", "remediator")
 
 
 def test_vllm_unit_runs_vllm_under_the_supervisor_with_the_plugin(repo_root):
-    u = unit(repo_root / "deploy" / "single-box" / "oomguard-vllm.service")
-    args = build_parser().parse_args(oomguard_args(u["Service.ExecStart"][0]))
+    path = repo_root / "deploy" / "single-box" / "oomguard-vllm.service"
+    u = unit(path)
+    args = build_parser().parse_args(oomguard_args(exec_start(path)))
     vllm = args.vllm[1:] if args.vllm[0] == "--" else args.vllm
-    assert vllm[1] == "serve" and "--max-num-seqs" in vllm
+    assert vllm[1] == "serve" and vllm[2] == "/models/llama-3-8b"
+    # the remediator steps both flags: they must be on the command line
+    assert "--max-num-seqs" in vllm and "--gpu-memory-utilization" in vllm
+    assert u["Service.EnvironmentFile"] == ["/etc/oomguard/vllm.env"]
     env = dict(e.split("=", 1) for e in u["Service.Environment"])
     assert env["VLLM_PLUGINS"] == "oomguard" and env["OOMGUARD_PLUGIN_TOKEN_FILE"]
     assert u["Service.KillMode"] == ["mixed"]  # the supervisor stops vLLM's group itself
@@ -59,14 +62,52 @@ def test_single_box_remediator_config_and_procfile(repo_root):
     box = repo_root / "deploy" / "single-box"
     config = RemediatorConfig.model_validate(yaml.safe_load((box / "remediator.yaml").read_text()))
     assert config.targets[0].restart and config.targets[0].restart.supervisor
+    env = env_file((box / "vllm.env").read_text())
+    names = []
     for line in (box / "Procfile").read_text().splitlines():
         if not line or line.startswith("#"):
             continue
         name, _, command = line.partition(": ")
-        if command.startswith("oomguard "):
-            build_parser().parse_args(shlex.split(command)[1:])
+        names.append(name)
+        argv = expand(command, env)
+        while argv[0] == "env" or "=" in argv[0]:  # env VAR=value ... command
+            argv = argv[1:]
+        if argv[0] == "oomguard":
+            build_parser().parse_args(argv[1:])
         else:
             assert name in ("prometheus", "alertmanager")
+    assert names == ["vllm", "exporter", "remediator", "prometheus", "alertmanager"]
+
+
+def test_the_procfile_runs_the_units_commands_with_their_environment(repo_root):
+    """One set of vLLM flags (vllm.env) and one command per service: the Procfile is generated
+    from the units (`oomguard generate --check` fails when it drifts), environment included:
+    the hand-written one started vLLM without the plugin (no VLLM_PLUGINS) and with other flags."""
+    box = repo_root / "deploy" / "single-box"
+    env = env_file((box / "vllm.env").read_text())
+    lines = dict(
+        line.split(": ", 1)
+        for line in (box / "Procfile").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    for name, unit_name in (
+        ("vllm", "oomguard-vllm.service"),
+        ("exporter", "oomguard-exporter.service"),
+        ("remediator", "oomguard-remediator.service"),
+    ):
+        u = unit(box / unit_name)
+        argv = expand(lines[name], env)
+        assigned = []
+        if argv[0] == "env":
+            argv = argv[1:]
+            while "=" in argv[0]:
+                assigned.append(argv.pop(0))
+        assert assigned == u.get("Service.Environment", []), name
+        units = [
+            w.rsplit("/", 1)[-1] if w.startswith("/opt/") else w
+            for w in exec_start(box / unit_name)
+        ]
+        assert argv == units, name
 
 
 def test_target_names_agree_between_exporter_remediator_and_vllm(repo_root):

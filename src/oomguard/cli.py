@@ -181,6 +181,15 @@ def _add_exporter(sub: Any) -> None:
         default=[],
         help="a cgroup to report host memory for (default self=/sys/fs/cgroup); repeat for several",
     )
+    p.add_argument(
+        "--twin-gpu",
+        action="append",
+        metavar="FILE",
+        default=[],
+        help="rehearse without a GPU: read the twin GPU in this state file through the NVML "
+        f"code instead of the hardware (docs/twin.md); repeat for several; default "
+        f"${TWIN_GPU_FILE_ENV}",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run_exporter)
 
@@ -248,13 +257,42 @@ def _check_regular_or_missing(what: str, path: str) -> None:
         raise ConfigError(f"{what} {path}: {kind}")
 
 
+def twin_gpu_files(flags: list[str]) -> list[str]:
+    """The twin GPU state files: the flags, else $OOMGUARD_TWIN_GPU_FILE; each must be valid
+    now (a rehearsal that silently reads no GPU would teach the wrong lesson)."""
+    from oomguard.twin.gpufile import TwinStateError, read_state
+
+    files = flags or ([os.environ[TWIN_GPU_FILE_ENV]] if os.environ.get(TWIN_GPU_FILE_ENV) else [])
+    for path in files:
+        try:
+            read_state(path)
+        except TwinStateError as exc:
+            raise ConfigError(f"twin GPU {exc}") from None
+    return files
+
+
 def _run_exporter(args: argparse.Namespace) -> int:
     from oomguard.exporter.main import run
 
+    twins = twin_gpu_files(args.twin_gpu)
+    if twins:
+        args.no_nvml = False  # the twin is read through the NVML collector
     config = exporter_config_from_args(args)
+    backend = None
+    if twins:
+        from oomguard.twin.gpufile import FileTwinNvml
+
+        if not config.nvml.enabled:
+            config = config.model_copy(
+                update={"nvml": config.nvml.model_copy(update={"enabled": True})}
+            )
+        backend = FileTwinNvml(twins)
+        logging.getLogger("oomguard.exporter").warning(
+            "REHEARSAL: the GPUs are twins read from %s, not hardware", ", ".join(twins)
+        )
     _check_listen("listen", config.listen)
     try:
-        return run(config)
+        return run(config, nvml_backend=backend)
     except OSError as exc:  # the port is taken, or the address is not ours
         raise ConfigError(f"cannot listen on {config.listen}: {exc.strerror or exc}") from exc
 
@@ -772,7 +810,9 @@ def generated_files(thresholds: Any = None) -> dict[Path, str]:
         {str(p): text for p, text in dashboards.items() if p.parent == GENERATED},
         thresholds,
     )
-    return {**alerts, **dashboards, **manifests}
+    from oomguard.singlebox import outputs as single_box_outputs
+
+    return {**alerts, **dashboards, **manifests, **single_box_outputs()}
 
 
 def benchmark_docs(root: Path) -> dict[Path, str]:
@@ -1113,6 +1153,18 @@ def _run_serve(args: argparse.Namespace) -> int:
         _check_secret_file("--token-file", args.token_file)
     _check_listen("--listen", args.listen)  # before vLLM starts, not after its minutes of loading
     _check_dir("--state-dir", args.state_dir, create=True)
+    env: dict[str, str] = {}
+    if args.twin_gpu:
+        from oomguard.twin.gpufile import TwinStateError, rehearsal_command
+
+        try:
+            argv, env = rehearsal_command(argv, args.twin_gpu)
+        except TwinStateError as exc:
+            raise ConfigError(f"--twin-gpu {exc}") from None
+        logging.getLogger("oomguard.supervisor").warning(
+            "REHEARSAL: vLLM runs on the model-free executor over the twin GPU %s, not hardware",
+            args.twin_gpu,
+        )
     sup = Supervisor(
         argv,
         Path(args.state_dir),
@@ -1125,11 +1177,181 @@ def _run_serve(args: argparse.Namespace) -> int:
         restart_window_seconds=args.restart_window,
         log_max_bytes=args.log_max_size,
         log_backups=args.log_backups,
+        env=env,
     )
     auth = AuthConfig(
         bearer_token_file=args.token_file, allow_unauthenticated=args.allow_unauthenticated
     )
     return serve(sup, args.listen, auth)
+
+
+# -- status -------------------------------------------------------------------------------------
+def _add_status(sub: Any) -> None:
+    p = sub.add_parser(
+        "status",
+        help="every engine's level, cap, mode and the remediator's decision, at a glance",
+        description="Read the exporter's /metrics, each engine's /oomguard/v1/state, each "
+        "supervisor's /v1/status and the remediator's /v1/targets (with the tokens the "
+        "remediator's config names) and show, per target: the pressure level and its reason, "
+        "the cap and mode, the remediator's last decision and any hold or limit. Parts that "
+        "cannot be read are shown as such. The first thing to run (docs/single-box.md). Exit "
+        "status: 0 all read and nothing needs attention, 1 something does, 2 a usage error.",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the remediator's config: its address and token, every target's URL, plugin "
+        "token and supervisor (default /etc/oomguard/remediator.yaml when it exists)",
+    )
+    p.add_argument(
+        "--exporter",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an exporter's /metrics; repeat for a fleet (default: the config's standalone "
+        "exporters, else the one whose exporter.yaml sits beside the config, else "
+        "http://127.0.0.1:9848/metrics)",
+    )
+    p.add_argument(
+        "--remediator",
+        metavar="URL",
+        help="the remediator's base URL (default: from the config's listen)",
+    )
+    p.add_argument("--remediator-token-file", metavar="FILE", help="(default: the config's)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="NAME=URL",
+        help="a vLLM server's base URL under its target name (without --config); repeatable",
+    )
+    p.add_argument("--plugin-token-file", metavar="FILE", help="the plugin's token, for --engine")
+    p.add_argument(
+        "--supervisor",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="NAME=URL",
+        help="an `oomguard serve` API under its target name (without --config); repeatable",
+    )
+    p.add_argument("--supervisor-token-file", metavar="FILE", help="for --supervisor")
+    p.add_argument(
+        "--timeout",
+        type=duration_arg,
+        default=2.0,
+        metavar="DURATION",
+        help="per part (default 2s)",
+    )
+    p.add_argument(
+        "--wait",
+        type=duration_arg,
+        metavar="DURATION",
+        help="read again every 5 s until nothing needs attention, for at most this long (after "
+        "a start or a deploy: `--wait 2m`); prints the last reading",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    import time
+
+    import httpx
+
+    from oomguard import status
+
+    config_path = args.config
+    if config_path is None and not args.engine and Path(status.DEFAULT_CONFIG).exists():
+        config_path = status.DEFAULT_CONFIG
+    if config_path:
+        from oomguard.config import load_yaml, validate
+        from oomguard.remediator.config import RemediatorConfig
+
+        config = validate(RemediatorConfig, load_yaml(config_path), config_path)
+        plan = status.plan_from_config(
+            config, args.exporter, args.remediator, args.remediator_token_file, config_path
+        )
+    else:
+        sups = dict(args.supervisor)
+        names = [n for n, _ in args.engine] + [n for n in sups if n not in dict(args.engine)]
+        engines = dict(args.engine)
+        plan = status.Plan(
+            args.exporter or [status.DEFAULT_EXPORTER],
+            status.Endpoint(args.remediator, args.remediator_token_file)
+            if args.remediator
+            else None,
+            [
+                status.TargetSpec(
+                    name,
+                    engines.get(name, ""),
+                    {"target": name},
+                    status.Endpoint(engines[name], args.plugin_token_file)
+                    if name in engines
+                    else None,
+                    status.Endpoint(sups[name], args.supervisor_token_file)
+                    if name in sups
+                    else None,
+                )
+                for name in names
+            ],
+        )
+    deadline = time.monotonic() + (args.wait or 0.0)
+    with httpx.Client(timeout=args.timeout) as client:
+        report = status.build(plan, client)
+        while status.exit_status(report) and time.monotonic() < deadline:
+            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+            report = status.build(plan, client)
+    _emit(status.to_json(report) if args.json else status.render_text(report))
+    return status.exit_status(report)
+
+
+# -- twin-gpu (a twin GPU's state file, for rehearsals) ------------------------------------------
+def _add_twin_gpu(sub: Any) -> None:
+    p = sub.add_parser(
+        "twin-gpu",
+        help="create or change a twin GPU's state file (rehearse the stack without a GPU)",
+        description="Write the state file of a twin GPU that `oomguard exporter --twin-gpu "
+        "FILE` and `oomguard serve --twin-gpu FILE` run on (docs/twin.md): create it, or change "
+        "what is given and keep the rest. --neighbour starts, grows or ends (0) another "
+        "process's memory on the GPU, as a real incident does. Prints the state.",
+    )
+    p.add_argument("file", metavar="FILE", help="the state file (created if missing)")
+    p.add_argument("--gpu", help="twin GPU model, e.g. H100, L4, A100-80GB (default H100)")
+    p.add_argument("--neighbour", type=size_arg, metavar="SIZE", help="e.g. 7GiB; 0 ends it")
+    p.add_argument("--fragmentation", type=size_arg, metavar="SIZE", help="e.g. 2GiB; 0: none")
+    p.add_argument(
+        "--model",
+        help="serve this twin model (llama-3-8b, tiny-llama) or folder in place of the "
+        "command's; '' to serve the command's own folder",
+    )
+    p.set_defaults(func=_run_twin_gpu)
+
+
+def _run_twin_gpu(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from oomguard.twin.gpufile import TwinState, TwinStateError, parse_state, read_state
+    from oomguard.twin.gpufile import write_state as write
+
+    path = Path(args.file)
+    try:
+        state = read_state(path) if path.exists() else TwinState()
+        changes = {
+            "gpu": args.gpu,
+            "neighbour_bytes": args.neighbour,
+            "fragmentation_bytes": args.fragmentation,
+            "model": args.model,
+        }
+        state = dataclasses.replace(state, **{k: v for k, v in changes.items() if v is not None})
+        state = parse_state(dataclasses.asdict(state), str(path))  # the same checks as readers
+        write(path, state)
+    except TwinStateError as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+    _emit(json.dumps(dataclasses.asdict(state), indent=2))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1139,6 +1361,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"oomguard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_status(sub)  # the first thing to run: first in --help
     _add_exporter(sub)
     _add_budget(sub)
     _add_preflight(sub)
@@ -1147,6 +1370,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_remediator(sub)
     _add_serve(sub)
     _add_incidents(sub)
+    _add_twin_gpu(sub)
     for each in _parsers(parser):
         _one_line_errors(each)
     return parser

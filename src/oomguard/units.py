@@ -82,7 +82,7 @@ def parse_size(value: str | int | float, *, plain: bool = False) -> int:
     `plain`, for a setting whose name says bytes). Raises ValueError naming the accepted forms."""
     text = _text(value, "a size")
     if _PLAIN.fullmatch(text):
-        if not plain:
+        if not plain and float(text) != 0:  # zero is zero in every unit
             raise ValueError(
                 f"size {text!r} has no unit: write it with one, e.g. {text}GiB, {text}GB or "
                 f"{text}MiB"

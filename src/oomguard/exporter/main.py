@@ -97,8 +97,9 @@ class Exporter:
         self.poller.stop()
 
 
-def run(config: ExporterConfig) -> int:
-    exporter = Exporter(config)
+def run(config: ExporterConfig, nvml_backend: object = None) -> int:
+    """Serve until SIGTERM or SIGINT. `nvml_backend`: pynvml, or twin GPUs (a rehearsal)."""
+    exporter = Exporter(config, nvml_backend=nvml_backend)
     done = threading.Event()
 
     def _stop(signum: int, _frame: FrameType | None) -> None:

@@ -93,6 +93,8 @@ class TargetStatus:
     error: str | None = None
     last_action: dict[str, Any] | None = None
     updated: float | None = None
+    # an action the decision wanted and a safety limit withheld this pass (oomguard status)
+    limited: dict[str, Any] | None = None
 
 
 class Convergence:
@@ -252,6 +254,7 @@ class Convergence:
         self, v: Verdict, state: EngineState | ActuatorError, alerts: list[Alert]
     ) -> None:
         name = v.target
+        self.status[name].limited = None  # set again below while a limit still withholds
         if v.held == "restarting":
             self.status[name].mode = "restarting"
             self.metrics.set_mode(name, "restarting")
@@ -330,6 +333,7 @@ class Convergence:
             log.warning("holding %s: %s", name, message)
 
     def _withheld(self, name: str, kind: str, limit: str, v: Verdict) -> None:
+        self.status[name].limited = {"action": kind, "limit": limit}
         if self._note(name, "withheld", (kind, limit)):
             self.metrics.safety_limited.labels(name, limit).inc()
             self.audit.try_record(

@@ -18,8 +18,10 @@ each step takes its roofline time divided by `time_compression` (OOMGUARD_TWIN_T
 and a step whose memory peak exceeds the device raises torch.OutOfMemoryError: the engine dies
 as a real one does. Also:
   model          OOMGUARD_TWIN_MODEL          simulated model (twin/models/<name> or a config.json)
-  state_file     OOMGUARD_TWIN_STATE_FILE     JSON the trace driver writes: neighbour_bytes,
-                                              fragmentation_bytes (read every 0.2 s)
+  state_file     OOMGUARD_TWIN_STATE_FILE     the twin GPU's state file (twin/gpufile.py):
+                                              neighbour_bytes, fragmentation_bytes (read every
+                                              0.2 s); the worker publishes its own device
+                                              memory beside it for the exporter's twin NVML
   allocator_dir  OOMGUARD_ALLOCATOR_DIR       where it publishes allocator stats (hand-off format)
   incident_dir   OOMGUARD_INCIDENT_DIR        OOM incident records (<allocator_dir>/incidents)
   target         OOMGUARD_TARGET              target name in those reports
@@ -53,6 +55,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -65,6 +68,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import ModelRunnerOutput
 
 from oomguard.contract import ALLOCATOR_DIR_ENV, INCIDENT_DIR_ENV, TARGET_ENV
+from oomguard.units import parse_size
 from oomguard.vllm_plugin.oom import note_step
 
 log = logging.getLogger("oomguard.twin.executor")
@@ -166,6 +170,10 @@ class GpuTwin:
         self.peak_seen = 0
         self._read_at = 0.0
         self._published_at = 0.0
+        if self.state_file:
+            threading.Thread(
+                target=self._publish_device_memory, name="twin-gpu-process", daemon=True
+            ).start()
 
     def _read_state(self) -> None:
         now = time.monotonic()
@@ -174,10 +182,30 @@ class GpuTwin:
         self._read_at = now
         try:
             data = json.loads(Path(self.state_file).read_text())
-            self.neighbour = int(data.get("neighbour_bytes", 0))
-            self.fragmentation = int(data.get("fragmentation_bytes", 0))
-        except (OSError, ValueError, TypeError):
+            self.neighbour = parse_size(data.get("neighbour_bytes", 0), plain=True)
+            self.fragmentation = parse_size(data.get("fragmentation_bytes", 0), plain=True)
+        except (OSError, ValueError, TypeError, AttributeError):
             pass  # the driver rewrites it atomically; a missing file means no neighbour
+
+    def device_bytes(self) -> int:
+        """What this engine holds on the device, as NVML lists its process: weights, KV pool,
+        CUDA graphs, non-torch memory and the profiled activation peak (gpu_memory_utilization
+        x usable in all), plus fragmentation and leaks."""
+        p = self.physics
+        return p.resident + p.activation(p.max_num_batched_tokens) + self.fragmented + self.leaked
+
+    def _publish_device_memory(self) -> None:
+        """Every 0.5 s, this process's device memory beside the state file (twin/gpufile.py):
+        the exporter's twin NVML lists it, as NVML lists a GPU's processes, busy or idle."""
+        from oomguard.twin.gpufile import publish_process
+
+        while True:
+            self._read_state()
+            try:
+                publish_process(self.state_file, os.getpid(), self.device_bytes())
+            except OSError:
+                log.debug("twin: cannot publish the engine's device memory", exc_info=True)
+            time.sleep(0.5)
 
     # -- the twin's clock: wall time until the first step, then `clock_rate` times faster -------
     def _aged(self) -> float:
