@@ -59,7 +59,8 @@ def test_the_gpu_lock_is_vllms_tree_with_its_cuda_torch():
 def test_the_docs_install_with_the_gpu_lock():
     text = (ROOT / "docs" / "single-box.md").read_text()
     installs = re.findall(r"^\S*pip install (.*)$", text, re.M)
-    gpu = [line for line in installs if "vllm==0.33.0" in line and "torch" not in line]
+    # the GPU host's install (step 1, upgrade); the rehearsal machine's CPU build is apart
+    gpu = [line for line in installs if "vllm==0.33.0" in line and "--no-deps" not in line]
     assert gpu, "single-box.md does not install vLLM"
     for line in gpu:
         assert "-c requirements/gpu-lock.txt" in line, line

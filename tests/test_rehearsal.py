@@ -203,7 +203,7 @@ def incident(report: dict[str, Any]) -> bool:
     limited = (t.get("remediator") or {}).get("limited") or {}
     return (
         any(lv["level"] == 3 for lv in t["levels"])
-        and limited.get("limit") == "last_ready"
+        and limited.get("limit") == "single_replica"
         and plugin.get("admission_cap", 64) < plugin.get("startup_max_num_seqs", 0)
     )
 
@@ -218,7 +218,7 @@ def recovered(report: dict[str, Any]) -> bool:
     )
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3600)  # minutes here; bounded waits, generous under load
 def test_rehearse_the_single_box_stack_on_a_twin(tmp_path):
     need("promtool", "amtool", "prometheus", "prometheus-alertmanager", "curl")
     if not (BIN / "vllm").exists():
@@ -243,26 +243,26 @@ def test_rehearse_the_single_box_stack_on_a_twin(tmp_path):
         # a neighbour takes the slack: level 3, the drain withheld (one engine), capped, a page
         started = time.monotonic()
         r.run(inject, timeout=60)
-        report = r.wait("the incident is seen and handled", incident, timeout=240)
+        report = r.wait("the incident is seen and handled", incident, timeout=600)
         reasons = {lv["reason"] for lv in target(report)["levels"]}
         assert reasons == {"headroom_exhausted"}, reasons
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not pages(r.inbox, "OomguardRemediationLimited"):
             time.sleep(2)
         page = pages(r.inbox, "OomguardRemediationLimited")
         assert page, f"no page reached the pager receiver: {r.inbox.received}\n{r.logs()}"
         assert (
-            page[0]["labels"]["limit"] == "last_ready"
+            page[0]["labels"]["limit"] == "single_replica"
             and page[0]["labels"]["target"] == "llama-3-8b"
         )
         assert "runbook_url" in page[0]["annotations"]
         handled_s = time.monotonic() - started
 
         # the neighbour leaves and traffic flows: level 0, full admission, nothing to attend to
-        r.run(recover, timeout=200)
-        report = r.wait("recovery to full admission", recovered, timeout=240)
+        r.run(recover, timeout=1200)  # 60 requests: minutes on a loaded machine
+        report = r.wait("recovery to full admission", recovered, timeout=600)
         audit = (r.root / "var/lib/oomguard/remediator-audit.jsonl").read_text()
-        assert '"withheld"' in audit and '"last_ready"' in audit and '"lower_cap"' in audit
+        assert '"withheld"' in audit and '"single_replica"' in audit and '"lower_cap"' in audit
         print(f"incident seen, capped and paged within {handled_s:.0f} s")
 
         r.run(end, timeout=200)

@@ -42,7 +42,7 @@ def test_never_drain_the_last_ready_replica_or_past_the_budget():
     assert s.check("a", "drain", FLEET) is None
     b_draining = {**FLEET, "b": EngineView("llama", draining=True, reachable=True)}
     assert s.check("a", "drain", b_draining) == "disruption_budget"
-    assert s.check("c", "drain", FLEET) == "last_ready"  # the only qwen engine
+    assert s.check("c", "drain", FLEET) == "single_replica"  # the only qwen engine
     b_down = {**FLEET, "b": EngineView("llama", draining=False, reachable=False)}
     assert s.check("a", "drain", b_down) == "last_ready"  # an unreachable peer is not ready
     three = {**FLEET, "d": EngineView("llama", draining=False, reachable=True)}

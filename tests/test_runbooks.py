@@ -292,12 +292,15 @@ def single_box_ports() -> dict[str, int]:
         listen = yaml.safe_load((ROOT / path).read_text())["listen"]
         return int(listen.rsplit(":", 1)[1])
 
-    procfile = (ROOT / "deploy/single-box/Procfile").read_text()
-    vllm = int(re.search(r"--port[ =](\d+)", procfile).group(1))  # type: ignore[union-attr]
+    flags = (ROOT / "deploy/single-box/vllm.env").read_text()  # vLLM's flags, units and Procfile
+    vllm = int(re.search(r"--port[ =](\d+)", flags).group(1))  # type: ignore[union-attr]
+    unit = (ROOT / "deploy/single-box/oomguard-vllm.service").read_text()
+    supervisor = int(re.search(r"serve --listen \S+:(\d+)", unit).group(1))  # type: ignore[union-attr]
     return {
         "exporter": port("deploy/single-box/exporter.yaml"),
         "remediator": port("deploy/single-box/remediator.yaml"),
         "vllm": vllm,
+        "supervisor": supervisor,
     }
 
 

@@ -37,7 +37,8 @@ from oomguard.remediator.safety import (
 )
 from oomguard.remediator.webhook import Alert
 
-FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})  # drain refused: cap instead
+# drain refused: cap instead
+FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready", "single_replica"})
 OUT_OF_SERVICE_STEPS = frozenset({"drain", "restart"})
 
 

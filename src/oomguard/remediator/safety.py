@@ -107,7 +107,9 @@ def limit(
         if not c.allow_last_replica and not any(
             v.reachable and not v.draining for v in peers.values()
         ):
-            return "last_ready"
+            # no other engine serves the model at all (one engine: a single box): nothing but a
+            # person relieves it, and the limit says so, apart from the last of several ready
+            return "last_ready" if peers else "single_replica"
     return None
 
 
