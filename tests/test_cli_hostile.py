@@ -85,11 +85,14 @@ TEXTS = ("x" * 5000, BAD_NAME)
 # Arguments read later by a long-running service, where only part of the corpus is wrong at
 # start: a dcgm-exporter file may not be written yet (missing) and its content changes with
 # every write (the collector counts bad content); a directory or FIFO is never right.
-RUNTIME_FILE_CASES = {("exporter", "--dcgm-file"): ("directory", "fifo", "device")}
+RUNTIME_FILE_CASES = {
+    ("exporter", "--dcgm-file"): ("directory", "fifo", "device"),
+    # created when missing (a new twin GPU); anything there must be a twin GPU's state
+    ("twin-gpu", "file"): tuple(c for c in FILES if c not in ("missing", "bad_name")),
+}
 # Arguments this test does not drive, each with the reason (checked to still exist).
 EXEMPT = {
     ("serve", "vllm"): "the engine's own command line, run as given",
-    ("serve", "--twin-gpu"): "read by the engine serve starts (the twin), not by serve",
 }
 
 
@@ -197,6 +200,8 @@ BASELINES: dict[tuple[str, ...], Callable[[Env], list[str]]] = {
         "8",
     ],
     ("incidents",): lambda e: ["incidents", str(e.good["incidents"])],
+    ("status",): lambda e: ["status", "--config", str(e.good["remediator"]), "--timeout", "1s"],
+    ("twin-gpu",): lambda e: ["twin-gpu", str(e.tmp / "twin-gpu.json")],
 }
 
 
@@ -323,6 +328,8 @@ def build_cases(path: tuple[str, ...], parser: argparse.ArgumentParser, env: Env
             }[action.dest]
         elif not action.option_strings and action.dest == "directory":
             POSITIONAL_PLACEHOLDER[action.dest] = str(env.good["incidents"])
+        elif not action.option_strings and action.dest == "file":
+            POSITIONAL_PLACEHOLDER[action.dest] = str(env.tmp / "twin-gpu.json")
     cases = []
     for action in parser._actions:
         key = (" ".join(path), action.option_strings[-1] if action.option_strings else action.dest)

@@ -142,11 +142,21 @@ def test_a_refused_token_is_named(box, tmp_path):
 
 
 def test_an_unreadable_token_file_is_named(box, tmp_path):
+    """Given on the command line: a usage error (exit 2, one line). Named by the config (a
+    token only root or the group can read, a file gone): that part cannot be read, the rest is."""
     tmp, _ = box
     missing = tmp_path / "nowhere" / "token"
     r = status("--config", str(tmp / "remediator.yaml"), "--remediator-token-file", str(missing))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--remediator-token-file" in r.stderr and str(missing) in r.stderr
+    config = yaml.safe_load((tmp / "remediator.yaml").read_text())
+    config["targets"][0]["token_file"] = str(missing)
+    (tmp_path / "remediator.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "exporter.yaml").write_text((tmp / "exporter.yaml").read_text())
+    r = status("--config", str(tmp_path / "remediator.yaml"))
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert str(missing) in r.stdout and "CANNOT READ" in r.stdout
+    assert f"engine      CANNOT READ: token file {missing}" in r.stdout, r.stdout
+    assert "supervisor  generation 1" in r.stdout  # the other parts are read
 
 
 def test_an_exporter_that_is_down_is_named(box):

@@ -1261,6 +1261,29 @@ def _run_status(args: argparse.Namespace) -> int:
 
     from oomguard import status
 
+    # what the command line gives is checked now (a usage error, exit 2); what the parts answer,
+    # and the token files the config names, are shown in the report
+    for url in args.exporter:
+        _check_url("--exporter", url)
+    if args.remediator:
+        _check_url("--remediator", args.remediator)
+    for flag, pairs in (("--engine", args.engine), ("--supervisor", args.supervisor)):
+        if pairs and args.config:
+            raise ConfigError(f"{flag} is for a box without --config: the config names them")
+        for name, url in pairs:
+            if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", name):
+                raise ConfigError(
+                    f"{flag} {_shown(name)}: a target name is 1-64 of A-Za-z0-9_.:- (the "
+                    "exporter's target label)"
+                )
+            _check_url(f"{flag} {name}:", url)
+    for flag, path in (
+        ("--remediator-token-file", args.remediator_token_file),
+        ("--plugin-token-file", args.plugin_token_file),
+        ("--supervisor-token-file", args.supervisor_token_file),
+    ):
+        if path is not None:
+            _check_secret_file(flag, path)
     config_path = args.config
     if config_path is None and not args.engine and Path(status.DEFAULT_CONFIG).exists():
         config_path = status.DEFAULT_CONFIG

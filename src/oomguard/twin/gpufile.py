@@ -79,13 +79,14 @@ def default_uuid(path: str | os.PathLike[str]) -> str:
 def parse_state(data: Any, source: str) -> TwinState:
     if not isinstance(data, dict):
         raise TwinStateError(f"{source}: expected a JSON object")
-    unknown = sorted(str(k) for k in data if k not in KEYS)
+    unknown = sorted(str(k)[:40] for k in data if k not in KEYS)
     if unknown:
-        raise TwinStateError(f"{source}: unknown keys {unknown} (known: {', '.join(KEYS)})")
+        raise TwinStateError(f"{source}: unknown keys {unknown[:5]} (known: {', '.join(KEYS)})")
     gpu = data.get("gpu", "H100")
-    if gpu not in GPU_MODELS:
+    if not isinstance(gpu, str) or gpu not in GPU_MODELS:
+        shown = repr(gpu)[:40]
         raise TwinStateError(
-            f"{source}: gpu {gpu!r} is not a twin GPU (one of {', '.join(sorted(GPU_MODELS))})"
+            f"{source}: gpu {shown} is not a twin GPU (one of {', '.join(sorted(GPU_MODELS))})"
         )
     uuid = data.get("uuid") or default_uuid(source)
     if not isinstance(uuid, str) or not 0 < len(uuid) <= 96 or not uuid.isprintable():
@@ -106,7 +107,7 @@ def parse_state(data: Any, source: str) -> TwinState:
     folder = state.model_dir()
     if folder is not None and not (folder / "config.json").is_file():
         raise TwinStateError(
-            f"{source}: model {model!r}: no config.json there (twin models: "
+            f"{source}: model {model[:80]!r}: no config.json there (twin models: "
             f"{', '.join(sorted(p.parent.name for p in MODELS.glob('*/config.json')))})"
         )
     return state
