@@ -166,7 +166,9 @@ def make_good(tmp: Path, server: str) -> dict[str, Path]:
 # shows up as a hang.
 BASELINES: dict[tuple[str, ...], Callable[[Env], list[str]]] = {
     ("exporter",): lambda e: ["exporter", "--no-nvml", "--listen", "127.0.0.1:0"],
-    ("budget",): lambda e: ["budget", str(LLAMA), "--gpu", "H100"],
+    # the pure-Python sizing: vLLM's own (where importable) spends most of a minute importing
+    # vLLM in a child, after every input here has been read (tests/test_budget_vllm.py)
+    ("budget",): lambda e: ["budget", str(LLAMA), "--gpu", "H100", "--sizing", "python"],
     ("preflight",): lambda e: [
         "preflight",
         f"{e.server}/ok",
@@ -382,13 +384,22 @@ def extra_cases(path: tuple[str, ...], env: Env) -> list[Case]:
                 ]
                 out.append(Case(f"preflight answer {prefix}", argv, url, value))
     if path == ("budget",):
+        # a checkpoint folder: config.json valid, the quantization file beside it hostile
+        for name in ("not_utf8", "deep", "digits_5000", "too_large", "wrong_type"):
+            folder = env.tmp / f"checkpoint-{name}"
+            folder.mkdir(exist_ok=True)
+            (folder / "config.json").write_text(LLAMA.read_text())
+            (folder / "hf_quant_config.json").write_bytes(env.files[name].read_bytes())
+            quant = str(folder / "hf_quant_config.json")
+            argv = ["budget", str(folder), "--gpu", "H100", "--sizing", "python"]
+            out.append(Case(f"budget hf_quant_config {name}", argv, dummy, quant))
         config = json.loads(LLAMA.read_text())
         fields = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
         for field in (*fields, "num_key_value_heads", "vocab_size", "max_position_embeddings"):
             for value in (10**8, 2**47 - 1):
                 bad = env.tmp / f"config-{field}-{value}.json"
                 bad.write_text(json.dumps({**config, field: value}))
-                argv = ["budget", str(bad), "--gpu", "H100"]
+                argv = ["budget", str(bad), "--gpu", "H100", "--sizing", "python"]
                 # num_hidden_layers 10**8 took 13 s and a MemoryError (defect 16): refused;
                 # the others are sized (absurd figures, exit 1) or refused, quickly
                 lenient = field != "num_hidden_layers"

@@ -463,9 +463,12 @@ def _run_budget(args: argparse.Namespace) -> int:
         quant_file = path / "hf_quant_config.json"
         if quant_file.is_file():
             try:
-                quant = json.loads(quant_file.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise BudgetError(f"{quant_file} is not readable JSON: {exc}") from exc
+                loaded = bounded.read_json(quant_file, MODEL_CONFIG_LIMITS)
+            except bounded.InputError as exc:
+                raise BudgetError(str(exc)) from None
+            if not isinstance(loaded, dict):
+                raise BudgetError(f"{quant_file} is not a JSON object")
+            quant = loaded
         path = path / "config.json"
     try:
         config = bounded.read_json(path, MODEL_CONFIG_LIMITS)
