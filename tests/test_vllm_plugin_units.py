@@ -4,6 +4,8 @@ the allocator publisher (with a stand-in for torch.cuda: no GPU here)."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +88,35 @@ def test_token_file_is_reread(monkeypatch, tmp_path):
     with pytest.raises(HTTPException):
         authorize(_Req("Bearer first"))  # type: ignore[arg-type]
     authorize(_Req("Bearer second"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "not_utf8", "directory", "device", "too_large"])
+def test_a_hostile_token_file_is_no_token_not_a_hang_or_a_500(monkeypatch, tmp_path, kind):
+    """Issue 25 item 3: the plugin's token file through the bounded reader. Before, a FIFO
+    blocked the API server's event loop on the first mutating call (and at start-up), and bad
+    UTF-8 raised UnicodeDecodeError: a 500 on every call."""
+    require_vllm()
+    from fastapi import HTTPException
+
+    from oomguard.vllm_plugin.api import authorize
+
+    monkeypatch.delenv("OOMGUARD_PLUGIN_TOKEN", raising=False)
+    monkeypatch.delenv("OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED", raising=False)
+    path = tmp_path / "token"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "not_utf8":
+        path.write_bytes(b"s3cret\xff\n")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "device":
+        path = Path("/dev/zero")
+    else:
+        path.write_bytes(b"x" * (65 * 1024))
+    monkeypatch.setenv("OOMGUARD_PLUGIN_TOKEN_FILE", str(path))
+    with pytest.raises(HTTPException) as exc:
+        authorize(_Req("Bearer s3cret"))  # type: ignore[arg-type]
+    assert exc.value.status_code == 403  # mutating routes off, as with no token configured
 
 
 class FakeCuda:

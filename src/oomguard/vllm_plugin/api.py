@@ -26,13 +26,13 @@ import logging
 import os
 import time
 from argparse import Namespace
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
+from oomguard import bounded
 from oomguard.contract import (
     API_PREFIX,
     DRAINING_MESSAGE,
@@ -141,10 +141,13 @@ def configured_token() -> str | None:
     token = os.environ.get(PLUGIN_TOKEN_ENV)
     path = os.environ.get(PLUGIN_TOKEN_FILE_ENV)
     if not token and path:
+        # Read on every mutating call (a rotated Secret takes effect), inside the API server's
+        # event loop: through the bounded reader, so a FIFO cannot block the loop and bad
+        # UTF-8 is "no token" (403), not a 500 on every call or a failed start.
         try:
-            token = Path(path).read_text().strip()
-        except OSError:
-            log.warning("oomguard: cannot read %s %s", PLUGIN_TOKEN_FILE_ENV, path)
+            token = bounded.read_text(path, bounded.TOKEN).strip()
+        except bounded.InputError as exc:
+            log.warning("oomguard: cannot use %s: %s", PLUGIN_TOKEN_FILE_ENV, exc)
             token = None
     return token or None
 
