@@ -37,6 +37,7 @@ LAZY_COUNTERS = {
     "oomguard_remediator_safety_limited_total",
     "oomguard_remediator_reconcile_errors_total",
     "oomguard_incidents_total",  # a series per classified incident: none on a healthy stack
+    "oomguard_requests_lost_total",  # a series per engine that died of an OOM: none either
 }
 PLUGIN_STATE = {
     "startup_max_num_seqs": 64,
