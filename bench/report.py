@@ -375,6 +375,55 @@ def block_detection(r: Results) -> str:
     return table(["hop (cumulative)", "p50", "p95", "max"], rows)
 
 
+def block_detection_rounds(r: Results) -> str:
+    """Detection (the exporter shows level 3) to action (the engine drained), per round kind,
+    and what Alertmanager sent in those rounds."""
+    rounds = r.get("detection/rounds")
+    to_action = r.get("detection/detection_to_action_seconds")
+    rows = []
+    for kind, v in to_action.items():
+        mine = [x for x in rounds if x.get("kind") == kind]
+        hooks = sorted({x["webhooks_to_remediator"] for x in mine})
+        rows.append(
+            [
+                f"`{kind}`",
+                fmt(v["n"]),
+                f"{fmt(v['p50'], '.2f')} s",
+                f"{fmt(v['p95'], '.2f')} s",
+                f"{fmt(v['max'], '.2f')} s",
+                " or ".join(fmt(h) for h in hooks),
+                fmt(sum(x["pages"] for x in mine)),
+                fmt(sum(x["tickets"] for x in mine)),
+            ]
+        )
+    every = r.get("detection/detection_to_action_all")
+    rows.append(
+        [
+            "all",
+            fmt(every["n"]),
+            f"{fmt(every['p50'], '.2f')} s",
+            f"**{fmt(every['p95'], '.2f')} s** ({{{{target:p95 ≤ 1.5 s}}}})",
+            f"{fmt(every['max'], '.2f')} s",
+            "",
+            fmt(sum(x["pages"] for x in rounds)),
+            fmt(sum(x["tickets"] for x in rounds)),
+        ]
+    )
+    return table(
+        [
+            "round",
+            "rounds",
+            "detection → action p50",
+            "p95",
+            "max",
+            "webhooks to the remediator per round",
+            "pages",
+            "tickets",
+        ],
+        rows,
+    )
+
+
 def block_detection_targets(r: Results) -> str:
     met = r.get("detection/targets_met")
     return ", ".join(f"`{k}`: {fmt(v, 'met')}" for k, v in met.items())

@@ -257,7 +257,9 @@ class Outcome:
 
     pages: list[set[str]] = field(default_factory=list)  # alert names of each page opened
     tickets: list[set[str]] = field(default_factory=list)
-    paged_with_ticket_open: int = 0  # a page opened while a ticket of the cluster was open
+    # an alert that is a page and a ticket at once (one SLO burn, fast and slow): opened while
+    # the other is open
+    paged_and_ticketed: set[str] = field(default_factory=set)
     webhooks: dict[str, int] = field(default_factory=dict)  # notifications per receiver
     remediator_alerts: set[str] = field(default_factory=set)
     # each remediator group (one alert): when it was notified (real seconds, monotonic)
@@ -268,6 +270,7 @@ class Outcome:
 def outcome(notifications: Sequence[Notification], cluster: str) -> Outcome:
     out = Outcome()
     open_groups: dict[tuple[str, str], bool] = {}
+    open_names: dict[tuple[str, str], set[str]] = {}
     for n in sorted(notifications, key=lambda n: n.at):
         if n.cluster != cluster:
             continue
@@ -280,12 +283,14 @@ def outcome(notifications: Sequence[Notification], cluster: str) -> Outcome:
         firing = n.body["status"] == "firing"
         if firing and not open_groups.get(key):
             if n.receiver == "oncall-pager":
-                if any(r == "oncall-ticket" and v for (r, _), v in open_groups.items()):
-                    out.paged_with_ticket_open += 1
                 out.pages.append(names)
             elif n.receiver == "oncall-ticket":
                 out.tickets.append(names)
         open_groups[key] = firing
+        open_names[key] = names if firing else set()
+        paged = {x for (r, _), v in open_names.items() if r == "oncall-pager" for x in v}
+        ticketed = {x for (r, _), v in open_names.items() if r == "oncall-ticket" for x in v}
+        out.paged_and_ticketed |= paged & ticketed
     return out
 
 

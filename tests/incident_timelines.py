@@ -234,21 +234,26 @@ def cuda_oom(reload_minutes: int, ready_peer: bool) -> Timeline:
         f.engine(peer, "llama-b", lambda s: True, lambda s: (0, "ok"))
         f.target("llama-b", lambda s: "serving")
     else:
-        # MemoryCritical's drain refused: the last ready replica; capped instead
+        # MemoryCritical's drain refused: the model's only engine (safety.py); capped instead,
+        # and RemediationLimited pages for it (one engine: nothing else relieves it), joining
+        # the OOM's pager incident: the same model
         f.counter(
             "oomguard_remediator_safety_limited_total",
-            {**rt, "limit": "last_ready"},
+            {**rt, "limit": "single_replica"},
             f.steps_of(lambda s: 1 if s == oom else 0),
         )
     return tl
 
 
-def fragmentation_creep() -> Timeline:
-    """A single replica's allocator fragments (reserved - allocated grows 4 GiB in 80 minutes);
-    the level climbs to caution at 30m, pressure at 40m, critical at 50m. The remediator caps
-    at 40m30s, and at 50m, as the last ready replica cannot be drained, caps lower (the
-    fallback); requests queue behind the cap from 51m."""
-    tl = Timeline("fragmentation-creep", 30, 80, note="fragmentation creep, one replica")
+def fragmentation_creep(replicas: int) -> Timeline:
+    """An engine's allocator fragments (reserved - allocated grows 4 GiB in 80 minutes); the
+    level climbs to caution at 30m, pressure at 40m, critical at 50m. The remediator caps at
+    40m30s, and at 50m caps lower instead of draining (the fallback): with two replicas because
+    the other one drains already (`disruption_budget`), with one because it is the model's only
+    engine (`single_replica`, which pages: a single box). Requests queue behind the cap from
+    51m."""
+    name = "fragmentation-creep" + ("" if replicas > 1 else "-one-engine")
+    tl = Timeline(name, 30, 80, note=f"fragmentation creep, {replicas} replica(s)")
     f = Fleet(tl)
     m = 60.0
 
@@ -281,9 +286,15 @@ def fragmentation_creep() -> Timeline:
     )
     f.counter(
         "oomguard_remediator_safety_limited_total",
-        {**rt, "limit": "last_ready"},
+        {**rt, "limit": "disruption_budget" if replicas > 1 else "single_replica"},
         f.steps_of(lambda s: 1 if s == 50 * m else 0),
     )
+    if replicas > 1:
+        # the other replica, on another node, drained (a rollout, its own memory) from 45m
+        peer = f.exporter(2)
+        f.gpu(peer, lambda s: (0, "ok"))
+        f.engine(peer, "llama-b", lambda s: True, lambda s: (0, "ok"))
+        f.target("llama-b", lambda s: "draining" if s >= 45 * m else "serving")
     return tl
 
 
@@ -319,6 +330,7 @@ def timelines() -> list[Timeline]:
         cuda_oom(8, False),
         cuda_oom(3, True),
         cuda_oom(8, True),
-        fragmentation_creep(),
+        fragmentation_creep(2),
+        fragmentation_creep(1),
         slo_burn(),
     ]

@@ -223,11 +223,14 @@ def test_every_alert_has_a_firing_and_a_quiet_case():
 
 
 def test_the_rules_know_the_remediators_fallback_limits():
-    """RemediationLimited leaves out the limits under which the remediator caps instead."""
+    """RemediationLimited leaves out the limits under which the remediator caps instead while
+    other replicas serve the model; a model's only engine capped instead of drained
+    (`single_replica`, a single box) pages on purpose: nothing but a person relieves it."""
     from oomguard.alerts.rules import FALLBACK_LIMITS
     from oomguard.remediator.decision import FALLBACK_LIMITS as REMEDIATOR
 
-    assert set(FALLBACK_LIMITS) == set(REMEDIATOR)
+    assert set(REMEDIATOR) - set(FALLBACK_LIMITS) == {"single_replica"}
+    assert set(FALLBACK_LIMITS) < set(REMEDIATOR)
 
 
 def test_mixin_conventions():

@@ -973,6 +973,28 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             "oomguard_remediator_safety_limited_total", {**L.rem_target, "limit": fallback}
         )
         add(Case("OomguardRemediationLimited", "5m", {fell_back: "0 0 1x10"}))
+    # a model's only engine (a single box) capped instead of drained pages: nothing else
+    # relieves it (issue 29, docs/single-box.md)
+    only = sel(
+        "oomguard_remediator_safety_limited_total", {**L.rem_target, "limit": "single_replica"}
+    )
+    add(
+        Case(
+            "OomguardRemediationLimited",
+            "5m",
+            {only: "0 0 1x10"},
+            [
+                {
+                    **L.rem_target,
+                    "limit": "single_replica",
+                    "severity": "critical",
+                    "description": f"The remediator on {L.rem['instance']} held back an action on "
+                    f"{L.target} because of its single_replica limit: the engine is in danger and "
+                    "the action it needed was not taken.",
+                }
+            ],
+        )
+    )
     limited_new = sel(
         "oomguard_remediator_safety_limited_total",
         {**L.rolled(L.rem_target, NEW_REMEDIATOR_POD, "10.0.4.2"), "limit": "cooldown"},

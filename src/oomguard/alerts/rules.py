@@ -112,9 +112,11 @@ def exporter_identity(t: AlertThresholds, metric: str) -> tuple[str, ...]:
 
 
 ENGINE_MODEL = "engine:oomguard_vllm_model:info"
-# The safety limits under which the remediator caps instead of draining (or restarting): the
-# designed fallback for the last ready replica of a model, nothing held back
-# (remediator/decision.py FALLBACK_LIMITS; tests/test_alert_rules.py checks they agree).
+# The safety limits under which the remediator caps instead of draining (or restarting) while
+# other replicas serve the model: the designed fallback, nothing held back
+# (remediator/decision.py FALLBACK_LIMITS; tests/test_alert_rules.py checks they agree). Its
+# third, `single_replica` (a model's only engine: a single box), pages: nothing relieves it but
+# a person (docs/single-box.md).
 FALLBACK_LIMITS = ("disruption_budget", "last_ready")
 
 
