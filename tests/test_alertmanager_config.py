@@ -189,11 +189,22 @@ def test_a_real_alertmanager_inhibits_tickets_but_never_hides_work_orders(tmp_pa
         rank = {**L.rank}
         engine = {**L.engine}
         gpu = {**L.gpu}
+        model = {T.cluster_label: L.cluster[T.cluster_label], "model_name": engine["model_name"]}
         incident = [
-            posted("OomguardCudaOomObserved", **rank),
+            # the OOM page carries its engine's model (engine:oomguard_vllm_model:info)
+            posted("OomguardCudaOomObserved", **rank, model_name=engine["model_name"]),
             posted("OomguardMemoryCritical", **engine, reason="allocator_oom"),
             posted("OomguardMemoryPressure", **engine, reason="allocator_oom"),
             posted("OomguardGpuMemoryCritical", **gpu),
+            # no instance on these: the OOM inhibits them by model
+            posted("OomguardModelUnavailable", **model),
+            {
+                "labels": {
+                    "alertname": "OomguardRequestErrorBudgetBurn",
+                    "severity": "critical",
+                    **model,
+                }
+            },
         ]
         httpx.post(f"{am.url}/api/v2/alerts", json=incident, timeout=10).raise_for_status()
 
@@ -213,5 +224,8 @@ def test_a_real_alertmanager_inhibits_tickets_but_never_hides_work_orders(tmp_pa
         visible = listed(silenced="false", inhibited="false")
         assert "OomguardGpuMemoryCritical" not in visible  # the OOM's page covers its GPU
         assert "OomguardGpuMemoryCritical" in listed()  # inhibited, not lost
+        # the model left without an engine and its budget are the OOM's incident too
+        assert not {"OomguardModelUnavailable", "OomguardRequestErrorBudgetBurn"} & visible
+        assert {"OomguardModelUnavailable", "OomguardRequestErrorBudgetBurn"} <= listed()
     finally:
         am.stop()
