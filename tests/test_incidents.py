@@ -6,8 +6,8 @@ Records are written by the real writers: the plugin's out-of-memory observer
 `oomguard serve` supervisor around a stand-in child that dies the way vLLM dies (the same
 stand-ins as tests/test_supervisor_inputs.py). Figures, where they come from:
 - Llama-3-8B has a 128,256-token vocabulary (src/oomguard/twin/models/llama-3-8b/config.json);
-  FP32 logits of 8,192 prompt tokens are 4.2 GB (vLLM computes prompt logprobs over the whole
-  vocabulary in FP32: https://github.com/vllm-project/vllm/issues/5907).
+  the prompt_logprobs logits of 8,192 prompt tokens peak at 10.5 GB at BF16 (oomguard.logits:
+  vLLM computes prompt logprobs over the whole vocabulary, https://github.com/vllm-project/vllm/issues/5907).
 - An H100 80GB has 79.11 GiB of capacity as PyTorch reports it ("GPU 0 has a total capacity of
   79.11 GiB" in vLLM's OOM reports); gpu_memory_utilization 0.92 is vLLM 0.33's default.
 - PyTorch's OOM message names fragmentation as "reserved by PyTorch but unallocated" and points
@@ -177,7 +177,7 @@ def test_an_oom_before_the_first_step_is_a_startup_oom(tmp_path, monkeypatch):
 
 # -- type 2: a long prompt asking for prompt_logprobs ----------
 def test_a_prompt_logprobs_request_that_does_not_fit_is_a_long_prompt_spike(tmp_path, monkeypatch):
-    logits = 8192 * VOCAB * 4  # 4.2 GB of FP32 logits (vllm/v1/sample/sampler.py)
+    logits = 8192 * VOCAB * 10  # 10.5 GB at the BF16 peak (oomguard.logits)
     record = observe(
         tmp_path,
         monkeypatch,
@@ -666,7 +666,7 @@ def test_the_cli_json_and_since(tmp_path, monkeypatch):
     data = json.loads(r.stdout)
     assert [i["type"] for i in data["incidents"]] == ["host_oom", "long_prompt"]
     spike = data["incidents"][1]
-    assert spike["type_number"] == 2 and spike["figures"]["logits_bytes"] == 8192 * VOCAB * 4
+    assert spike["type_number"] == 2 and spike["figures"]["logits_bytes"] == 8192 * VOCAB * 10
     assert spike["fix"] and spike["evidence"] and data["invalid_files"] == {"not_json": 1}
     since = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(NOW - 3600))
     r = cli(str(tmp_path), "--json", "--since", since)

@@ -53,6 +53,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from oomguard import bounded
+from oomguard.logits import LogitsShape
 
 log = logging.getLogger("oomguard.incidents")
 
@@ -145,7 +146,8 @@ class Thresholds:
     """Every number the classifier decides with, and why it has its default."""
 
     # A prefill chunk of this many tokens makes a large transient: 8,192 tokens x a 128K
-    # vocabulary in FP32 logits is 4.2 GB (vLLM's prompt-logprobs path,
+    # vocabulary of prompt_logprobs logits is 10.5 GB at the BF16 peak (oomguard.logits; vLLM's
+    # prompt-logprobs path,
     # https://github.com/vllm-project/vllm/issues/5907); activations grow the same way.
     long_prefill_tokens: int = 4096
     # top-logprobs at OpenAI's maximum (20) or n/best_of of 4 multiply the sampler's memory.
@@ -549,14 +551,18 @@ def _triggers(oom: OomRecord, t: Thresholds) -> list[str]:
 
 
 def _logits_estimate(oom: OomRecord) -> int | None:
-    """FP32 logits of the step's prompt_logprobs tokens, when the vocabulary is known."""
+    """The prompt_logprobs logits of the step's tokens at vLLM 0.33's peak (oomguard.logits:
+    model-dtype logits, their FP32 copy and the FP32 log-softmax), when the vocabulary is
+    known; the model dtype from the record, else BF16."""
     vocab = oom.flags.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or not oom.batch:
         return None
+    dtype = oom.flags.get("dtype_bytes")
+    dtype = dtype if dtype in (2, 4) and not isinstance(dtype, bool) else 2
     tokens = sum(
         r.scheduled_tokens for r in oom.batch.largest if r.params.get("prompt_logprobs") is not None
     )
-    return tokens * vocab * 4 if tokens else None
+    return LogitsShape(vocab, int(dtype)).prompt_logprobs_peak(tokens) if tokens else None
 
 
 def _leak(oom: OomRecord, t: Thresholds) -> tuple[bool, int]:
@@ -695,7 +701,8 @@ def _decide(c: _Case, t: Thresholds) -> tuple[str, str]:
         logits = _logits_estimate(oom)
         if logits:
             c.note(
-                f"FP32 logits of its prompt_logprobs tokens alone are {gib(logits)}",
+                f"the prompt_logprobs logits of its tokens alone are {gib(logits)} "
+                "(logits, their FP32 copy and log-softmax: oomguard.logits)",
                 logits_bytes=logits,
             )
         return "long_prompt", "confirmed"

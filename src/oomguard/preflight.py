@@ -8,7 +8,8 @@ does it against a live vLLM with the oomguard plugin, safely:
    (`vllm:cache_config_info` on `/metrics`), and the allocator's peak, retries and OOMs from
    the hand-off directory the ranks publish into (`--allocator-dir`, src/oomguard/handoff.py).
 2. **Longest prompt** (phase A): one request at a time with `prompt_logprobs`, the heaviest
-   transient a prompt can ask for (FP32 logits for every prompt token of a prefill chunk). The
+   transient a prompt can ask for (its logits, their FP32 copy and log-softmax for every prompt
+   token of a prefill chunk: oomguard.logits). The
    prompt grows by at most 25 % a stage; after each stage the allocator peak is read and the
    next stage is only run if the peak, extrapolated along the measured slope, stays a margin
    below the device. Near the limit the step shrinks until it is under 1 % (or 64 tokens).

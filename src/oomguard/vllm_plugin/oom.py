@@ -99,6 +99,8 @@ def note_flags(vllm_config: Any) -> None:
     }
     with contextlib.suppress(Exception):  # sizes the logits estimate in the classifier
         values["vocab_size"] = int(model.get_vocab_size())  # type: ignore[union-attr]
+    with contextlib.suppress(Exception):  # the logits' dtype (oomguard.logits)
+        values["dtype_bytes"] = int(model.dtype.itemsize)  # type: ignore[union-attr]
     _flags.clear()
     _flags.update({k: v for k, v in values.items() if isinstance(v, bool | int | float)})
     global _model_name
