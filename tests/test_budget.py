@@ -40,6 +40,17 @@ def shape(name: str):  # type: ignore[no-untyped-def]
     return shape_from_hf_config(config(name))
 
 
+# Corpus configs these vLLM-function checks cannot take, and why (tests/test_budget_vllm.py
+# checks them their own way).
+NOT_FOR_VLLM_FUNCTIONS = {
+    # the reader refuses it ("cannot size this without vLLM: sparse MLA")
+    "DeepSeek-V3.2-Exp": "sparse MLA",
+    # model_type nemotron-nas: no config class without the checkpoint's own code
+    "Llama-3_3-Nemotron-Super-49B-v1": "nemotron-nas",
+}
+VLLM_CONFIG_NAMES = [n for n in CONFIG_NAMES if n not in NOT_FOR_VLLM_FUNCTIONS]
+
+
 # -- KV bytes per token and per layer ---------------------------------------------------------
 def test_llama3_8b_kv_bytes_per_token_is_128_kib() -> None:
     s = shape("Llama-3.1-8B-Instruct")
@@ -164,19 +175,63 @@ def test_corpus_has_20_real_configs_with_logged_figures() -> None:
 
 
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=[c["id"] for c in TOKEN_CASES])
-def test_pool_tokens_within_5_percent_of_vllm_logs(case: dict[str, Any]) -> None:
-    """From the logged 'Available KV cache memory', the 'GPU KV cache size' vLLM logged."""
+def test_pool_tokens_within_half_a_percent_of_vllm_logs(case: dict[str, Any]) -> None:
+    """From the logged 'Available KV cache memory', the 'GPU KV cache size' vLLM logged, within
+    0.5 % (the pool is logged to 0.01 GiB). Two logs whose token count is not vLLM's arithmetic
+    on the pool they print carry the reason (`token_gap`) and are held to 1.5 %."""
     cap = kv_capacity(
         shape(case["config"]),
         int(case["available_gib"] * GIB),
         case["flags"]["max_model_len"],
         **_flags(case),
     )
-    assert cap.tokens == pytest.approx(case["tokens"], rel=0.05)
+    tolerance = 0.015 if "token_gap" in case else 0.005
+    assert cap.tokens == pytest.approx(case["tokens"], rel=tolerance)
     if "concurrency" in case:
-        assert cap.max_concurrency == pytest.approx(case["concurrency"], rel=0.05)
+        assert cap.max_concurrency == pytest.approx(case["concurrency"], rel=max(tolerance, 0.01))
     if "blocks" in case and "tensor_parallel_size" not in case["flags"]:
         assert cap.num_blocks == pytest.approx(case["blocks"], rel=0.01)
+
+
+def test_at_most_two_logs_have_a_token_gap() -> None:
+    gaps = [c["id"] for c in LOGGED if "token_gap" in c]
+    assert len(gaps) <= 2 and all(len(c["token_gap"]) > 80 for c in LOGGED if "token_gap" in c)
+
+
+VERDICT_CASES = [c for c in LOGGED if "available_gib" in c or "cuda_total_gib" in c]
+
+
+@pytest.mark.parametrize("case", VERDICT_CASES, ids=[c["id"] for c in VERDICT_CASES])
+def test_every_logged_start_or_refusal_is_the_budgets_verdict(case: dict[str, Any]) -> None:
+    """vLLM started or refused: the budget's verdict (exit 1 when it will not start) is the
+    same from the logged pool and, where the device's memory is known, from the device: gpt-oss
+    120b on an H100 at 0.95, Qwen3-Coder-480B-FP8 at 0.9 and 0.95, the V0 run at 29,000
+    tokens, and every run that started."""
+    s = shape(case["config"])
+    refuses = case["verdict"] == "refuses"
+    if "available_gib" in case:
+        memory = int(case.get("cuda_total_gib", 80) * GIB)
+        f = case["flags"]
+        logged = compute(
+            s,
+            BudgetInputs(
+                gpu_memory_bytes=memory,
+                gpu_memory_utilization=f.get("gpu_memory_utilization", 0.9),
+                max_model_len=f["max_model_len"],
+                tensor_parallel_size=f.get("tensor_parallel_size", 1),
+                data_parallel_size=f.get("data_parallel_size", 1),
+                enable_expert_parallel=f.get("enable_expert_parallel", False),
+                max_num_batched_tokens=f.get("max_num_batched_tokens", 8192),
+                async_scheduling=f.get("async_scheduling", True),
+                block_size=f.get("block_size"),
+                kv_cache_dtype=f.get("kv_cache_dtype", "auto"),
+                kv_pool_bytes=max(0, int(case["available_gib"] * GIB)),
+            ),
+        )
+        assert bool(logged.will_not_start) == refuses, logged.will_not_start
+    if "cuda_total_gib" in case:
+        estimated = compute(s, _e2e_inputs(case))
+        assert bool(estimated.will_not_start) == refuses, estimated.will_not_start
 
 
 @pytest.mark.parametrize("case", NEEDED_CASES, ids=[c["id"] for c in NEEDED_CASES])
@@ -204,6 +259,8 @@ def _e2e_inputs(case: dict[str, Any], **extra: Any) -> BudgetInputs:
         gpu_memory_utilization=f["gpu_memory_utilization"],
         max_model_len=f["max_model_len"],
         tensor_parallel_size=f.get("tensor_parallel_size", 1),
+        data_parallel_size=f.get("data_parallel_size", 1),
+        enable_expert_parallel=f.get("enable_expert_parallel", False),
         max_num_batched_tokens=f.get("max_num_batched_tokens", 8192),
         max_num_seqs=f.get("max_num_seqs", 256),
         enforce_eager=f.get("enforce_eager", False),
@@ -502,7 +559,7 @@ def _vllm_specs(s: Any, tp: int, block: int) -> dict[str, Any]:
     return specs
 
 
-@pytest.mark.parametrize("name", CONFIG_NAMES)
+@pytest.mark.parametrize("name", [*VLLM_CONFIG_NAMES, "Llama-3_3-Nemotron-Super-49B-v1"])
 @pytest.mark.parametrize(("tp", "max_len"), [(1, 8192), (4, 32768)])
 def test_capacity_equals_vllm_planning(vllm_config: Any, name: str, tp: int, max_len: int) -> None:
     """Blocks and max concurrency from vLLM 0.33's get_kv_cache_groups,
@@ -588,15 +645,25 @@ def vllm_arch() -> Any:
         cls = MODEL_ARCH_CONFIG_CONVERTORS.get(hf.model_type, ModelArchConfigConvertorBase)
         return cls(hf, text)
 
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    from oomguard.sizing.vllm_probe import REMOTE_MODEL_TYPES
+
     def read(raw: dict[str, Any]) -> tuple[Any, Any]:
-        hf = AutoConfig.for_model(**raw)
+        raw = {k: v for k, v in raw.items() if k != "auto_map"}  # no checkpoint code here
+        archs = raw.get("architectures") or [""]
+        raw.setdefault("model_type", REMOTE_MODEL_TYPES.get(archs[0], ""))
+        if raw["model_type"] in _CONFIG_REGISTRY:  # vLLM's own config class (ChatGLM...)
+            hf = _CONFIG_REGISTRY[raw["model_type"]](**raw)
+        else:
+            hf = AutoConfig.for_model(**raw)
         text = get_hf_text_config(hf)
         return text, convertor(hf, text)
 
     return read, convertor
 
 
-@pytest.mark.parametrize("name", CONFIG_NAMES)
+@pytest.mark.parametrize("name", VLLM_CONFIG_NAMES)
 def test_config_reading_equals_vllm(vllm_arch: Any, name: str) -> None:
     """Per layer, the KV heads, head size, attention kind, window and cache ownership this
     module reads from each real config.json are the ones vLLM 0.33 reads."""

@@ -446,6 +446,52 @@ def _emit(text: str) -> None:
         os.close(devnull)
 
 
+def _size_with_vllm(
+    config: dict[str, Any], quant: dict[str, Any] | None, shape: Any, inputs: Any, budget: Any
+) -> Any:
+    """The budget with vLLM's own figures: its weights (parameter shapes on the meta device)
+    where they are CUDA's, the pool they leave, and its planner's blocks, tokens and refusal."""
+    from oomguard.sizing import vllm_path
+    from oomguard.sizing.budget import compute, vision_weights_per_gpu
+
+    extra = vision_weights_per_gpu(shape, inputs)
+    if budget.pool_source == "vLLM log":
+        pool: dict[str, Any] = {"available": [budget.kv_pool_bytes_per_gpu]}
+    else:
+        before = int(inputs.gpu_memory_bytes * inputs.gpu_memory_utilization)
+        pool = {
+            "pool_before_weights": before - budget.overhead_bytes_per_gpu,
+            "fallback_weights": budget.weights_bytes_per_gpu,
+            "extra_weights": extra,
+        }
+    (sizing,) = vllm_path.run(
+        [
+            vllm_path.job(
+                config,
+                max_model_len=budget.max_model_len,
+                max_num_batched_tokens=budget.max_num_batched_tokens,
+                tensor_parallel_size=inputs.tensor_parallel_size,
+                kv_cache_dtype=inputs.kv_cache_dtype,
+                block_size=inputs.block_size,
+                async_scheduling=inputs.async_scheduling,
+                hf_quant_config=quant,
+                **pool,
+            )
+        ]
+    )
+    if sizing.ok and sizing.weights_bytes_per_gpu is not None and inputs.weights_bytes is None:
+        theirs = sizing.weights_bytes_per_gpu + extra
+        ours = budget.weights_bytes_per_gpu
+        budget = compute(shape, inputs, vllm_weights=theirs)
+        if abs(theirs - ours) > 0.01 * theirs:
+            budget.notes.append(
+                f"weights: the pure-Python reader's {ours / 1024**3:,.2f} GiB differs from "
+                f"vLLM's parameter shapes ({theirs / 1024**3:,.2f} GiB): vLLM's are used"
+            )
+    vllm_path.apply(budget, sizing)
+    return budget
+
+
 def _run_budget(args: argparse.Namespace) -> int:
     from oomguard.budget import (
         BudgetInputs,
@@ -455,6 +501,7 @@ def _run_budget(args: argparse.Namespace) -> int:
         shape_from_hf_config,
     )
     from oomguard.sizing import vllm_path
+    from oomguard.sizing.model import with_hf_quant_config
 
     path = Path(args.model_config)
     quant: dict[str, Any] | None = None
@@ -500,35 +547,11 @@ def _run_budget(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise BudgetError(str(exc)) from exc
-    reader_config = dict(config)
-    if (
-        isinstance(quant, dict)
-        and isinstance(quant.get("quantization"), dict)
-        and "quantization_config" not in reader_config
-    ):
-        reader_config["quantization_config"] = {
-            "quant_method": "modelopt",
-            **quant["quantization"],
-        }
-    budget = compute(shape_from_hf_config(reader_config), inputs)
+    shape = shape_from_hf_config(with_hf_quant_config(config, quant))
+    budget = compute(shape, inputs)
     use_vllm = args.sizing == "vllm" or (args.sizing == "auto" and vllm_path.vllm_importable())
     if use_vllm and inputs.pipeline_parallel_size == 1:
-        (sizing,) = vllm_path.run(
-            [
-                vllm_path.job(
-                    config,
-                    max_model_len=budget.max_model_len,
-                    max_num_batched_tokens=budget.max_num_batched_tokens,
-                    tensor_parallel_size=inputs.tensor_parallel_size,
-                    kv_cache_dtype=inputs.kv_cache_dtype,
-                    block_size=inputs.block_size,
-                    async_scheduling=inputs.async_scheduling,
-                    available=[budget.kv_pool_bytes_per_gpu],
-                    hf_quant_config=quant,
-                )
-            ]
-        )
-        vllm_path.apply(budget, sizing)
+        budget = _size_with_vllm(config, quant, shape, inputs, budget)
     elif use_vllm:
         budget.notes.append("pipeline parallelism: the pure-Python reader sized this")
     # A pipeline can gate on it: 1 when vLLM would refuse to start with these flags.
@@ -546,7 +569,7 @@ def _run_budget(args: argparse.Namespace) -> int:
     rows = [
         ("device memory (CUDA total)", _gib(memory)),
         ("gpu_memory_utilization", f"{inputs.gpu_memory_utilization:.2f}"),
-        ("weights per GPU", _gib(budget.weights_bytes_per_gpu)),
+        (f"weights per GPU ({budget.weights_source})", _gib(budget.weights_bytes_per_gpu)),
         ("non-KV (profile) per GPU", _gib(budget.overhead_bytes_per_gpu)),
         *((f"  {k}", _gib(v)) for k, v in budget.overhead_parts.items()),
         (f"KV pool per GPU ({budget.pool_source})", _gib(budget.kv_pool_bytes_per_gpu)),

@@ -109,6 +109,9 @@ class Budget:
     kv_cache_groups: int = 1
     max_concurrency: float = 0.0  # at max_model_len, as vLLM logs it
     pool_source: str = "estimate"  # "estimate" or "vLLM log"
+    # "estimate" (the pure reader), "vLLM log" (--weights-bytes) or "vLLM's parameter shapes"
+    # (the model built by vLLM on the meta device: its parameters and buffers on one GPU)
+    weights_source: str = "estimate"
     # Why this estimated pool cannot be trusted from config.json alone ("" when it can):
     # then only vLLM's own log lines size it (docs/budget.md, "What cannot be sized").
     unsizable: str = ""
@@ -263,7 +266,16 @@ def _unsizable(shape: ModelShape) -> str:
     return ""
 
 
-def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
+def vision_weights_per_gpu(shape: ModelShape, inp: BudgetInputs) -> int:
+    """The vision tower's share of `weights_per_gpu` (vLLM's path builds the language model
+    alone and adds this)."""
+    return int(shape.weight_bytes_by_part()["vision"] / inp.tensor_parallel_size)
+
+
+def compute(shape: ModelShape, inp: BudgetInputs, *, vllm_weights: int | None = None) -> Budget:
+    """The budget for `shape` under `inp`. `vllm_weights`: the weights per GPU from vLLM's own
+    parameter shapes (oomguard.sizing.vllm_path), used unless --weights-bytes gave the logged
+    figure."""
     if not 0 < inp.gpu_memory_utilization <= 1:
         raise BudgetError("gpu_memory_utilization must be in (0, 1]")
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -306,9 +318,12 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
     if not max_len:
         raise BudgetError("max_model_len is unknown: pass --max-model-len")
 
-    weights_gpu = (
-        inp.weights_bytes if inp.weights_bytes is not None else weights_per_gpu(shape, inp)
-    )
+    if inp.weights_bytes is not None:
+        weights_gpu, weights_source = inp.weights_bytes, "vLLM log"
+    elif vllm_weights is not None:
+        weights_gpu, weights_source = vllm_weights, "vLLM's parameter shapes"
+    else:
+        weights_gpu, weights_source = weights_per_gpu(shape, inp), "estimate"
     if inp.overhead_bytes is not None:
         parts = {"given": inp.overhead_bytes}
     else:
@@ -318,6 +333,12 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
     if inp.kv_pool_bytes is not None:
         pool = inp.kv_pool_bytes
         source = "vLLM log"
+        if pool <= 0:
+            warnings.append(
+                "the logged pool is empty: vLLM fails at start ('No available memory for the "
+                "cache blocks')"
+            )
+            will_not_start = will_not_start or "no memory is left for the KV cache"
     else:
         pool = budget - weights_gpu - overhead
         source = "estimate"
@@ -431,6 +452,7 @@ def compute(shape: ModelShape, inp: BudgetInputs) -> Budget:
         kv_cache_groups=cap.groups,
         max_concurrency=cap.max_concurrency,
         pool_source=source,
+        weights_source=weights_source,
         unsizable=unsizable,
         will_not_start=will_not_start,
         overhead_parts=parts,

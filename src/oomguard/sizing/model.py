@@ -62,6 +62,7 @@ class LayerKV:
     head_dim_v: int  # V width (MLA: 0, the latent serves both)
     window: int | None = None  # sliding window or attention chunk, tokens
     owns_cache: bool = True  # False when the layer reads another layer's cache
+    has_attention: bool = True  # False for a DeciLM layer whose attention is a no-op
 
     def bytes_per_token(self, kv_bytes: float, tp: int = 1) -> int:
         """Bytes this layer stores per cached token on one GPU."""
@@ -112,6 +113,13 @@ class ModelShape:
     # PyTorch it stays alive through down_proj; LlamaMLP rebinds `x` and frees it after the
     # activation (vllm/model_executor/models/qwen2.py, llama.py)
     mlp_keeps_gate_up: bool = False
+    # Per-layer MLP widths where they differ (DeciLM's ffn_mult, Gemma 3n/4's double-wide MLP
+    # on KV-sharing layers, Llama 4's dense layers between MoE ones): the intermediate size of
+    # each dense MLP; empty = every non-MoE layer has `intermediate_size`.
+    dense_intermediates: tuple[int, ...] = ()
+    moe_layer_count: int | None = None  # None: every layer after `dense_layers` is MoE
+    per_layer_input_params: int = 0  # Gemma 3n/4 per-layer embeddings and projections
+    linear_block_params: int = 0  # DeciLM blocks replaced by one hidden x hidden linear
 
     def layer_specs(self) -> tuple[LayerKV, ...]:
         if self.layer_kv:
@@ -127,6 +135,7 @@ class ModelShape:
 
     # -- weights --------------------------------------------------------------------------
     def _attention_params(self) -> int:
+        """Attention projections of every layer (q, k, v, o), per layer where shapes differ."""
         h = self.hidden_size
         if self.mla_dims is not None and self.mla_latent_dim is not None:
             q_lora, nope, rope, v = self.mla_dims
@@ -134,19 +143,35 @@ class ModelShape:
             heads = self.attention_heads
             q = h * q_lora + q_lora * heads * (nope + rope) if q_lora else h * heads * (nope + rope)
             kv = h * (kv_lora + rope) + kv_lora * heads * (nope + v)
-            return q + kv + heads * v * h
-        q = self.attention_heads * self.head_dim
-        kv = self.kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h
+            return (q + kv + heads * v * h) * self.layers
+        total = 0
+        for spec in self.layer_specs():
+            if not spec.has_attention:
+                continue
+            q = self.attention_heads * spec.head_dim
+            # a layer that reads another layer's cache has no K/V projection (Gemma 3n/4)
+            kv = spec.kv_heads * (spec.head_dim + spec.head_dim_v) if spec.owns_cache else 0
+            total += h * q + h * kv + self.attention_heads * spec.head_dim_v * h
+        return total
 
     def _param_groups(self) -> dict[str, int]:
         """Parameters by part: attention, dense MLP, routed experts, shared experts, embeddings."""
         h = self.hidden_size
-        moe_layers = self.layers - self.dense_layers if self.experts else 0
+        if not self.experts:
+            moe_layers = 0
+        elif self.moe_layer_count is not None:
+            moe_layers = self.moe_layer_count
+        else:
+            moe_layers = self.layers - self.dense_layers
         dense_layers = self.layers - moe_layers
+        if self.dense_intermediates:
+            mlp = sum(3 * h * i for i in self.dense_intermediates)
+        else:
+            mlp = dense_layers * 3 * h * self.intermediate_size
+        mlp += self.linear_block_params
         return {
-            "attention": self.layers * self._attention_params(),
-            "mlp": dense_layers * 3 * h * self.intermediate_size,
+            "attention": self._attention_params(),
+            "mlp": mlp,
             "experts": moe_layers * 3 * h * self.expert_intermediate_size * self.experts,
             "shared_experts": moe_layers
             * 3
@@ -154,7 +179,8 @@ class ModelShape:
             * self.expert_intermediate_size
             * self.shared_experts,
             "router": moe_layers * h * self.experts,
-            "embeddings": self.vocab_size * h * (1 if self.tied_embeddings else 2),
+            "embeddings": self.vocab_size * h * (1 if self.tied_embeddings else 2)
+            + self.per_layer_input_params,
             "vision": self.vision_params,
         }
 
@@ -286,6 +312,16 @@ def _quantization(cfg: dict[str, Any]) -> Quantization:
     attention_excluded = any("attn" in p or "attention" in p for p in excluded) or any(
         fnmatch.fnmatch("model.layers.0.self_attn.q_proj", p) for p in excluded
     )
+    algo = str(qc.get("quant_algo") or "").upper()
+    if method in ("modelopt", "modelopt_fp4") and algo in ("NVFP4", "W4A16_NVFP4"):
+        # E2M1 values with one FP8 (E4M3) scale per 16 (modelopt's group_size): 4.5 bits
+        group = _int(qc, "group_size", default=16) or 16
+        return Quantization("modelopt_fp4", (4 + 8 / group) / 8, attention_excluded)
+    if method == "modelopt" and algo not in ("", "FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
+        raise BudgetError(
+            f"quantization method modelopt {algo} is not modelled: pass --weights-bytes from "
+            "vLLM's 'Model loading took X GiB' log line"
+        )
     if method in ("fp8", "fbgemm_fp8", "modelopt", "ptpc_fp8"):
         # 1 byte per weight; block-wise (128x128) or per-channel FP32 scales add < 0.1 %.
         return Quantization(method, 1.0 + 4 / (128 * 128), attention_excluded)
@@ -329,6 +365,20 @@ def _quantization(cfg: dict[str, Any]) -> Quantization:
     )
 
 
+def with_hf_quant_config(config: dict[str, Any], quant: Any) -> dict[str, Any]:
+    """config.json as vLLM reads a modelopt checkpoint: its `hf_quant_config.json` beside
+    config.json becomes the `quantization_config` (vllm/transformers_utils/config.py,
+    `maybe_override_with_speculators` / `get_config`'s modelopt branch); a config.json that has
+    its own `quantization_config` keeps it."""
+    if (
+        not isinstance(quant, dict)
+        or not isinstance(quant.get("quantization"), dict)
+        or "quantization_config" in config
+    ):
+        return config
+    return {**config, "quantization_config": {"quant_method": "modelopt", **quant["quantization"]}}
+
+
 def _vision_params(config: dict[str, Any], text_hidden: int) -> int:
     """Parameters of a vision tower and its projector, from `vision_config` (vLLM loads them in
     the model dtype with the language model: Mistral-Small-3.2's 0.44 B are 0.82 GiB of the
@@ -370,7 +420,9 @@ def _decilm_layers(blocks: list[Any], specs: list[LayerKV], heads: int) -> list[
             raise BudgetError("cannot size this: a block_configs entry without attention")
         if attn.get("no_op") or attn.get("replace_with_linear"):
             out.append(
-                LayerKV(spec.kind, spec.kv_heads, spec.head_dim, spec.head_dim_v, None, False)
+                LayerKV(
+                    spec.kind, spec.kv_heads, spec.head_dim, spec.head_dim_v, None, False, False
+                )
             )
             continue
         group = _int(attn, "n_heads_in_group")
@@ -378,6 +430,42 @@ def _decilm_layers(blocks: list[Any], specs: list[LayerKV], heads: int) -> list[
             raise BudgetError(f"cannot size this: n_heads_in_group {group} for {heads} heads")
         out.append(LayerKV(spec.kind, heads // group, spec.head_dim, spec.head_dim_v, spec.window))
     return out
+
+
+def _decilm_ffn(blocks: list[Any], hidden: int) -> tuple[tuple[int, ...], int]:
+    """DeciLM's per-layer MLP widths (`ffn_mult`: int(2 x mult x hidden / 3) rounded up to a
+    multiple of 256, vLLM's nemotron_nas.py `_ffn_mult_to_intermediate_size`; a no-op FFN has
+    none) and the h x h linears that stand in for replaced attention or FFN blocks."""
+    widths: list[int] = []
+    linears = 0
+    for block in blocks:
+        ffn = block.get("ffn") if isinstance(block, dict) else None
+        attn = block.get("attention") if isinstance(block, dict) else None
+        if isinstance(attn, dict) and attn.get("replace_with_linear"):
+            linears += 1
+        if not isinstance(ffn, dict) or ffn.get("no_op"):
+            continue
+        if ffn.get("replace_with_linear"):
+            linears += 1
+            continue
+        mult = ffn.get("ffn_mult")
+        if isinstance(mult, bool) or not isinstance(mult, (int, float)) or not 0 < mult < 1e4:
+            raise BudgetError(f"cannot size this: block_configs ffn_mult {mult!r}")
+        widths.append(_round_up(int(2 * mult * hidden / 3), 256))
+    return tuple(widths), linears
+
+
+# Model types whose config class ties the output projection to the embeddings when config.json
+# says nothing (transformers' PretrainedConfig default; Llama, Mistral, Qwen... default to untied).
+TIED_BY_DEFAULT = frozenset(
+    {"falcon", "RefinedWeb", "RefinedWebModel", "gpt_bigcode", "gpt2", "starcoder2", "gemma"}
+)
+
+# MLPs of two matrices (up, down) with a plain activation; every other family here is gated
+# (gate, up, down: three).
+UNGATED_MLP_TYPES = frozenset(
+    {"falcon", "RefinedWeb", "RefinedWebModel", "gpt_bigcode", "gpt2", "gpt_neox", "starcoder2"}
+)
 
 
 def _kv_auto_bytes(cfg: dict[str, Any]) -> float | None:
@@ -434,6 +522,29 @@ def _is_mla(cfg: dict[str, Any]) -> bool:
     return bool(cfg.get("qk_rope_head_dim")) and (model_type in MLA_MODEL_TYPES or named)
 
 
+# The fields vLLM derives the default max_model_len from: the smallest one set wins, and
+# `model_max_length` overrides them all (model_arch_config_convertor.py,
+# derive_max_model_len_and_key).
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def _max_len(cfg: dict[str, Any]) -> int | None:
+    if _get(cfg, "model_max_length") is not None:
+        return _int(cfg, "model_max_length")
+    found = [_int(cfg, key) for key in _MAX_LEN_KEYS if _get(cfg, key) is not None]
+    return min((v for v in found if v is not None), default=None)
+
+
 def _kv_heads(cfg: dict[str, Any], heads: int) -> int:
     """KV heads as vLLM reads them (vllm/transformers_utils/model_arch_config_convertor.py,
     get_total_num_kv_heads): Falcon/GPTBigCode `multi_query` means one; ChatGLM's
@@ -477,6 +588,15 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
             "hybrid or state-space model (mamba/linear-attention layers): its cache is not "
             "a per-token KV cache and this budget would be wrong; size it from vLLM's startup "
             "log lines 'Available KV cache memory' and 'GPU KV cache size'"
+        )
+    if cfg.get("compress_ratios") is not None or str(cfg.get("model_type", "")).startswith(
+        "deepseek_v4"
+    ):
+        raise BudgetError(
+            "cannot size this without vLLM: DeepSeek-V4 attention (compress_ratios) keeps "
+            "compressed and sliding-window caches per layer whose pages vLLM sizes with its "
+            "own kernels' layout; size it from vLLM's startup log lines 'Available KV cache "
+            "memory' and 'GPU KV cache size'"
         )
     layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
@@ -603,9 +723,12 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
             for i, s in enumerate(specs)
         ]
     blocks = cfg.get("block_configs")
+    dense_intermediates: tuple[int, ...] = ()
+    linear_blocks = 0
     if isinstance(blocks, list) and blocks:
         specs = _decilm_layers(blocks, specs, heads)
-        notes.append("per-layer attention from block_configs (DeciLM / Nemotron-NAS)")
+        dense_intermediates, linear_blocks = _decilm_ffn(blocks, hidden)
+        notes.append("per-layer attention and MLP from block_configs (DeciLM / Nemotron-NAS)")
     overrides = cfg.get("per_layer_config")
     if isinstance(overrides, dict):  # explicit per-layer shapes win
         for key, o in overrides.items():
@@ -624,6 +747,38 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
     shared_experts = _int(cfg, "n_shared_experts", default=0) or 0
     if experts and cfg.get("shared_expert_intermediate_size"):
         shared_experts = max(shared_experts, 1)
+    model_type = str(cfg.get("model_type", ""))
+    intermediate = (
+        _int(cfg, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * hidden) or 0
+    )
+    expert_intermediate = _int(cfg, "moe_intermediate_size", "intermediate_size", default=0) or 0
+    moe_layer_count: int | None = None
+    if model_type.startswith("llama4") and experts:
+        # Llama 4: every MoE layer has one shared expert as wide as the routed ones; MoE sits
+        # on every `interleave_moe_layer_step`-th layer and the others are dense MLPs of
+        # `intermediate_size_mlp` (transformers' Llama4TextConfig; vLLM's llama4.py)
+        shared_experts = 1
+        step = _int(cfg, "interleave_moe_layer_step", default=1) or 1
+        moe_layer_count = layers // step
+        if moe_layer_count < layers:
+            dense_width = _int(cfg, "intermediate_size_mlp", default=intermediate) or 0
+            dense_intermediates = (dense_width,) * (layers - moe_layer_count)
+    if gemma4 and cfg.get("use_double_wide_mlp") and shared:
+        # Gemma 3n/4: the layers that reuse another layer's KV cache have a twice-wide MLP
+        dense_intermediates = (intermediate,) * (layers - shared) + (2 * intermediate,) * shared
+    per_layer_inputs = 0
+    per_layer_hidden = _int(cfg, "hidden_size_per_layer_input", default=0) or 0
+    if per_layer_hidden:
+        # Gemma 3n/4 per-layer inputs: an embedding of `vocab_size_per_layer_input` x (layers x
+        # hidden_size_per_layer_input), the model-level projection to it, and each layer's gate
+        # and projection (hidden x hidden_size_per_layer_input each)
+        per_layer_vocab = _int(cfg, "vocab_size_per_layer_input", "vocab_size", default=0) or 0
+        width = layers * per_layer_hidden
+        per_layer_inputs = per_layer_vocab * width + hidden * width + 2 * hidden * width
+    if model_type in UNGATED_MLP_TYPES:
+        # two matrices, not three: expressed as the gated width that has the same parameters
+        intermediate = 2 * intermediate // 3
+
     architectures = config.get("architectures")
     wrapped = isinstance(architectures, list) and any(
         str(a).endswith("ForConditionalGeneration") for a in architectures
@@ -634,15 +789,14 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
         attention_heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=_int(cfg, "intermediate_size", "n_inner", default=4 * hidden) or 0,
+        intermediate_size=intermediate,
         vocab_size=_int(cfg, "vocab_size", default=0) or 0,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)),
         dtype_bytes=dtype_bytes,
-        max_position_embeddings=_int(cfg, "max_position_embeddings"),
+        max_position_embeddings=_max_len(cfg),
         mla_latent_dim=mla,
         experts=experts,
-        expert_intermediate_size=_int(cfg, "moe_intermediate_size", "intermediate_size", default=0)
-        or 0,
+        expert_intermediate_size=expert_intermediate,
         shared_experts=shared_experts,
         experts_per_token=_int(
             cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", default=0
@@ -656,5 +810,9 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
         notes=tuple(notes),
         vision_params=_vision_params(config, hidden),
         multimodal=wrapped or isinstance(config.get("vision_config"), dict),
-        mlp_keeps_gate_up=str(cfg.get("model_type", "")) in ("qwen2", "qwen3"),
+        mlp_keeps_gate_up=model_type in ("qwen2", "qwen3"),
+        dense_intermediates=dense_intermediates,
+        moe_layer_count=moe_layer_count,
+        per_layer_input_params=per_layer_inputs,
+        linear_block_params=linear_blocks * hidden * hidden,
     )

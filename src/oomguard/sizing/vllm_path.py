@@ -49,7 +49,9 @@ class VllmSizing:
     kv_cache_dtype: str = ""
     block_size: int = 0
     max_model_len: int = 0
-    weights_bytes_per_gpu: int | None = None
+    weights_bytes_per_gpu: int | None = None  # parameters and buffers, CUDA's layout
+    parameter_bytes_per_gpu: int | None = None  # parameters alone
+    quant_method: str = ""
     plans: list[VllmPlan] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -70,8 +72,18 @@ def job(
     async_scheduling: bool = True,
     available: list[int] | None = None,
     hf_quant_config: dict[str, Any] | None = None,
+    pool_before_weights: int | None = None,
+    fallback_weights: int | None = None,
+    extra_weights: int = 0,
 ) -> dict[str, Any]:
+    """One model to size. `available`: KV pool sizes to plan. Or `pool_before_weights`
+    (gpu_memory_utilization x total less the profiled non-KV memory): the pool is that less
+    vLLM's own parameter bytes plus `extra_weights` (what the child does not build: a vision
+    tower), or less `fallback_weights` where vLLM's bytes are not CUDA's."""
     return {
+        "pool_before_weights": pool_before_weights,
+        "fallback_weights": fallback_weights,
+        "extra_weights": extra_weights,
         "config": config,
         "hf_quant_config": hf_quant_config,
         "max_model_len": max_model_len,
@@ -82,6 +94,10 @@ def job(
         "async_scheduling": async_scheduling,
         "available": available or [],
     }
+
+
+def _optional_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _parse(raw: dict[str, Any]) -> VllmSizing:
@@ -105,7 +121,9 @@ def _parse(raw: dict[str, Any]) -> VllmSizing:
         kv_cache_dtype=str(raw.get("kv_cache_dtype", "")),
         block_size=int(raw.get("block_size", 0)),
         max_model_len=int(raw.get("max_model_len", 0)),
-        weights_bytes_per_gpu=raw.get("weights_bytes_per_gpu"),
+        weights_bytes_per_gpu=_optional_int(raw.get("weights_bytes_per_gpu")),
+        parameter_bytes_per_gpu=_optional_int(raw.get("parameter_bytes_per_gpu")),
+        quant_method=str(raw.get("quant_method", "")),
         plans=plans,
         notes=[str(n) for n in raw.get("notes", [])],
     )
@@ -119,6 +137,9 @@ def run(jobs: list[dict[str, Any]], timeout: float = PROBE_TIMEOUT_S) -> list[Vl
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # config.json and nothing else: no Hub look-ups (a model name never leaves this machine)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
     try:
         done = subprocess.run(
             [sys.executable, "-m", "oomguard.sizing.vllm_probe"],
@@ -160,6 +181,10 @@ def apply(budget: Any, sizing: VllmSizing) -> None:
     plan = sizing.plans[0]
     budget.sizing_path = "vllm"
     budget.notes.extend(f"vLLM path: {n}" for n in sizing.notes)
+    budget.assumptions.append(
+        "vLLM path: CUDA's FlashAttention kernel block sizes (a sliding-window layer takes its "
+        "block size from them), built on the CPU platform with the meta device"
+    )
     per_token = sizing.kv_bytes_per_token_per_gpu
     differs = per_token != budget.kv_bytes_per_token_per_gpu or plan.tokens != budget.kv_pool_tokens
     if differs and not plan.error:

@@ -58,6 +58,14 @@ TEXT_ARCHITECTURES = {
 }
 
 
+# Checkpoints whose config.json names no model_type (their own configuration code declares it):
+# the model type of vLLM's in-tree config class for them (vllm/transformers_utils/configs).
+REMOTE_MODEL_TYPES = {
+    "ChatGLMModel": "chatglm",
+    "ChatGLMForConditionalGeneration": "chatglm",
+}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,7 +87,24 @@ def text_model_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
             if key in config and key not in out:
                 out[key] = config[key]
         return out, f"{arch}: its language model built alone as {text_arch}"
+    if "auto_map" in config:
+        # The checkpoint's own Python (trust_remote_code) is never run here: the folder holds
+        # config.json only, and vLLM's in-tree classes for the model type read it.
+        out = {k: v for k, v in config.items() if k != "auto_map"}
+        if "model_type" not in out and arch in REMOTE_MODEL_TYPES:
+            out["model_type"] = REMOTE_MODEL_TYPES[arch]
+        return out, "auto_map ignored: vLLM's in-tree config and model classes, no checkpoint code"
     return config, ""
+
+
+# Quantization methods whose parameters vLLM's CPU platform creates in another layout than its
+# CUDA kernels do: vLLM's MXFP4 MoE pads experts to Marlin/TRT-LLM tiles on a GPU only.
+CPU_LAYOUT_METHODS = frozenset({"mxfp4", "gpt_oss_mxfp4"})
+
+
+def _device_bytes(tensors: Any) -> int:
+    """Bytes of parameters or buffers (modules shared between layers are listed once)."""
+    return int(sum(t.numel() * t.element_size() for t in tensors))
 
 
 def _torch_bytes(dtype: Any) -> int:
@@ -198,12 +223,23 @@ class Probe:
         self._distributed(vllm_config)
         tp_group = self.ps.get_tp_group()
         saved = (tp_group.world_size, tp_group.rank_in_group)
+        # parameters and buffers (rotary caches) on one GPU: what "Model loading took" counts
         weights: int | None = None
+        parameters: int | None = None
+        quant = vllm_config.quant_config
+        quant_method = str(quant.get_name()) if quant is not None else ""
         try:
             tp_group.world_size, tp_group.rank_in_group = tp, 0
             try:
                 model = self._build(vllm_config)
-                weights = sum(p.numel() * p.element_size() for p in model.parameters())
+                parameters = _device_bytes(model.parameters())
+                weights = parameters + _device_bytes(model.buffers())
+                if quant_method in CPU_LAYOUT_METHODS:
+                    notes.append(
+                        f"{quant_method} parameters are laid out for the CPU's kernels here, not "
+                        "CUDA's (padded expert tiles): the weights are the pure reader's"
+                    )
+                    weights = parameters = None
             except Exception as exc:
                 if vllm_config.quant_config is None:
                     raise
@@ -229,7 +265,17 @@ class Probe:
                 spec = layer.get_kv_cache_spec(vllm_config)
             if spec:
                 specs[name] = spec
-        plans = [self._plan(vllm_config, specs, int(a)) for a in job.get("available", [])]
+        available = [int(a) for a in job.get("available", [])]
+        before = job.get("pool_before_weights")
+        if before is not None:
+            # gpu_memory_utilization x total less the profile, then less the weights: vLLM's
+            # parameter bytes where they are CUDA's, else the reader's
+            if weights is not None:
+                used = weights + int(job.get("extra_weights") or 0)
+            else:
+                used = int(job.get("fallback_weights") or 0)
+            available = [int(before) - used]
+        plans = [self._plan(vllm_config, specs, a) for a in available]
         return {
             "ok": True,
             "architecture": (config.get("architectures") or [""])[0],
@@ -239,6 +285,8 @@ class Probe:
             "max_model_len": int(vllm_config.model_config.max_model_len),
             "use_mla": mla,
             "weights_bytes_per_gpu": weights,
+            "parameter_bytes_per_gpu": parameters,
+            "quant_method": quant_method,
             "plans": plans,
             "notes": notes,
         }
