@@ -37,8 +37,11 @@ from oomguard.remediator.safety import (
 )
 from oomguard.remediator.webhook import Alert
 
-# drain refused: cap instead
-FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready", "single_replica"})
+# drain refused: cap instead. FALLBACK_LIMITS is the designed fallback that pages nobody (the
+# rules leave it out of OomguardRemediationLimited); on a model's only engine the cap is all
+# the remediator may do and nothing but a person relieves it, so that limit pages.
+FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})
+CAP_INSTEAD = FALLBACK_LIMITS | {"single_replica"}
 OUT_OF_SERVICE_STEPS = frozenset({"drain", "restart"})
 
 
@@ -270,7 +273,7 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
         planned = plan(o, desired)
         if planned and planned[0][0] == "drain":
             why = check(e.name, "drain")
-            if why in FALLBACK_LIMITS:
+            if why in CAP_INSTEAD:
                 # draining would take the model's last capacity: hold it at a lower cap instead
                 steps.append(Step("drain", reason=desired.reason, withheld=why))
                 capped = decide((wanted - {"drain"}) | {"lower_cap"}, o, ctx.policy)
