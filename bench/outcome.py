@@ -37,7 +37,13 @@ the gateway falls behind and sends less. How far the engines fell behind is meas
 recorded (`inflight_decode_slowdown`: the in-flight requests' decode time against the twin's
 roofline at that batch; 1.0 is keeping up).
 
-Usage: python bench/outcome.py [--quick] [--trace NAME ...] [--inflight N] [--merge]
+`--router vllm-router|nginx` puts a real router in front of the engines instead of the twin's
+gateway (twin/routers.py, configured as docs/vllm-plugin.md says; the remediator takes a drained
+engine out of vllm-router's rotation through its admin API); the clients then retry what OpenAI's
+clients retry, after Retry-After, and every non-200 answer they saw is counted (`answers`).
+Results behind a router are recorded as "<trace>@<router>".
+
+Usage: python bench/outcome.py [--quick] [--trace NAME ...] [--inflight N] [--merge] [--router R]
 (writes bench/results/outcome.json after every trace). --quick: two traces at twice the time
 compression (the CI smoke run).
 """
@@ -58,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from oomguard.twin.physics import Physics, Step  # noqa: E402
+from oomguard.twin.routers import ROUTERS  # noqa: E402
 from oomguard.twin.runner import (  # noqa: E402
     CONFIGS,
     ClosedLoop,
@@ -358,12 +365,17 @@ def oom_times(fleet: Fleet, target: str | None = None) -> list[float]:
 
 
 def run(
-    trace: Trace, config: str, load: ClosedLoop | None, guard_mode: str = GUARD_MODE
+    trace: Trace,
+    config: str,
+    load: ClosedLoop | None,
+    guard_mode: str = GUARD_MODE,
+    router: str = "gateway",
 ) -> tuple[Outcome, dict[str, Any]]:
     # oomguard: the fleet's remediator, shipped defaults + restarts, and the request guard in
-    # `guard_mode`; default and static: vLLM alone (guard off)
+    # `guard_mode`; default and static: vLLM alone (guard off). `router`: what is in front of
+    # the engines (the twin's gateway, vllm-router or nginx: twin/routers.py)
     mode = guard_mode if config == "oomguard" else None
-    fleet = Fleet(trace, config, load=load, guard_mode=mode)
+    fleet = Fleet(trace, config, load=load, guard_mode=mode, router=router)
     try:
         fleet.start()
         fleet.replay()
@@ -438,6 +450,14 @@ def main() -> int:
         default=GUARD_MODE,
         help="the request guard's mode in the oomguard configuration",
     )
+    parser.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="gateway",
+        help="what is in front of the engines: the twin's gateway (re-sends 503s to a peer), or "
+        "vllm-router or nginx configured as docs/vllm-plugin.md says (the clients retry what "
+        "OpenAI's clients retry, after Retry-After); a trace's results are kept per router",
+    )
     parser.add_argument("--conditions", help="how the run went (recorded as is)")
     args = parser.parse_args()
     chosen = args.trace or (list(QUICK) if args.quick else names())
@@ -460,16 +480,20 @@ def main() -> int:
         print(f"{name}: {trace.description} (horizon {trace.duration_s:.0f} s)", flush=True)
         if load is not None:
             print(f"  in-flight load: {load}", flush=True)
-        outcomes, extra = kept(traces.get(name), trace, args.config, args.inflight)
+        # behind a real router a trace's results are kept apart: "<trace>@<router>"
+        key = name if args.router == "gateway" else f"{name}@{args.router}"
+        outcomes, extra = kept(traces.get(key), trace, args.config, args.inflight)
         load_before = [round(x, 2) for x in os.getloadavg()]
         for config in args.config or CONFIGS:
-            failed.pop(f"{name}/{config}", None)
+            failed.pop(f"{key}/{config}", None)
             try:
-                outcomes[config], extra[config] = run(trace, config, load, args.guard_mode)
+                outcomes[config], extra[config] = run(
+                    trace, config, load, args.guard_mode, args.router
+                )
                 print("  " + summary(outcomes[config], extra[config]), flush=True)
             except RuntimeError as exc:  # an engine that did not start on a loaded machine
                 print(f"  {config}: not run: {exc}".splitlines()[0], flush=True)
-                failed[f"{name}/{config}"] = str(exc).splitlines()[0]
+                failed[f"{key}/{config}"] = str(exc).splitlines()[0]
                 outcomes.pop(config, None)
                 extra.pop(config, None)
             # recorded after each configuration: a run stopped at its time limit keeps the rest
@@ -480,8 +504,9 @@ def main() -> int:
                     checks[f"{c}_inflight_at_incident_ge_{args.inflight}"] = (
                         min(held) >= args.inflight
                     )
-            traces[name] = {
+            traces[key] = {
                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "router": args.router,
                 "inflight": args.inflight,
                 "time_compression": trace.time_compression,
                 "load_average_before": load_before,
@@ -502,7 +527,7 @@ def main() -> int:
                 not_run=failed,
                 **kept_keys,
             )
-        print(f"  targets: {json.dumps(traces[name]['targets'])}", flush=True)
+        print(f"  targets: {json.dumps(traces[key]['targets'])}", flush=True)
     return 0
 
 

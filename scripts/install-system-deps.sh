@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the real Prometheus and Alertmanager (with promtool and amtool) that the tests and the
-# demo run, and Chromium (the demo test opens the HTML report in it, headless), from Debian's
-# packages, when they are missing. Needs root (apt-get).
+# demo run, Chromium (the demo test opens the HTML report in it, headless) and nginx (a router
+# the tests put in front of vLLM: tests/test_routers.py), from Debian's packages, when they are
+# missing. Needs root (apt-get).
 set -euo pipefail
 
 missing=()
@@ -10,6 +11,7 @@ command -v promtool >/dev/null || missing+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || missing+=(prometheus-alertmanager)
 command -v amtool >/dev/null || missing+=(prometheus-alertmanager)
 command -v chromium >/dev/null || missing+=(chromium)
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
@@ -31,3 +33,4 @@ apt-get install -y -qq --no-install-recommends $(printf '%s\n' "${missing[@]}" |
 if [ "$created_policy" -eq 1 ]; then rm -f "$policy"; fi
 prometheus --version 2>&1 | head -1
 prometheus-alertmanager --version 2>&1 | head -1
+{ command -v nginx || echo /usr/sbin/nginx; } | xargs -I{} {} -v 2>&1 | head -1

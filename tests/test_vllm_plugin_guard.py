@@ -337,7 +337,7 @@ def test_the_hook_per_mode():
     enforce.update(reports(2, 7))
     with pytest.raises(GracefulHTTPError) as busy:
         enforce.check(engine_request(3000, prompt_logprobs=1))
-    assert busy.value.http_status == 503
+    assert busy.value.http_status == 429  # a deferral (vllm_plugin/refusals.py)
     clock[0] += 60  # figures went stale: blind, admit
     assert enforce.check(engine_request(3000, prompt_logprobs=1)).action == "admit"
 
@@ -391,7 +391,7 @@ def test_a_bad_guard_setting_names_the_variable(monkeypatch, name, value):
 def test_a_streamed_request_is_decided_when_generate_is_called():
     """vLLM's routes call `AsyncLLM.generate` before they return a stream, but its body (and
     `assign_request_id`) runs only when the stream is read, after HTTP 200: the guard decides at
-    the call, so a refusal is a 400 / 503, and does not decide the same request twice."""
+    the call, so a refusal is a 400 / 429, and does not decide the same request twice."""
     pytest.importorskip("vllm")
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -1,6 +1,6 @@
 """The request guard on the real vLLM server (issue 16): prompt_logprobs and chat run through
 vLLM with the twin's offline tokenizer, the twin's FP32 logits peak raises a CUDA OOM when it does
-not fit, and the guard in enforce mode answers 400 / 503 instead.
+not fit, and the guard in enforce mode answers 400 / 429 instead.
 
 The served model is the twin's Llama-3-8B config (vocab 128,256, hidden 4096), and the twin's
 physics uses the same config, so the guard's estimate and the twin's memory agree. On an H100 at
@@ -155,7 +155,7 @@ def test_enforce_rejects_never_fit_defers_busy_and_admits_the_rest(tmp_path):
             if busy.status_code != 200 or time.monotonic() > deadline:
                 break
             time.sleep(0.3)
-        assert busy.status_code == 503 and int(busy.headers["retry-after"]) > 0, busy.text
+        assert busy.status_code == 429 and int(busy.headers["retry-after"]) > 0, busy.text
         assert logprobs_request(url, 500, seed=3).status_code == 200  # small ones still run
         state.write_text(json.dumps({"neighbour_bytes": 0}))
 

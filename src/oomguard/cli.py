@@ -909,6 +909,13 @@ def _add_demo(sub: Any) -> None:
         action="store_true",
         help="skip Prometheus and Alertmanager even when installed (no dashboards in the report)",
     )
+    p.add_argument(
+        "--router",
+        choices=("gateway", "vllm-router", "nginx"),
+        default="gateway",
+        help="what is in front of each fleet's engines: the twin's gateway, or vllm-router or "
+        "nginx as docs/vllm-plugin.md configures them (needs them installed)",
+    )
     p.set_defaults(func=_run_demo)
 
 
@@ -924,7 +931,12 @@ def _run_demo(args: argparse.Namespace) -> int:
             "installs vllm==0.33.0 for the CPU"
         )
     return run(
-        Options(report_dir=Path(args.report), prometheus=not args.no_prometheus, quick=args.quick)
+        Options(
+            report_dir=Path(args.report),
+            prometheus=not args.no_prometheus,
+            quick=args.quick,
+            router=args.router,
+        )
     )
 
 

@@ -54,6 +54,8 @@ class EngineCoreState(_Strict):
     running: Count | None = None
     waiting: Count | None = None
     drained: bool = False  # draining and nothing running or queued: a restart loses nothing
+    # draining and past its grace: new and queued requests are refused (503), not queued
+    shedding: bool = False
     engine: Count = 0
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
     kv_cache_usage: Annotated[float, Field(ge=0)] | None = None
@@ -88,6 +90,7 @@ class EngineState(EngineCoreState):
         return cls(
             mode="draining" if draining else "serving",
             drained=draining and all(c.drained for c in cores),
+            shedding=any(c.shedding for c in cores),
             admission_cap=min(c.admission_cap for c in cores),
             startup_max_num_seqs=min(c.startup_max_num_seqs for c in cores),
             gpu_memory_utilization=cores[0].gpu_memory_utilization,

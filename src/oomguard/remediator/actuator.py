@@ -261,8 +261,10 @@ class PluginActuator:
     def set_cap(self, target: Target, cap: int) -> dict[str, Any]:
         return self._call(target, "PUT", "/admission", {"cap": int(cap)})
 
-    def drain(self, target: Target) -> dict[str, Any]:
-        return self._call(target, "POST", "/drain")
+    def drain(self, target: Target, grace_seconds: float | None = None) -> dict[str, Any]:
+        """`grace_seconds`: override the plugin's drain grace (0 once a router was told)."""
+        body = None if grace_seconds is None else {"grace_seconds": grace_seconds}
+        return self._call(target, "POST", "/drain", body)
 
     def resume(self, target: Target) -> dict[str, Any]:
         return self._call(target, "POST", "/resume")

@@ -25,6 +25,7 @@ from oomguard.remediator.discovery import DiscoveryConfig
 from oomguard.remediator.flags import FlagLimits
 from oomguard.remediator.leader import LeaderElectionConfig
 from oomguard.remediator.policy import PolicyConfig
+from oomguard.remediator.router import RouterConfig, RouterRef
 from oomguard.remediator.safety import SafetyConfig
 
 log = logging.getLogger("oomguard.remediator")
@@ -154,6 +155,9 @@ class TargetConfig(BaseModel):
     restart: RestartConfig | None = Field(
         None, description="Restart with adjusted flags (absent: `restart` alerts cap instead)."
     )
+    router: RouterRef | None = Field(
+        None, description="Out of this router's rotation before a drain (remediator/router.py)."
+    )
 
     def selector(self) -> dict[str, str]:
         return self.match or {"target": self.name}
@@ -199,6 +203,9 @@ class RemediatorConfig(BaseModel):
         default_factory=list, description="The static allowlist (with discovery: added to it)."
     )
     discovery: DiscoveryConfig | None = Field(None, description="Targets from Kubernetes pods.")
+    routers: list[RouterConfig] = Field(
+        default_factory=list, description="Routers targets may name (the allowlist of their URLs)."
+    )
     leader_election: LeaderElectionConfig | None = Field(
         None, description="Replicas elect one active remediator on a Lease (Kubernetes)."
     )
@@ -233,6 +240,10 @@ class RemediatorConfig(BaseModel):
         dupes = sorted(n for n, k in Counter(names).items() if k > 1)  # linear: fleets are big
         if dupes:
             raise ValueError(f"target names must be unique: {', '.join(dupes)}")
+        known = {r.name for r in self.routers}
+        unknown = sorted({t.router.name for t in self.targets if t.router} - known)
+        if unknown:
+            raise ValueError(f"targets name routers not in routers: {', '.join(unknown)}")
         if self.mode == "standalone" and self.standalone is None:
             raise ValueError("mode standalone needs a standalone: section")
         if self.auth.allow_unauthenticated and not is_loopback(self.listen):

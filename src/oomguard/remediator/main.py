@@ -44,6 +44,7 @@ from oomguard.remediator.discovery import PodDiscovery
 from oomguard.remediator.leader import LeaseElector
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.restart import FlagView, RestartBackend, SupervisorBackend
+from oomguard.remediator.router import with_routers
 from oomguard.remediator.safety import Safety
 from oomguard.remediator.server import create_app
 from oomguard.remediator.standalone import PressureWatcher
@@ -58,6 +59,8 @@ def build_controller(config: RemediatorConfig, actuator: Actuator | None = None)
     actuator = actuator or PluginActuator(
         timeout=config.actuation_timeout_seconds, attempts=config.actuation_attempts
     )
+    # targets behind a router leave its rotation before a drain (opt-in: `router:` per target)
+    actuator = with_routers(actuator, config.routers, config.targets)
     if config.dry_run and not isinstance(actuator, DryRunActuator):
         actuator = DryRunActuator(actuator)
     backends = {} if config.dry_run else restart_backends(config)

@@ -71,6 +71,7 @@ class Options:
     report_dir: Path = Path("demo-report")
     prometheus: bool = True
     quick: bool = False  # a shorter healthy segment; no waiting for the crashed engine's reload
+    router: str = "gateway"  # in front of each fleet's engines: twin/routers.py ROUTERS
 
 
 def demo_thresholds(compression: float) -> AlertThresholds:
@@ -210,6 +211,7 @@ class Demo:
             period=PERIOD,
             start_timeout=START_TIMEOUT,
             served_name=incident.model,
+            router=self.opts.router,
             # long enough for the crashed engine's model reload (12 minutes of trace time) and
             # its restart; --quick does not wait for it
             recovery_watch_s=100 if self.opts.quick else 2 * RECOVERY_WATCH_S,
@@ -226,6 +228,7 @@ class Demo:
             start_timeout=START_TIMEOUT,
             served_name=incident.model,
             audit=audit,
+            router=self.opts.router,
         )
         healthy = Fleet(
             healthy_trace,
@@ -240,6 +243,7 @@ class Demo:
             start_timeout=START_TIMEOUT,
             served_name=f"{healthy_trace.model}-24gb",
             audit=audit,
+            router=self.opts.router,
         )
         fleets = {"alone": alone, "oomguard": guarded, "healthy": healthy}
         inbox: Inbox | None = None
@@ -264,6 +268,8 @@ class Demo:
                 "listen": listen,
                 "auth": {"bearer_token_file": str(token_file)},
                 "targets": guarded.remediator_targets() + healthy.remediator_targets(),
+                # behind vllm-router: out of its rotation before a drain (admin API)
+                "routers": guarded.remediator_routers() + healthy.remediator_routers(),
                 **remediator_timings(c),
                 "audit_log": str(audit),
             }

@@ -44,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, DRAINING, TARGET_ENV
+from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, DRAIN_GRACE_ENV, DRAINING, TARGET_ENV
 from oomguard.engine_state import parse as parse_state
 from oomguard.exporter.main import Exporter
 from oomguard.remediator.config import StandaloneConfig
@@ -59,6 +59,7 @@ from oomguard.twin.processes import (
     start_all,
     twin_exporter,
 )
+from oomguard.twin.routers import ROUTERS, Nginx, VllmRouter, VllmRouterSettings
 from oomguard.twin.traces import Request, Trace, requests
 
 CONFIGS = ("default", "static", "oomguard")  # the outcome benchmark's three
@@ -71,6 +72,11 @@ PATIENCE_S = 300.0  # trace seconds a client keeps retrying a request before giv
 STREAM_CHUNKS = 8  # chunks per streamed response at most, besides the first token (each one
 # costs the API server and the gateway CPU that a 2-core machine needs for 128+ streams)
 MAX_STREAMS = 512  # requests the gateway has open at once (the rest wait their turn)
+# vllm-router in front of a fleet: readiness checked every 5 s, out after 2 failures (vllm-router's
+# own default is /health every 60 s, out after 3: 3 minutes for a drain to take effect)
+ROUTER_SETTINGS = VllmRouterSettings(interval_s=5, failures=2, timeout_s=2)
+DEFERRALS = (429, 503)  # the plugin's deferral and drain (vllm_plugin/refusals.py)
+CLIENT_RETRIED = (408, 409, 429, 500, 502, 503, 504)  # what OpenAI's clients retry
 STICKY_RETRY_S = 10.0  # trace seconds a waiting user backs off without a Retry-After (the
 # plugin's own default)
 
@@ -91,6 +97,8 @@ class Outcome:
     # trace whose pressure ends only with a restart: the restarted engine 0 up -> full admission)
     actions: list[str] = field(default_factory=list)
     lost_why: dict[str, int] = field(default_factory=dict)  # why requests were lost, counted
+    router: str = "gateway"  # what was in front of the engines (twin/routers.py)
+    answers: dict[str, int] = field(default_factory=dict)  # non-200 answers clients saw, by status
     refusals: list[str] = field(default_factory=list)  # each HTTP 400's "param: message"
     wall_s: float = 0.0
 
@@ -141,15 +149,29 @@ class _Sent:
 
 
 class Gateway:
-    """Round-robin over engines; 503 or a refused connection go to the next engine (a
-    closed-loop user's request stays on its own engine while the load runs, unless the engine
-    answers that it drains)."""
+    """Round-robin over engines; a deferral (429, 503) or a refused connection go to the next
+    engine (a closed-loop user's request stays on its own engine while the load runs, unless
+    the engine answers that it drains).
+
+    With `front` (a real router's URL: twin/routers.py), it is the clients behind that router
+    instead: every request goes to the router, which chooses the engine, and an answer OpenAI's
+    clients retry (408, 409, 429, 5xx: a deferral, a drain's 503, a tripped breaker, nginx's 502)
+    is retried after its Retry-After until the client's patience ends; an error event inside a
+    200 stream is lost, as it is for such a client. Every non-200 answer is counted by status
+    (`answers`)."""
 
     def __init__(
-        self, urls: list[str], compression: float, t0: float, model: str = str(TINY_MODEL)
+        self,
+        urls: list[str],
+        compression: float,
+        t0: float,
+        model: str = str(TINY_MODEL),
+        front: str | None = None,
     ) -> None:
         self.urls, self.compression, self.t0, self.model = urls, compression, t0, model
+        self.front = front
         self.sent: list[_Sent] = []
+        self.answers: dict[str, int] = {}  # non-200 answers the clients saw, by status
 
     def now(self) -> float:
         return (time.monotonic() - self.t0) * self.compression
@@ -192,22 +214,34 @@ class Gateway:
         # a client waits PATIENCE_S from its arrival, and always makes its first attempt (a busy
         # event loop may start this task late)
         deadline = max(deadline, r.at_s + PATIENCE_S)
+        front = self.front
         while attempt == 0 or self.now() < deadline:
-            sticky = not drained and self.now() < sticky_until
-            s.engine = (k + (0 if sticky else attempt)) % len(self.urls)
+            sticky = not drained and self.now() < sticky_until and front is None
+            if front is None:
+                s.engine = (k + (0 if sticky else attempt)) % len(self.urls)
+                url = self.urls[s.engine]
+            else:
+                s.engine, url = -1, front  # the router chooses; the engine is not known here
             s.path.append((self.now(), s.engine))
-            url = self.urls[s.engine]
             attempt += 1
             accepted = False  # the engine answered 200: the request is in it
             retry_after = STICKY_RETRY_S
             try:
                 async with self._stream(client, f"{url}/v1/completions", body) as resp:
-                    if resp.status_code == 503:
+                    code = resp.status_code
+                    if code != 200:
+                        key = str(code)
+                        self.answers[key] = self.answers.get(key, 0) + 1
+                    if code in DEFERRALS or (front is not None and code in CLIENT_RETRIED):
                         retry_after = _retry_after(resp.headers.get("retry-after"))
                         drained = drained or DRAINING in (await resp.aread()).decode(
                             errors="replace"
                         )
-                        await self._backoff(sticky and not drained, retry_after)
+                        # behind a router the client waits its Retry-After; the twin's gateway
+                        # goes to the next engine at once (a waiting user: after Retry-After)
+                        await self._backoff(
+                            front is not None or (sticky and not drained), retry_after
+                        )
                         continue
                     if resp.status_code != 200:
                         s.detail = _error_detail(await resp.aread())
@@ -223,14 +257,17 @@ class Gateway:
                             s.first_token_s = self.now()
                         if chunk.get("usage"):
                             s.tokens = int(chunk["usage"]["completion_tokens"])
-                    if failed and s.first_token_s is None:
+                    if failed and s.first_token_s is None and front is None:
                         # ended before its first token (a drain ended it while queued): nothing
-                        # reached the user yet, so a gateway retries it elsewhere
+                        # reached the user yet, so the twin's gateway retries it elsewhere (a
+                        # real router has passed the 200 on: the client sees an error)
                         drained = True
                         await self._backoff(False, retry_after)
                         continue
                     if s.tokens:
                         self._end(s, "ok")
+                    elif failed and s.first_token_s is None:
+                        self._end(s, "lost", "error inside a 200 stream")
                     else:
                         self._end(s, "lost", "error mid-stream" if failed else "no tokens")
                     return
@@ -387,6 +424,7 @@ class Fleet:
         start_timeout: float = 180.0,
         load: ClosedLoop | None = None,
         guard_mode: str | None = None,
+        router: str = "gateway",
     ) -> None:
         """`period`: wall seconds between the GPU driver's passes (GPU state, engine reads);
         `served_name`: vLLM's --served-model-name (the `model_name` label of its metrics);
@@ -394,8 +432,12 @@ class Fleet:
         `recovery_watch_s`: trace seconds to keep watching for engine 0's recovery after the
         trace (a crashed engine reloads for the trace's `reload_s`); `start_timeout`: wall
         seconds each vLLM may take to load; `load`: closed-loop users on top of the trace;
-        `guard_mode`: the request guard's mode (default: see `start`)."""
+        `guard_mode`: the request guard's mode (default: see `start`); `router`: what is in
+        front of the engines (twin/routers.py): the twin's own gateway, or vllm-router or
+        nginx set up as docs/vllm-plugin.md says (vllm-router: readiness health checks, and the
+        fleet's remediator takes an engine out of its rotation before a drain)."""
         assert config in (*CONFIGS, GUARD), config
+        assert router in ROUTERS, router
         self.trace, self.config, self.log = trace, config, log
         self.work = workdir or Path(tempfile.mkdtemp(prefix=f"oomguard-{trace.name}-{config}-"))
         self.work.mkdir(parents=True, exist_ok=True)
@@ -422,6 +464,8 @@ class Fleet:
         self.start_timeout = start_timeout
         self.load = load
         self.guard_mode = guard_mode
+        self.router = router
+        self.front: VllmRouter | Nginx | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._gmu = [trace.engine.gpu_memory_utilization] * engines
@@ -470,6 +514,7 @@ class Fleet:
                 env={
                     "HF_HUB_OFFLINE": "1",  # the tokenizer is in the folder: no network wait
                     "OOMGUARD_GUARD_MODE": guard_mode,
+                    **self._router_env(),
                     "OOMGUARD_TWIN_GPU": trace.gpu,
                     "OOMGUARD_TWIN_MODEL": trace.model,
                     "OOMGUARD_TWIN_STATE_FILE": str(self.states[i]),
@@ -485,6 +530,7 @@ class Fleet:
 
         self.engines = start_all([functools.partial(launch, i) for i in range(self.n)])
         self.procs.extend(self.engines)
+        self._start_router()
         # the GPUs hold the engines' memory from now on (trace time 0 until the replay starts)
         self._threads = [
             threading.Thread(target=self._drive, daemon=True),
@@ -509,14 +555,44 @@ class Fleet:
                     audit=self.audit,
                     token_file=w / "rtoken",
                     exporters=[f"http://127.0.0.1:{self.exporter_port}/metrics"],
+                    routers=self.remediator_routers(),
                 ),
             )
             self.procs.append(rem)
+
+    # -- the router in front -------------------------------------------------------------------
+    def _router_env(self) -> dict[str, str]:
+        """The plugin's settings for the router in front (docs/vllm-plugin.md): behind
+        vllm-router a drain keeps queueing until its readiness checks took the engine out
+        (interval x failures + timeout; the remediator removes it at once through the admin
+        API and asks for no grace), elsewhere it sheds at once (nginx and the twin's gateway
+        retry a 503 on the peer)."""
+        if self.router != "vllm-router":
+            return {}
+        s = ROUTER_SETTINGS
+        return {DRAIN_GRACE_ENV: str(s.interval_s * s.failures + s.timeout_s)}
+
+    def _start_router(self) -> None:
+        urls = [e.url for e in self.engines]
+        if self.router == "vllm-router":
+            self.front = VllmRouter(self.work / "vllm-router", urls, ROUTER_SETTINGS)
+        elif self.router == "nginx":
+            self.front = Nginx(self.work / "nginx", urls)
+        if self.front is not None:
+            self.procs.append(self.front)
+            self.log(f"  {self.router} in front of the engines: {self.front.url}")
+
+    def remediator_routers(self) -> list[dict[str, Any]]:
+        """The remediator's router allowlist for this fleet (vllm-router's admin API)."""
+        if isinstance(self.front, VllmRouter):
+            return [{"name": f"{self.prefix}-router", "url": self.front.url}]
+        return []
 
     def remediator_targets(self, restart: bool = False) -> list[dict[str, Any]]:
         """The engines as the remediator's allowlist; `restart`: with their supervisor as the
         restart backend (lower memory flags after a crash or critical memory that stays)."""
         targets: list[dict[str, Any]] = []
+        routers = self.remediator_routers()
         for name, e in zip(self.names, self.engines, strict=True):
             target: dict[str, Any] = {
                 "name": name,
@@ -524,6 +600,8 @@ class Fleet:
                 "model": self.trace.model,
                 "token_file": str(self.work / "ptoken"),
             }
+            if routers:
+                target["router"] = {"name": routers[0]["name"]}
             if restart:
                 supervisor = {"url": e.api, "token_file": str(self.work / "stoken")}
                 target["restart"] = {"supervisor": supervisor}
@@ -543,7 +621,11 @@ class Fleet:
         self.t0, self.t0_wall = time.monotonic(), time.time()
         trace, c = self.trace, self.c
         gateway = self.gateway = Gateway(
-            [e.url for e in self.engines], c, self.t0, self.served_name or str(self.model)
+            [e.url for e in self.engines],
+            c,
+            self.t0,
+            self.served_name or str(self.model),
+            front=self.front.url if self.front is not None else None,
         )
         reqs = requests(trace)
         self.log(
@@ -698,7 +780,9 @@ class Fleet:
 
     def outcome(self) -> Outcome:
         trace = self.trace
-        o = Outcome(trace.name, self.config)
+        o = Outcome(trace.name, self.config, router=self.router)
+        if self.gateway is not None:
+            o.answers = dict(self.gateway.answers)
         sent = self.sent
         o.requests = len(sent)
         ok = [s for s in sent if s.status == "ok"]
@@ -786,12 +870,15 @@ def remediator_config(
     audit: Path,
     token_file: Path,
     exporters: list[str],
+    routers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A standalone remediator with its shipped defaults at the trace's clock (the outcome
-    benchmark and the fleet's own remediator run this one)."""
+    benchmark and the fleet's own remediator run this one); `routers`: the routers its targets
+    name (Fleet.remediator_routers)."""
     return {
         "auth": {"bearer_token_file": str(token_file)},
         "targets": targets,
+        **({"routers": routers} if routers else {}),
         **remediator_timings(compression),
         "audit_log": str(audit),
         "mode": "standalone",

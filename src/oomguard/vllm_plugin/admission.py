@@ -17,8 +17,9 @@ a decision reads only the cached figures (bench/guard_cost.py measures it). Stal
 figures mean blind: the guard admits (blind is not a reason to refuse traffic).
 
 Modes (`OOMGUARD_GUARD_MODE`): `off` (no hook, no refresh), `observe` (default: decide, count and
-log; never refuse), `enforce` (defer answers 503 + Retry-After, reject answers 400 naming the
-parameter and the limit). `OOMGUARD_GUARD_KV_MARGIN` (e.g. 0.15) turns on the per-request KV budget.
+log; never refuse), `enforce` (defer answers 429 + Retry-After, or 503: refusals.py; reject
+answers 400 naming the parameter and the limit). `OOMGUARD_GUARD_KV_MARGIN` (e.g. 0.15) turns
+on the per-request KV budget.
 `OOMGUARD_GUARD_STEP_MARGIN` (default 0.15, a share of the engine's idle headroom) is what a
 prefill step must leave free to be admitted while fragmentation or a neighbour holds memory.
 
@@ -37,7 +38,6 @@ import os
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -56,6 +56,7 @@ from oomguard.vllm_plugin.guard import (
     step_room,
 )
 from oomguard.vllm_plugin.ledger import Ledger
+from oomguard.vllm_plugin.refusals import defer_status
 
 log = logging.getLogger("oomguard.vllm_plugin.admission")
 
@@ -319,7 +320,8 @@ class Guard:
 
 
 def raise_for(decision: Decision) -> None:
-    """vLLM's own exceptions, so its handlers answer 400 (with `param`) or 503."""
+    """vLLM's own exceptions, so its handlers answer 400 (with `param`) or the deferral status
+    (vllm_plugin/refusals.py: 429 by default)."""
     if decision.action == "reject":
         from vllm.exceptions import VLLMValidationError
 
@@ -329,7 +331,8 @@ def raise_for(decision: Decision) -> None:
     if decision.action == "defer":
         from vllm.exceptions import GracefulHTTPError
 
-        raise GracefulHTTPError(decision.message, HTTPStatus.SERVICE_UNAVAILABLE)
+        # 429 unless configured otherwise: what routers retry without ejecting the engine
+        raise GracefulHTTPError(decision.message, defer_status())
 
 
 _guard: Guard | None = None

@@ -13,8 +13,17 @@ a rotated Kubernetes Secret takes effect). With no token configured they refuse,
 OOMGUARD_PLUGIN_ALLOW_UNAUTHENTICATED=1 (local experiments only). vLLM's --api-key does not
 cover plugin routes.
 
-While draining, POSTs to inference routes are answered 503 with Retry-After by a middleware,
-before they reach the engine; requests already in flight are never cut.
+A drain first takes the replica out of rotation: /ready answers 503 and nothing new starts, but
+requests still arriving are queued, not refused, for OOMGUARD_DRAIN_GRACE_SECONDS (0 by default;
+set it to the time the router or Kubernetes takes to act on readiness). Then queued and new
+POSTs to inference routes are answered 503 with Retry-After (new ones by a middleware, before
+they reach the engine); requests already running are never cut. /health stays vLLM's liveness.
+
+Every answer of an inference route gets its status before any body: a streamed response's 200
+is held until its first chunk, so a request that ends before its first token (a drain shed it,
+the engine refused it) is answered with the error's own status, which a router retries, and
+never as an error event inside a 200 stream, which it cannot. Deferrals and drains carry the
+status and headers chosen in vllm_plugin/refusals.py.
 """
 
 from __future__ import annotations
@@ -30,18 +39,18 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from oomguard import bounded
 from oomguard.contract import (
     API_PREFIX,
     DRAINING_MESSAGE,
     PLUGIN_ALLOW_UNAUTHENTICATED_ENV,
-    PLUGIN_RETRY_AFTER_ENV,
     PLUGIN_TOKEN_ENV,
     PLUGIN_TOKEN_FILE_ENV,
 )
 from oomguard.engine_state import EngineState, StateError, parse_core
+from oomguard.vllm_plugin.refusals import MAX_DRAIN_GRACE, SHOULD_RETRY, Refusals
 
 log = logging.getLogger("oomguard.vllm_plugin.api")
 
@@ -137,6 +146,14 @@ class AdmissionRequest(BaseModel):
     cap: StrictInt
 
 
+class DrainRequest(BaseModel):
+    """The drain's optional body: `grace_seconds` overrides OOMGUARD_DRAIN_GRACE_SECONDS (the
+    remediator sends 0 once it has removed the replica from its router itself)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    grace_seconds: float | None = Field(None, ge=0, le=MAX_DRAIN_GRACE, allow_inf_nan=False)
+
+
 def configured_token() -> str | None:
     token = os.environ.get(PLUGIN_TOKEN_ENV)
     path = os.environ.get(PLUGIN_TOKEN_FILE_ENV)
@@ -183,26 +200,46 @@ def _bad_request(message: str) -> HTTPException:
     return HTTPException(400, message)
 
 
-async def admission_body(request: Request) -> AdmissionRequest:
-    """Parse `{"cap": <int>}` from an already authorised request: 400 or 413 naming the problem."""
+async def _json_body(request: Request, empty: Any = ...) -> Any:
+    """The JSON body of an already authorised request (`empty`: what no body at all means;
+    unset, a body is required): 400 or 413 naming the problem."""
     body = b""
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise HTTPException(413, f"body larger than {MAX_BODY_BYTES} bytes")
+    if not body.strip() and empty is not ...:
+        return empty
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except RecursionError:
         raise _bad_request("body is nested too deeply") from None
     except ValueError as exc:  # not JSON, bad UTF-8, or an integer beyond Python's digit limit
         raise _bad_request(f"body is not valid JSON: {exc}") from None
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+    )
+
+
+async def admission_body(request: Request) -> AdmissionRequest:
+    """Parse `{"cap": <int>}` from an already authorised request: 400 or 413 naming the problem."""
+    data = await _json_body(request)
     try:
         return AdmissionRequest.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        raise _bad_request(f"bad admission request: {problems}") from None
+        raise _bad_request(f"bad admission request: {_problems(exc)}") from None
+
+
+async def drain_body(request: Request) -> DrainRequest:
+    """Parse the drain's optional `{"grace_seconds": <number>}` (no body: the default)."""
+    data = await _json_body(request, empty={})
+    try:
+        return DrainRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _bad_request(f"bad drain request: {_problems(exc)}") from None
 
 
 def aggregate(engines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -222,11 +259,18 @@ class OomguardEndpointPlugin:
 
     def __init__(self) -> None:
         self.engine_client: Any = None
-        self.retry_after = int(os.environ.get(PLUGIN_RETRY_AFTER_ENV, "10"))
+        try:
+            self.refusals = Refusals.from_env()
+        except ValueError as exc:  # a bad setting must not keep vLLM from serving
+            log.error("oomguard: %s; using the defaults", exc)
+            self.refusals = Refusals()
+        self.retry_after = self.refusals.drain_retry_after
         self._draining = False
+        self._shedding = False
         self._draining_checked = 0.0
         self.guard: Any = None
         self._guard_task: asyncio.Task[None] | None = None
+        self._shed_task: asyncio.Task[None] | None = None
 
     # -- engine calls ------------------------------------------------------------------------
     async def call_engines(self, method: str, *args: Any) -> list[Any]:
@@ -252,21 +296,49 @@ class OomguardEndpointPlugin:
 
     async def state(self) -> dict[str, Any]:
         view = aggregate(await self.call_engines("oomguard_state"))
-        self._remember(view["mode"] == "draining")
+        self._remember(view["mode"] == "draining", view["shedding"])
         return view
 
-    def _remember(self, draining: bool) -> None:
-        self._draining = draining
+    def _remember(self, draining: bool, shedding: bool) -> None:
+        self._draining, self._shedding = draining, shedding
         self._draining_checked = time.monotonic()
 
-    async def is_draining(self) -> bool:
+    async def _refresh(self) -> None:
         """Cached for a second, so other API server processes learn of a drain within 1 s."""
         if time.monotonic() - self._draining_checked > DRAIN_CACHE_SECONDS:
             try:
                 await self.state()
             except HTTPException:
                 self._draining_checked = time.monotonic()  # keep the last known mode
+
+    async def is_draining(self) -> bool:
+        """Out of rotation (readiness fails), within its grace or past it."""
+        await self._refresh()
         return self._draining
+
+    async def is_shedding(self) -> bool:
+        """Draining past its grace: new requests are refused at the door."""
+        await self._refresh()
+        return self._shedding
+
+    def _shed_later(self, grace: float) -> None:
+        """Read the state when the grace ends: the engine sheds then (it also does so at any
+        earlier state read past the deadline, so a lost timer only delays it to the next)."""
+
+        async def later() -> None:
+            await asyncio.sleep(grace + 0.05)  # past the engine's deadline, set just before
+            try:
+                await self.state()
+            except HTTPException as exc:
+                log.warning("oomguard: could not complete the drain: %s", exc.detail)
+
+        self._cancel_shed()
+        self._shed_task = asyncio.get_running_loop().create_task(later())
+
+    def _cancel_shed(self) -> None:
+        if self._shed_task is not None:
+            self._shed_task.cancel()
+            self._shed_task = None
 
     def _start_guard(self) -> None:
         """The request-level OOM guard (vllm_plugin/admission.py): hook plus headroom refresh."""
@@ -328,14 +400,23 @@ class OomguardEndpointPlugin:
         @router.post("/drain")
         async def drain(request: Request) -> dict[str, Any]:
             authorize(request)
-            plugin._remember(True)  # gate new requests at once, before the engine answers
-            return aggregate(await plugin.call_engines("oomguard_drain"))
+            body = await drain_body(request)
+            grace = plugin.refusals.drain_grace_seconds
+            grace = grace if body.grace_seconds is None else body.grace_seconds
+            # out of rotation at once; without a grace, new requests are refused at once too
+            plugin._remember(True, grace == 0 or plugin._shedding)
+            view = aggregate(await plugin.call_engines("oomguard_drain", float(grace)))
+            plugin._remember(True, view["shedding"])
+            if not view["shedding"]:
+                plugin._shed_later(grace)
+            return view
 
         @router.post("/resume")
         async def resume(request: Request) -> dict[str, Any]:
             authorize(request)
+            plugin._cancel_shed()
             view = aggregate(await plugin.call_engines("oomguard_resume"))
-            plugin._remember(False)
+            plugin._remember(False, False)
             return view
 
         app.include_router(router)
@@ -363,9 +444,10 @@ def gate_path(scope: dict[str, Any]) -> str:
 class DrainGate:
     """ASGI middleware for inference POSTs.
 
-    While draining they get 503 + Retry-After at the door. At any time, a 503 that vLLM answers
-    on one of them (a queued request ended by the drain, a request that reached a paused engine)
-    gets the same Retry-After, so a gateway knows to go elsewhere and when to come back.
+    A draining replica past its grace answers them 503 + Retry-After at the door. At any time,
+    their answers get their status before any body (`StatusFirst`), and a refusal (429, 503)
+    gets its Retry-After and `x-should-retry` (vllm_plugin/refusals.py), so a router knows to go
+    elsewhere and a client when to come back.
     """
 
     def __init__(self, app: Any, plugin: OomguardEndpointPlugin) -> None:
@@ -382,7 +464,10 @@ class DrainGate:
                 }
             },
             status_code=503,
-            headers={"Retry-After": str(self.plugin.retry_after)},
+            headers={
+                "Retry-After": str(self.plugin.refusals.drain_retry_after),
+                SHOULD_RETRY[0].decode(): SHOULD_RETRY[1].decode(),
+            },
         )
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -393,16 +478,97 @@ class DrainGate:
         ):
             await self.app(scope, receive, send)
             return
-        if await self.plugin.is_draining():
+        if await self.plugin.is_shedding():
             await self.refusal()(scope, receive, send)
             return
-        retry_after = str(self.plugin.retry_after).encode()
+        await self.app(scope, receive, StatusFirst(send, self.plugin.refusals))
 
-        async def send_with_retry_after(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start" and message.get("status") == 503:
-                headers = list(message.get("headers") or [])
-                if not any(k.lower() == b"retry-after" for k, _ in headers):
-                    message = {**message, "headers": [*headers, (b"retry-after", retry_after)]}
-            await send(message)
 
-        await self.app(scope, receive, send_with_retry_after)
+def _with_refusal_headers(headers: list[Any], status: int, refusals: Refusals) -> list[Any]:
+    """A refusal's headers: Retry-After (unless the app set one) and x-should-retry."""
+    retry_after = refusals.retry_after(status)
+    if retry_after is None:
+        return headers
+    names = {bytes(k).lower() for k, _ in headers}
+    extra = [] if b"retry-after" in names else [(b"retry-after", str(retry_after).encode())]
+    if SHOULD_RETRY[0] not in names:
+        extra.append(SHOULD_RETRY)
+    return [*headers, *extra]
+
+
+def stream_error(body: bytes) -> tuple[int, bytes] | None:
+    """The status and JSON error of a server-sent-events body whose first event is an error
+    (vLLM's `data: {"error": {..., "code": 503}}`), else None."""
+    first = body.lstrip().split(b"\n", 1)[0]
+    if not first.startswith(b"data: {"):
+        return None
+    try:
+        event = json.loads(first[6:])
+        error = event["error"]
+        code = int(error["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not 400 <= code <= 599:
+        code = 500
+    return code, json.dumps({"error": error}).encode()
+
+
+class StatusFirst:
+    """The `send` of one inference request: a streamed 200's start is held until its first
+    non-empty chunk; if that chunk is an error event, the client gets the error's own status
+    and JSON body instead, before any byte of a stream (vLLM starts a streamed response before
+    the engine has the request: a shed or refused request would be a 200 that then errors,
+    which no router retries). A streamed response that reached its first token is unchanged,
+    only its headers come with that token; refusals get their headers."""
+
+    def __init__(self, send: Any, refusals: Refusals) -> None:
+        self.send, self.refusals = send, refusals
+        self.held: dict[str, Any] | None = None
+        self.replaced = False  # the stream was answered with its error: drop the rest
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if self.replaced:
+            return
+        kind = message["type"]
+        if kind == "http.response.start":
+            status = int(message.get("status", 200))
+            headers = _with_refusal_headers(
+                list(message.get("headers") or []), status, self.refusals
+            )
+            message = {**message, "headers": headers}
+            if status == 200 and _is_event_stream(headers):
+                self.held = message
+                return
+            await self.send(message)
+            return
+        if kind == "http.response.body" and self.held is not None:
+            body = bytes(message.get("body", b""))
+            if not body and message.get("more_body", False):
+                return  # nothing to judge yet
+            held, self.held = self.held, None
+            error = stream_error(body)
+            if error is not None:
+                status, payload = error
+                self.replaced = True
+                headers = _with_refusal_headers(
+                    [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(payload)).encode()),
+                    ],
+                    status,
+                    self.refusals,
+                )
+                await self.send(
+                    {"type": "http.response.start", "status": status, "headers": headers}
+                )
+                await self.send({"type": "http.response.body", "body": payload, "more_body": False})
+                return
+            await self.send(held)
+        await self.send(message)
+
+
+def _is_event_stream(headers: list[Any]) -> bool:
+    return any(
+        bytes(k).lower() == b"content-type" and bytes(v).lower().startswith(b"text/event-stream")
+        for k, v in headers
+    )

@@ -226,9 +226,11 @@ def oomguard_state(self: Any) -> dict[str, Any]:
     """This engine core's state (oomguard.engine_state.EngineCoreState, sent as a dict: the
     utility call crosses a process boundary)."""
     s = self.scheduler
+    _shed_if_due(self)  # a drain whose grace has passed sheds now, whoever asks first
     c = counters(s)
     running, waiting = s.get_request_counts()
-    draining = _paused(self) or bool(getattr(self, "reject_new_requests", False))
+    shedding = _draining(s) or bool(getattr(self, "reject_new_requests", False))
+    draining = _paused(self) or shedding
     admitted0, finished0, preempted0, prefilled0 = c.at_change
     state = EngineCoreState(
         engine=int(getattr(self, "engine_index", 0) or 0),
@@ -236,6 +238,7 @@ def oomguard_state(self: Any) -> dict[str, Any]:
         gpu_memory_utilization=_gpu_memory_utilization(self),
         admission_cap=int(s.max_num_active_reqs),
         mode="draining" if draining else "serving",
+        shedding=shedding,
         # nothing left to lose: a restart now drops no request, running or queued
         drained=draining and running == 0 and waiting == 0,
         running=int(running),
@@ -276,15 +279,35 @@ def oomguard_set_admission_cap(self: Any, cap: int) -> dict[str, Any]:
     }
 
 
-def oomguard_drain(self: Any) -> dict[str, Any]:
+def oomguard_drain(self: Any, grace_seconds: float = 0.0) -> dict[str, Any]:
+    """Drain: nothing new starts at once; queued and new requests are sent elsewhere (shed)
+    `grace_seconds` later, once routers have taken this replica out of rotation (its readiness
+    fails from now on). Repeated calls keep the earliest shedding time."""
     from vllm.v1.core.sched.interface import PauseState
-    from vllm.v1.engine import FinishReason
 
     s = self.scheduler
     if not _paused(self):
-        log.info("oomguard: draining (running requests finish, queued ones go elsewhere)")
+        log.info(
+            "oomguard: draining (running requests finish, queued ones go elsewhere in %.1f s)",
+            grace_seconds,
+        )
     # PAUSED_NEW: running requests and those holding KV blocks continue; nothing new starts.
     s.set_pause_state(PauseState.PAUSED_NEW)
+    due = time.monotonic() + max(0.0, float(grace_seconds))
+    s._oomguard_shed_at = min(due, getattr(s, "_oomguard_shed_at", None) or due)
+    _shed_if_due(self)
+    return oomguard_state(self)
+
+
+def _shed_if_due(self: Any) -> None:
+    """Once a drain's grace has passed: refuse new requests and end the queued ones with a
+    retryable error (a router retries them on a peer)."""
+    from vllm.v1.engine import FinishReason
+
+    s = self.scheduler
+    due = getattr(s, "_oomguard_shed_at", None)
+    if due is None or time.monotonic() < due or not _paused(self):
+        return
     s._oomguard_draining = True
     if hasattr(self, "reject_new_requests"):
         # new requests that reach the engine finish with a retryable `engine_paused` error
@@ -293,7 +316,6 @@ def oomguard_drain(self: Any) -> dict[str, Any]:
     if send is not None:  # EngineCoreProc: the API server is on the other end of a queue
         for client, req_ids in shed_waiting(s).items():
             send(req_ids, client, FinishReason.ERROR, _shed_error())
-    return oomguard_state(self)
 
 
 def oomguard_resume(self: Any) -> dict[str, Any]:
@@ -303,6 +325,7 @@ def oomguard_resume(self: Any) -> dict[str, Any]:
         log.info("oomguard: resuming admissions")
     self.scheduler.set_pause_state(PauseState.UNPAUSED)
     self.scheduler._oomguard_draining = False
+    self.scheduler._oomguard_shed_at = None
     if hasattr(self, "reject_new_requests"):
         self.reject_new_requests = False
     return oomguard_state(self)
