@@ -84,6 +84,13 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "src/oomguard/vllm_plugin/engine.py",
         "src/oomguard/vllm_plugin/guard.py",
     ),
+    "routers": (
+        "bench/routers.py",
+        "tests/test_routers.py",
+        "src/oomguard/vllm_plugin",
+        "src/oomguard/twin/routers.py",
+        "src/oomguard/twin/executor.py",
+    ),
 }
 
 _STARTED = time.time()

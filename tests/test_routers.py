@@ -210,11 +210,15 @@ def wait_deferring(engines: Engines) -> None:
             time.sleep(0.3)
 
 
-async def deferral_burst(url: str, engines: Engines, neighbour_s: float = 4.0) -> Tally:
+async def deferral_burst(
+    url: str, engines: Engines, neighbour_s: float = 4.0, wait: bool = True
+) -> Tally:
     """Both engines defer long prompt_logprobs requests for `neighbour_s` while 6 of them, 1
-    never-fit (8,192 tokens) and 24 short requests arrive at once through `url`."""
+    never-fit (8,192 tokens) and 24 short requests arrive at once through `url` (`wait`: first
+    check that each engine answers a deferral 429)."""
     engines.neighbour(2 * GIB)
-    await asyncio.to_thread(wait_deferring, engines)
+    if wait:
+        await asyncio.to_thread(wait_deferring, engines)
     tally = Tally()
     client = client_for(url)
     tasks = [
