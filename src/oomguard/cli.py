@@ -311,11 +311,35 @@ def _add_budget(sub: Any) -> None:
     p.add_argument(
         "model_config", metavar="CONFIG_JSON", help="path to the model's config.json, or its folder"
     )
-    _add_gpu_memory(p, "the CUDA total of one GPU (NVML total less reserved), e.g. 79.1GiB")
+    _add_gpu_memory(
+        p,
+        "the CUDA total of one GPU (NVML total less reserved), e.g. 79.1GiB",
+        required=False,
+    )
+    gate = p.add_mutually_exclusive_group()
+    gate.add_argument(
+        "--deployment",
+        metavar="YAML",
+        help="deploy-time gate: size every vLLM container of the Deployments and StatefulSets "
+        "in this Kubernetes manifest with its own serve flags, GPU count (nvidia.com/gpu) and "
+        "GPU type (node label nvidia.com/gpu.product or cloud.google.com/gke-accelerator, or "
+        "--gpu); exit 1 when one would not start (docs/budget.md, 'Deploy-time gate')",
+    )
+    gate.add_argument(
+        "--serve-command",
+        metavar="COMMAND",
+        help="deploy-time gate for a `vllm serve ...` command line (split like a shell does, "
+        "never run); the GPU from --gpu or --gpu-memory",
+    )
+    p.add_argument(
+        "--gate-prompt-logprobs",
+        action="store_true",
+        help="with --deployment/--serve-command: also exit 1 when a max_model_len prompt with "
+        "prompt_logprobs would not fit (the longest request the deployment allows)",
+    )
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.92,
         help="vLLM's --gpu-memory-utilization (default 0.92, vLLM 0.33's)",
     )
     p.add_argument(
@@ -332,21 +356,18 @@ def _add_budget(sub: Any) -> None:
         "-tp",
         "--tensor-parallel-size",
         type=_whole(1, MAX_PARALLEL),
-        default=1,
         help="vLLM's --tensor-parallel-size (default 1)",
     )
     p.add_argument(
         "-pp",
         "--pipeline-parallel-size",
         type=_whole(1, MAX_PARALLEL),
-        default=1,
         help="vLLM's -pp (default 1)",
     )
     p.add_argument(
         "-dp",
         "--data-parallel-size",
         type=_whole(1, MAX_PARALLEL),
-        default=1,
         help="vLLM's -dp (default 1)",
     )
     p.add_argument(
@@ -357,7 +378,6 @@ def _add_budget(sub: Any) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
     p.add_argument(
         "--kv-cache-dtype",
-        default="auto",
         help="vLLM's --kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2 (default auto)",
     )
     p.add_argument(
@@ -403,11 +423,11 @@ def _add_budget(sub: Any) -> None:
     p.set_defaults(func=_run_budget)
 
 
-def _add_gpu_memory(p: argparse.ArgumentParser, size_help: str) -> None:
-    """--gpu NAME or --gpu-memory SIZE, one of them required."""
+def _add_gpu_memory(p: argparse.ArgumentParser, size_help: str, required: bool = True) -> None:
+    """--gpu NAME or --gpu-memory SIZE, one of them (required unless a deployment names it)."""
     from oomguard.gpus import GPUS
 
-    gpu = p.add_mutually_exclusive_group(required=True)
+    gpu = p.add_mutually_exclusive_group(required=required)
     gpu.add_argument(
         "--gpu",
         type=_known_gpu,
@@ -492,17 +512,24 @@ def _size_with_vllm(
     return budget
 
 
-def _run_budget(args: argparse.Namespace) -> int:
-    from oomguard.budget import (
-        BudgetInputs,
-        compute,
-        cuda_total_bytes,
-        parse_size,
-        shape_from_hf_config,
-    )
-    from oomguard.sizing import vllm_path
-    from oomguard.sizing.model import with_hf_quant_config
+# the serve flags `budget` takes, and vLLM 0.33's default for each (a deployment brings its own)
+SERVE_FLAG_DEFAULTS: dict[str, Any] = {
+    "gpu_memory_utilization": 0.92,
+    "max_model_len": None,
+    "max_num_seqs": None,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "enable_expert_parallel": False,
+    "enforce_eager": False,
+    "kv_cache_dtype": "auto",
+    "block_size": None,
+    "max_num_batched_tokens": None,
+}
 
+
+def _model_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """config.json (and a modelopt checkpoint's hf_quant_config.json beside it)."""
     path = Path(args.model_config)
     quant: dict[str, Any] | None = None
     if path.is_dir():
@@ -523,30 +550,35 @@ def _run_budget(args: argparse.Namespace) -> int:
         raise BudgetError(str(exc)) from None
     if not isinstance(config, dict):
         raise BudgetError(f"{path} is not a JSON object")
+    return config, quant
+
+
+def _budget_inputs(args: argparse.Namespace, memory: int, gpu: str, serve: dict[str, Any]) -> Any:
+    from oomguard.budget import BudgetInputs, parse_size
+
     try:
-        memory = cuda_total_bytes(args.gpu) if args.gpu else parse_size(args.gpu_memory)
         size = lambda v: parse_size(v) if v else None  # noqa: E731
-        inputs = BudgetInputs(
+        return BudgetInputs(
             gpu_memory_bytes=memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            gpu_name=args.gpu or "",
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            data_parallel_size=args.data_parallel_size,
-            enable_expert_parallel=args.enable_expert_parallel,
-            enforce_eager=args.enforce_eager,
-            kv_cache_dtype=args.kv_cache_dtype,
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            gpu_name=gpu,
             context_len=args.context_len,
             weights_bytes=size(args.weights_bytes),
             overhead_bytes=size(args.overhead_bytes),
             kv_pool_bytes=size(args.kv_pool_bytes),
+            **{**SERVE_FLAG_DEFAULTS, **serve},
         )
     except ValueError as exc:
         raise BudgetError(str(exc)) from exc
+
+
+def _sized(
+    args: argparse.Namespace, config: dict[str, Any], quant: dict[str, Any] | None, inputs: Any
+) -> Any:
+    """The budget, by vLLM's own code where it is wanted and importable."""
+    from oomguard.budget import compute, shape_from_hf_config
+    from oomguard.sizing import vllm_path
+    from oomguard.sizing.model import with_hf_quant_config
+
     shape = shape_from_hf_config(with_hf_quant_config(config, quant))
     budget = compute(shape, inputs)
     use_vllm = args.sizing == "vllm" or (args.sizing == "auto" and vllm_path.vllm_importable())
@@ -554,11 +586,38 @@ def _run_budget(args: argparse.Namespace) -> int:
         budget = _size_with_vllm(config, quant, shape, inputs, budget)
     elif use_vllm:
         budget.notes.append("pipeline parallelism: the pure-Python reader sized this")
+    return budget
+
+
+def _run_budget(args: argparse.Namespace) -> int:
+    from oomguard.budget import cuda_total_bytes, parse_size
+
+    serve = {
+        k: getattr(args, k) for k in SERVE_FLAG_DEFAULTS if getattr(args, k) not in (None, False)
+    }
+    if args.deployment or args.serve_command:
+        return _run_gate(args, serve)
+    if args.gate_prompt_logprobs:
+        raise BudgetError("--gate-prompt-logprobs goes with --deployment or --serve-command")
+    if not (args.gpu or args.gpu_memory):
+        raise BudgetError("give the GPU: --gpu NAME or --gpu-memory SIZE")
+    config, quant = _model_config(args)
+    try:
+        memory = cuda_total_bytes(args.gpu) if args.gpu else parse_size(args.gpu_memory)
+    except ValueError as exc:
+        raise BudgetError(str(exc)) from exc
+    inputs = _budget_inputs(args, memory, args.gpu or "", serve)
+    budget = _sized(args, config, quant, inputs)
     # A pipeline can gate on it: 1 when vLLM would refuse to start with these flags.
     status = 1 if budget.will_not_start else 0
     if args.json:
         _emit(json.dumps(budget.to_dict(), indent=2))
         return status
+    _emit("\n".join(_budget_lines(budget, memory, inputs)))
+    return status
+
+
+def _budget_lines(budget: Any, memory: int, inputs: Any) -> list[str]:
     if budget.will_not_start:
         recommended = f"none: vLLM will not start ({budget.will_not_start})"
     else:
@@ -593,7 +652,44 @@ def _run_budget(args: argparse.Namespace) -> int:
     lines += [f"assumed: {a}" for a in budget.assumptions]
     lines += [f"note: {n}" for n in budget.notes]
     lines += [f"warning: {w}" for w in budget.warnings]
-    _emit("\n".join(lines))
+    return lines
+
+
+def _run_gate(args: argparse.Namespace, cli_serve: dict[str, Any]) -> int:
+    """The deploy-time gate: each workload of a manifest (or one command line) on each GPU it
+    may be scheduled on. Exit 0: every one starts (and, with --gate-prompt-logprobs, takes a
+    max_model_len prompt with prompt_logprobs); 1: one would not; 2: one cannot be sized."""
+    from oomguard.sizing import gate
+
+    if cli_serve:
+        raise BudgetError(
+            "with --deployment or --serve-command the serve flags come from the deployment: "
+            f"drop {', '.join('--' + k.replace('_', '-') for k in sorted(cli_serve))}"
+        )
+    config, quant = _model_config(args)
+    results = gate.evaluate(
+        args,
+        config,
+        quant,
+        inputs_for=lambda memory, gpu, serve: _budget_inputs(args, memory, gpu, serve),
+        size=lambda inputs: _sized(args, config, quant, inputs),
+    )
+    status = max(r.status for r in results)
+    if args.json:
+        doc = {
+            "schema_version": 2,
+            "exit_code": status,
+            "workloads": [r.to_dict() for r in results],
+        }
+        _emit(json.dumps(doc, indent=2))
+        return status
+    out: list[str] = []
+    for r in results:
+        out.append(f"== {r.headline()}")
+        if r.budget is not None:
+            out += _budget_lines(r.budget, r.memory, r.inputs)
+        out += [f"gate: {n}" for n in [*r.workload.notes, *r.notes]]
+    _emit("\n".join(out))
     return status
 
 
