@@ -14,7 +14,14 @@ from typing import Any
 
 import pytest
 
-from oomguard.budget import GIB, BudgetInputs, kv_capacity, shape_from_hf_config, weights_per_gpu
+from oomguard.budget import (
+    GIB,
+    BudgetInputs,
+    compute,
+    kv_capacity,
+    shape_from_hf_config,
+    weights_per_gpu,
+)
 from oomguard.errors import BudgetError
 from oomguard.gpus import GPUS, lookup
 from oomguard.logits import LogitsShape, longest_prompt_logprobs_prompt
@@ -240,6 +247,33 @@ def test_the_twin_reads_the_one_gpu_table() -> None:
         assert key in GPUS and GPUS[key].cuda_total_bytes > 20 * GIB
     assert lookup("nvidia-h100-80gb-hbm3") is GPUS["H100"]  # a node label's value
     assert lookup("h200") is GPUS["H200"] and lookup("no such gpu") is None
+
+
+# The rows whose memory figures the first version of the table derived rather than read.
+ONCE_DERIVED = ("RTX5090", "H20", "GH200-144GB", "B300", "GB200", "RTX-PRO-6000", "A10", "H100-NVL")
+
+
+@pytest.mark.parametrize("key", ONCE_DERIVED)
+def test_each_gpu_row_names_its_source_or_says_its_reserved_part_is_estimated(key: str) -> None:
+    """Read from a capture (nvidia-smi, PyTorch's 'total capacity', a vLLM log: `source`) or
+    marked `reserved_estimated`, which budget's output shows beside the figure."""
+    row = GPUS[key]
+    assert row.source or row.reserved_estimated
+    b = compute(
+        shape_from_hf_config(LLAMA),
+        BudgetInputs(gpu_memory_bytes=row.cuda_total_bytes, gpu_name=key, max_model_len=4096),
+    )
+    (line,) = [a for a in b.assumptions if a.startswith("GPU memory")]
+    if row.reserved_estimated:
+        assert "is an estimate, not a reading" in line and "--gpu-memory" in line
+    else:
+        assert row.source[:40] in line
+
+
+def test_the_read_reserved_figures_match_pytorchs_total_capacity() -> None:
+    """NVML total less reserved is the CUDA total PyTorch reported on these boards."""
+    for key, capacity_gib in (("RTX5090", 31.37), ("H100-NVL", 93.09), ("RTX-PRO-6000", 95.01)):
+        assert GPUS[key].cuda_total_bytes / GIB == pytest.approx(capacity_gib, abs=0.006)
 
 
 # -- hostile configs ---------------------------------------------------------------------------

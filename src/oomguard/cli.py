@@ -781,6 +781,8 @@ def _run_preflight(args: argparse.Namespace) -> int:
     if args.max_concurrency < 1 or (args.target_prompt_len or 1) < 1:
         raise PreflightError("--max-concurrency and --target-prompt-len must be at least 1")
     _check_dir("--allocator-dir", args.allocator_dir)
+    if args.gpu and GPUS[args.gpu].reserved_estimated and not args.driver_reserved:
+        print(f"note: {GPUS[args.gpu].provenance}", file=sys.stderr, flush=True)
     report = run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     _emit(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return report.exit_code

@@ -37,6 +37,11 @@ class GpuSpec:
     # memory (vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args)
     small_tier_by_name: bool = False
     note: str = ""
+    # Where the memory figures were read (an nvidia-smi capture, PyTorch's "total capacity", a
+    # vLLM log), and whether the driver's reserved part is an estimate rather than a reading:
+    # then budget and preflight say so beside the figure they use.
+    source: str = ""
+    reserved_estimated: bool = False
 
     @property
     def name(self) -> str:
@@ -52,6 +57,16 @@ class GpuSpec:
         return self.reserved_mib * MIB
 
     @property
+    def provenance(self) -> str:
+        """What budget and preflight show beside a figure from this row."""
+        if self.reserved_estimated:
+            return (
+                f"{self.key}: the driver's reserved {self.reserved_mib} MiB is an estimate, not a "
+                "reading; give --gpu-memory with torch.cuda.mem_get_info()'s total to be exact"
+            )
+        return f"{self.key}: {self.source}" if self.source else ""
+
+    @property
     def cuda_total_bytes(self) -> int:
         """NVML total less the driver's reserved part: what vLLM sizes from."""
         return (self.total_mib - self.reserved_mib) * MIB
@@ -59,7 +74,17 @@ class GpuSpec:
 
 _ROWS = (
     GpuSpec("L4", "NVIDIA L4", 23034, 430, 121e12, 0.300e12),
-    GpuSpec("A10", "NVIDIA A10", 23028, 440, 125e12, 0.600e12, note="reserved as the A10G's"),
+    GpuSpec(
+        "A10",
+        "NVIDIA A10",
+        23028,
+        440,
+        125e12,
+        0.600e12,
+        note="reserved as the A10G's",
+        source="total: nvidia-smi on an A10 (find_string index id 31200907773)",
+        reserved_estimated=True,
+    ),
     GpuSpec("A10G", "NVIDIA A10G", 23028, 440, 70e12, 0.600e12),
     GpuSpec("RTX3090", "NVIDIA GeForce RTX 3090", 24576, 346, 71e12, 0.936e12),
     GpuSpec("RTX4090", "NVIDIA GeForce RTX 4090", 24564, 346, 165.2e12, 1.008e12),
@@ -67,10 +92,11 @@ _ROWS = (
         "RTX5090",
         "NVIDIA GeForce RTX 5090",
         32607,
-        400,
+        484,
         209.5e12,
         1.792e12,
-        note="reserved estimated from the 4090's share",
+        source="total: nvidia-smi, 32607MiB (find_string index id 34759949062); reserved: "
+        "PyTorch's 'total capacity of 31.37 GiB' on a 5090 (Wan-Video/Wan2.1 issue 465)",
     ),
     GpuSpec(
         "A100-40GB", "NVIDIA A100-SXM4-40GB", 40960, 470, 312e12, 1.555e12, small_tier_by_name=True
@@ -80,16 +106,72 @@ _ROWS = (
         "A100-80GB", "NVIDIA A100-SXM4-80GB", 81920, 543, 312e12, 2.039e12, small_tier_by_name=True
     ),
     GpuSpec("H100", "NVIDIA H100 80GB HBM3", 81559, 567, 989e12, 3.35e12),
-    GpuSpec("H100-NVL", "NVIDIA H100 NVL", 95830, 580, 835e12, 3.9e12),
-    GpuSpec("H20", "NVIDIA H20", 97871, 580, 148e12, 4.0e12, note="reserved as the H100 NVL's"),
+    GpuSpec(
+        "H100-NVL",
+        "NVIDIA H100 NVL",
+        95830,
+        506,
+        835e12,
+        3.9e12,
+        source="total: nvidia-smi, 95830MiB (find_string index id 12249344301); reserved: "
+        "PyTorch's 'total capacity of 93.09 GiB' on an H100 NVL (index id 70792423305)",
+    ),
+    GpuSpec(
+        "H20",
+        "NVIDIA H20",
+        97871,
+        580,
+        148e12,
+        4.0e12,
+        note="reserved as the H100 NVL's first estimate",
+        source="total: nvidia-smi on H20s, 97871MiB (find_string index id 69782509629)",
+        reserved_estimated=True,
+    ),
     GpuSpec("H200", "NVIDIA H200", 143771, 600, 989e12, 4.8e12),
     GpuSpec("GH200", "NVIDIA GH200 480GB", 97871, 580, 989e12, 4.0e12, note="96 GB HBM3 variant"),
-    GpuSpec("GH200-144GB", "NVIDIA GH200 144G HBM3e", 146831, 600, 989e12, 4.9e12),
-    GpuSpec("B200", "NVIDIA B200", 183359, 650, 2250e12, 8.0e12),
-    GpuSpec("B300", "NVIDIA B300 SXM6 AC", 275040, 700, 2250e12, 8.0e12, note="reserved estimated"),
-    GpuSpec("GB200", "NVIDIA GB200", 189471, 650, 2500e12, 8.0e12, note="reserved as the B200's"),
     GpuSpec(
-        "RTX-PRO-6000", "NVIDIA RTX PRO 6000 Blackwell Server Edition", 97887, 500, 500e12, 1.6e12
+        "GH200-144GB",
+        "NVIDIA GH200 144G HBM3e",
+        146831,
+        911,
+        989e12,
+        4.9e12,
+        source="total: nvidia-smi, 146831 MiB (find_string index id 57699609541); reserved: the "
+        "device properties a public test pins for this board (total_memory 153,008,209,920 B, "
+        "index id 71276350143), not a capture",
+        reserved_estimated=True,
+    ),
+    GpuSpec("B200", "NVIDIA B200", 183359, 650, 2250e12, 8.0e12),
+    GpuSpec(
+        "B300",
+        "NVIDIA B300 SXM6 AC",
+        275040,
+        700,
+        2250e12,
+        8.0e12,
+        note="spec sheet only: total and reserved estimated",
+        reserved_estimated=True,
+    ),
+    GpuSpec(
+        "GB200",
+        "NVIDIA GB200",
+        189471,
+        650,
+        2500e12,
+        8.0e12,
+        note="spec sheet only: total estimated, reserved as the B200's",
+        reserved_estimated=True,
+    ),
+    GpuSpec(
+        "RTX-PRO-6000",
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+        97887,
+        597,
+        500e12,
+        1.6e12,
+        source="total: 97,887 MiB in a home-lab vLLM log (find_string index id 61370435018); "
+        "reserved: vLLM's 95.01 GiB total on four of them (tests/fixtures/hf-configs/"
+        "logged.json, qwen3-235b-2507-fp8-tp4-rtx-pro-6000)",
     ),
     # MIG slices of an H100 80GB: 1/7 or 3/7 of the compute, 1/8 or 4/8 of the memory system.
     GpuSpec(

@@ -497,6 +497,10 @@ def _assumptions(
             "default) for sliding-window and chunked layers"
         )
     if inp.gpu_name:
-        out.append(f"GPU memory: {inp.gpu_name}'s CUDA total from oomguard's GPU table")
+        from oomguard.gpus import lookup
+
+        row = lookup(inp.gpu_name)
+        where = f" ({row.provenance})" if row is not None and row.provenance else ""
+        out.append(f"GPU memory: {inp.gpu_name}'s CUDA total from oomguard's GPU table{where}")
     out.append("chunked prefill on (vLLM V1's default): prompt_logprobs logits per chunk")
     return out
