@@ -910,6 +910,37 @@ def block_fleet_cases(r: Results) -> str:
     return "; ".join(items)
 
 
+def block_routers(r: Results) -> str:
+    """Each measured choice behind each router: what it lost."""
+    cells: dict[str, Any] = r.get("routers/cells")
+    rows = []
+    for name, c in cells.items():
+        if name.startswith("deferral"):
+            rows.append(
+                [
+                    name,
+                    fmt(c["lost"]),
+                    fmt(c["short_lost"]),
+                    fmt(c["refused_400"]),
+                    fmt(c["after_lost"]),
+                    fmt(c.get("workers_after", "–")),
+                ]
+            )
+        else:
+            rows.append([name, fmt(c["lost"]), "–", "–", "–", "–"])
+    return table(
+        [
+            "scenario",
+            "lost",
+            "of which short",
+            "never-fit answered 400",
+            "lost right after (2 retries)",
+            "vllm-router workers after",
+        ],
+        rows,
+    )
+
+
 BLOCKS: dict[str, Callable[[Results], str]] = {
     name.removeprefix("block_"): fn for name, fn in globals().items() if name.startswith("block_")
 }

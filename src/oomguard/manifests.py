@@ -40,6 +40,7 @@ from oomguard import __version__, yamlfmt
 from oomguard.contract import (
     ALLOCATOR_DIR_ENV,
     API_PREFIX,
+    DRAIN_GRACE_ENV,
     HANDOFF_DIR,
     PLUGIN_TOKEN_FILE_ENV,
     TARGET_ENV,
@@ -485,6 +486,13 @@ def vllm_example(t: AlertThresholds) -> list[dict[str, Any]]:
                                                 "fieldPath": f"metadata.labels['{TARGET_LABEL}']"
                                             }
                                         },
+                                    },
+                                    {
+                                        # a drain keeps queueing this long before it sheds:
+                                        # the readinessProbe (2 s x 1) takes the pod out of
+                                        # the Service first (docs/vllm-plugin.md)
+                                        "name": DRAIN_GRACE_ENV,
+                                        "value": "5",
                                     },
                                     {
                                         # refused with a KV connector (NIXL, Mooncake) unless
