@@ -924,10 +924,11 @@ def block_routers(r: Results) -> str:
                     fmt(c["refused_400"]),
                     fmt(c["after_lost"]),
                     fmt(c.get("workers_after", "–")),
+                    fmt(c["seconds"], ".1f"),
                 ]
             )
         else:
-            rows.append([name, fmt(c["lost"]), "–", "–", "–", "–"])
+            rows.append([name, fmt(c["lost"]), "–", "–", "–", "–", "–"])
     return table(
         [
             "scenario",
@@ -936,6 +937,7 @@ def block_routers(r: Results) -> str:
             "never-fit answered 400",
             "lost right after (2 retries)",
             "vllm-router workers after",
+            "burst took (s)",
         ],
         rows,
     )
