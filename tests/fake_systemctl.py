@@ -13,7 +13,10 @@ under $SANDBOX, every well-known port is mapped to a free one ($SANDBOX_PORTS, J
 commands and in the config files the services read (rewritten before each start, as an
 operator's copies would say), and the unit's cgroup is this process's own. Each unit runs in a
 session of its own, its pid in $SANDBOX/run/units/UNIT.pid and its output in
-$SANDBOX/log/UNIT.log; the test stops whatever is left.
+$SANDBOX/log/UNIT.log; the test stops whatever is left. Units outlive this command, as daemons
+outlive systemctl, so nothing ties them to the test: with $SANDBOX_OWNER (the test's pid) a
+watcher stops every unit left when the test process is gone, however it ended (a CI timeout's
+SIGKILL leaves no teardown to run).
 """
 
 from __future__ import annotations
@@ -57,14 +60,50 @@ def _pidfile(root: Path, unit: str) -> Path:
     return root / "run" / "units" / f"{unit}.pid"
 
 
-def stop(root: Path, unit: str) -> None:
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def watch(root: Path, owner: int) -> None:
+    """Until no unit is left: once `owner` is gone, stop every unit still running."""
+    units = root / "run" / "units"
+    while any(units.glob("*.pid")):
+        if not _running(owner):
+            for pidfile in units.glob("*.pid"):
+                stop(root, pidfile.stem, grace=10)
+            return
+        time.sleep(0.5)
+
+
+def ensure_watcher(root: Path) -> None:
+    """One watcher per sandbox, started with the first unit (module docstring)."""
+    owner = os.environ.get("SANDBOX_OWNER", "")
+    mark = root / "run" / "units" / ".watcher"
+    if not owner.isdigit() or (mark.exists() and _running(int(mark.read_text() or 0))):
+        return
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--watch", owner],
+        env=os.environ,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    mark.write_text(str(proc.pid))
+
+
+def stop(root: Path, unit: str, grace: float = 60) -> None:
     pidfile = _pidfile(root, unit)
     if not pidfile.exists():
         return
     pid = int(pidfile.read_text())
     try:
         os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             os.killpg(pid, 0)
             time.sleep(0.2)
@@ -120,10 +159,14 @@ def start(root: Path, unit: str, ports: dict[str, str]) -> None:
             start_new_session=True,
         )
     _pidfile(root, unit).write_text(str(proc.pid))
+    ensure_watcher(root)
 
 
 def main(args: list[str]) -> int:
     root = Path(os.environ["SANDBOX"])
+    if args[:1] == ["--watch"]:
+        watch(root, int(args[1]))
+        return 0
     ports = json.loads(os.environ.get("SANDBOX_PORTS", "{}"))
     verb, *rest = args
     now = "--now" in rest

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from oomguard import children
 from oomguard.twin.processes import Prometheus
 from tests.conftest import LocalServer, free_port
 
@@ -43,7 +44,7 @@ def growing_metrics(fixture_text: str) -> LocalServer:
 def start_exporter(*args: str) -> tuple[subprocess.Popen, str]:
     """`oomguard exporter` as a process on a free port; returns it once /healthz answers."""
     port = free_port()
-    proc = subprocess.Popen(
+    proc = children.popen(  # never outlives the test process
         [sys.executable, "-m", "oomguard", "exporter", "--listen", f"127.0.0.1:{port}", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -91,6 +91,7 @@ class Rehearsal:
             "SANDBOX": str(self.root),
             "SANDBOX_LOG": str(self.log),
             "SANDBOX_PORTS": json.dumps(self.ports),
+            "SANDBOX_OWNER": str(os.getpid()),  # units stopped if this test process dies
             "OOMGUARD_BIN": str(BIN),
             "REAL_PYTHON": shutil.which("python3") or sys.executable,
             "REAL_PYTHON_VENV": sys.executable,

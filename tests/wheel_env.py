@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from oomguard import children
+
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements" / "lock.txt"
 DOCKER = ROOT / "deploy" / "docker"
@@ -95,7 +97,9 @@ def run_oomguard(
     test) it gets SIGTERM first: the demo then stops the vLLMs, Prometheus and Alertmanager it
     started in their own sessions, which a plain SIGKILL would leave running."""
     base = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"}}
-    proc = subprocess.Popen(
+    # SIGTERM to it should this test process die (a CI timeout's SIGKILL): the demo then stops
+    # what it started, and each of those dies with it in any case (oomguard.children)
+    proc = children.popen(
         [str(bin_dir / "oomguard"), *args],
         cwd=cwd,
         env={**base, "PATH": f"{bin_dir}:{base.get('PATH', '')}", **(env or {})},

@@ -41,6 +41,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from oomguard import children
+
 SCHEMA = "oomguard.gpu_check.v1"
 MIB = 2**20
 GIB = 2**30
@@ -165,7 +167,8 @@ for line in sys.stdin:
 
 class _CudaNeighbour(Neighbour):
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
+        # it holds GPU memory: SIGTERM should this check die (children.py)
+        self.proc = children.popen(
             [sys.executable, "-c", _NEIGHBOUR],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

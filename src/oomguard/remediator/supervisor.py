@@ -22,6 +22,8 @@ The local backend of the restart actuator, for single boxes, the demo and the tw
   requested restart whose record or new flags cannot be saved is refused (503, nothing
   restarted, the old flags reported and running); a state file whose content cannot be used is
   moved aside (`.bad`) and reported, never a reason not to start;
+- vLLM gets SIGTERM when this process dies, however it dies (children.py): a vLLM left
+  behind would hold the GPU and the port its successor needs;
 - vLLM's output is read by a supervised thread (supervised.py) that never stops draining the
   pipe: a full disk drops log lines (counted), a death of the thread restarts it. Either makes
   /healthz answer 503 `degraded`, and GET /metrics counts it.
@@ -70,6 +72,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from oomguard import children
 from oomguard.catalog import spec
 from oomguard.digits import decimal
 from oomguard.engine_env import INITIAL_CAP_ENV
@@ -358,7 +361,9 @@ class Supervisor:
             self._tail.clear()
             self._started_at = time.time()
             self._oom_kills_at_start = cgroup_oom_kills(self.cgroup_dir)
-            self.child = subprocess.Popen(
+            # SIGTERM when this supervisor dies, even by SIGKILL (children.py): a vLLM left
+            # behind holds the GPU and the port the next supervisor's vLLM needs
+            self.child = children.popen(
                 self.command(),
                 env=env,
                 stdout=subprocess.PIPE,

@@ -1,7 +1,9 @@
 """Launching the real parts on one machine: vLLM (model-free), Prometheus, Alertmanager.
 
 Used by `oomguard demo` and by the tests. Every process binds 127.0.0.1 on a port it is given,
-runs in its own process group, and is stopped whole (vLLM forks its EngineCore).
+runs in its own process group, and is stopped whole (vLLM forks its EngineCore). Each gets
+SIGTERM when the process that started it dies, however it dies (oomguard.children): a demo or a
+test killed with SIGKILL leaves nothing running.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
+from oomguard import children
 from oomguard.contract import PLUGIN_TOKEN_ENV
 from oomguard.paths import deploy_dir
 
@@ -44,14 +47,15 @@ def free_port() -> int:
 
 
 class Process:
-    """A child process with a log file, started in its own session, stopped with its group."""
+    """A child process with a log file, started in its own session, stopped with its group;
+    it dies with this process (children.popen)."""
 
     def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.argv = argv
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log.open("w")
-        self.proc = subprocess.Popen(
+        self.proc = children.popen(
             argv,
             env={**os.environ, **(env or {})},
             stdout=self.log,

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomguard import children
+
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 
 # Runs in the page: images, links, and whether each in-page anchor has its element.
@@ -83,7 +85,7 @@ class Browser:
             os.dup2(read_end, 3)
             os.dup2(write_end, 4)
 
-        self.proc = subprocess.Popen(
+        self.proc = children.popen(  # never outlives this process (children.py)
             [
                 binary,
                 "--headless",
