@@ -60,6 +60,7 @@ REASONS = (
     "too_many_values",
     "number_too_long",
     "not_finite",
+    "not_token",
 )
 
 
@@ -99,6 +100,31 @@ class Limits:
 DEFAULT = Limits()
 # A bearer token file: one line of text.
 TOKEN = Limits(max_bytes=64 * KIB)
+
+
+def check_token(value: str, source: str) -> str:
+    """`value` as a bearer token an HTTP header can carry: visible ASCII only, no space, tab or
+    line break. A token file holding a second line, a CR or a non-ASCII character made every
+    request fail with an error that quoted the header, token included (in logs, the audit log,
+    `oomguard status`), or raise UnicodeEncodeError. The message names the character's kind
+    and position, never the value."""
+    for i, c in enumerate(value, 1):
+        if "!" <= c <= "~":
+            continue
+        if c in "\r\n":
+            what = "a line break"
+        elif c in " \t":
+            what = "a space or tab"
+        elif c.isascii() or not c.isprintable():
+            what = "a control character"
+        else:
+            what = "a non-ASCII character"
+        raise InputError(
+            source,
+            "not_token",
+            f"holds {what} at character {i}: a bearer token is one line of visible ASCII",
+        )
+    return value
 
 
 def _deadline(limits: Limits) -> float:
@@ -206,6 +232,13 @@ def decode(data: bytes, source: str) -> str:
             "not_utf8",
             f"is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r})",
         ) from None
+
+
+def read_token(path: str | os.PathLike[str], *, source: str | None = None) -> str:
+    """A token file's token (surrounding whitespace dropped; empty when there is none),
+    checked by `check_token`."""
+    name = source or os.fsdecode(path)
+    return check_token(read_text(path, TOKEN, source=name).strip(), name)
 
 
 def read_text(

@@ -108,9 +108,13 @@ def _check_listen(what: str, listen: str) -> None:
 
 def _check_secret_file(what: str, path: str) -> None:
     """A token file that is missing, unreadable, not text or empty would turn every request
-    into a 401 (or a 500); a FIFO would hang the start."""
+    into a 401 (or a 500); a FIFO would hang the start; a token on two lines or with a
+    non-ASCII character cannot go in a header (a password file may hold any text)."""
     try:
-        empty = not bounded.read_text(path, bounded.TOKEN).strip()
+        if what.endswith("password_file"):
+            empty = not bounded.read_text(path, bounded.TOKEN).strip()
+        else:
+            empty = not bounded.read_token(path)
     except bounded.InputError as exc:
         raise ConfigError(f"{what} {exc}") from None
     if empty:

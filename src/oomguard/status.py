@@ -151,9 +151,13 @@ class Read:
         return self.error is None
 
 
-def _secret(path: str) -> str:
+def _secret(path: str, token: bool = True) -> str:
+    """A token (checked: one line of visible ASCII, as a header carries it) or a password;
+    an error never quotes the file's content."""
     try:
-        value = bounded.read_text(path, bounded.TOKEN).strip()
+        value = (
+            bounded.read_token(path) if token else bounded.read_text(path, bounded.TOKEN).strip()
+        )
     except bounded.InputError as exc:
         if exc.reason == "permission_denied":
             raise PermissionError(
@@ -172,7 +176,7 @@ def _headers(endpoint: Endpoint) -> dict[str, str]:
         return {"Authorization": f"Bearer {_secret(endpoint.token_file)}"}
     if endpoint.basic:
         user, password_file = endpoint.basic
-        raw = f"{user}:{_secret(password_file)}".encode()
+        raw = f"{user}:{_secret(password_file, token=False)}".encode()
         return {"Authorization": f"Basic {base64.b64encode(raw).decode()}"}
     return {}
 

@@ -16,7 +16,9 @@ class Authenticator:
     def __init__(self, config: AuthConfig) -> None:
         self.config = config
         self.token = SecretFile(config.bearer_token_file) if config.bearer_token_file else None
-        self.password = SecretFile(config.basic.password_file) if config.basic else None
+        self.password = (
+            SecretFile(config.basic.password_file, token=False) if config.basic else None
+        )
 
     def allows(self, header: str) -> bool:
         if self.config.allow_unauthenticated:

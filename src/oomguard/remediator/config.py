@@ -31,10 +31,13 @@ from oomguard.remediator.safety import SafetyConfig
 log = logging.getLogger("oomguard.remediator")
 
 
-def read_secret(path: str | os.PathLike[str]) -> str | None:
+def read_secret(path: str | os.PathLike[str], token: bool = True) -> str | None:
     """A secret file's text, stripped (None when empty), read through the bounded reader: one
-    regular file of at most 64 KiB of UTF-8 (a FIFO never blocks). Raises bounded.InputError
-    (a ValueError) naming the file and what is wrong."""
+    regular file of at most 64 KiB of UTF-8 (a FIFO never blocks); with `token` (a bearer
+    token, not a password) one line of visible ASCII, as a header carries it. Raises
+    bounded.InputError (a ValueError) naming the file and what is wrong, never its content."""
+    if token:
+        return bounded.read_token(path) or None
     return bounded.read_text(path, bounded.TOKEN).strip() or None
 
 
@@ -58,8 +61,9 @@ class SecretFile:
     out) and is logged once per change; with no good value yet, `get` is None and every request
     is refused (401), never answered with a server error."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, token: bool = True) -> None:
         self.path = Path(path)
+        self.token = token  # a bearer token (read_secret), else a password
         self._mtime: float | None = None
         self._value: str | None = None
         self.error: str | None = None
@@ -69,7 +73,7 @@ class SecretFile:
             mtime = self.path.stat().st_mtime
             if mtime != self._mtime:
                 self._mtime = mtime
-                self._value = read_secret(self.path)
+                self._value = read_secret(self.path, self.token)
                 self.error = None
         except (OSError, ValueError) as exc:
             message = str(exc) if isinstance(exc, ValueError) else f"{self.path}: {exc}"
