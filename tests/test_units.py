@@ -186,3 +186,54 @@ def test_serve_flags_take_durations_and_sizes():
     )
     assert (args.crash_window, args.restart_delay, args.stop_timeout) == (900.0, 0.5, 90.0)
     assert args.log_max_size == 10 * 2**20
+
+
+# -- bounds: a value that passes --check must not overflow at the start -------------------------
+HUGE = "9" * 60 + "w"  # 64 characters of valid grammar: 6e65 seconds
+
+
+@pytest.mark.parametrize("value", [HUGE, "3651d", 10**20, 1e300])
+def test_a_duration_beyond_ten_years_is_refused_with_or_without_a_unit(value):
+    from oomguard.units import config_value
+
+    with pytest.raises(ValueError, match="too large"):
+        config_value("reconcile_seconds", value)
+
+
+@pytest.mark.parametrize("value", ["9" * 60 + "TiB", "1025TiB", 10**20])
+def test_a_size_beyond_a_pebibyte_is_refused(value):
+    from oomguard.units import config_value
+
+    with pytest.raises(ValueError, match="too large"):
+        config_value("max_bytes", value)
+
+
+@pytest.mark.parametrize("value", [f'"{HUGE}"', "99999999999999999999"])
+def test_a_remediator_interval_that_would_overflow_fails_check_not_the_start(tmp_path, value):
+    """Found: reconcile_seconds "999...9w" (or a 20-digit plain number) passed `remediator
+    --check` and the start then died with a traceback (OverflowError in the scheduler)."""
+    (tmp_path / "token").write_text("t0ken\n")
+    config = tmp_path / "remediator.yaml"
+    config.write_text(
+        f"listen: 127.0.0.1:1\nauth: {{bearer_token_file: {tmp_path / 'token'}}}\n"
+        "targets: [{name: a, url: 'http://127.0.0.1:1'}]\n"
+        f"audit_log: {tmp_path / 'audit.jsonl'}\nreconcile_seconds: {value}\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "oomguard", "remediator", "--config", str(config), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "reconcile_seconds" in r.stderr and "too large" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_duration_flag_that_would_overflow_is_refused():
+    r = subprocess.run(
+        [sys.executable, "-m", "oomguard", "status", "--timeout", HUGE, "--exporter", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--timeout" in r.stderr and "too large" in r.stderr

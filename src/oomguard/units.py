@@ -19,6 +19,12 @@ import re
 
 # Long input is refused before any regular expression sees it (configs and flags are untrusted).
 MAX_TEXT = 64
+# The largest duration and size any setting takes. 64 characters of digits pass MAX_TEXT:
+# `999...9w` (1e63 s) passed `remediator --check` and then crashed the start with an
+# OverflowError (the scheduler's timedelta; a sleep or a socket timeout overflow too). Ten
+# years and a pebibyte are far beyond every real setting and far within every limit below us.
+MAX_SECONDS = 10 * 365 * 86400.0
+MAX_BYTES = 2**50
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
@@ -72,9 +78,19 @@ def parse_duration(value: str | float, *, plain: bool = True) -> float:
         raise ValueError(
             f"not a duration: {text!r} (examples: 500ms, 30s, 2m, 1h30m; a plain number is seconds)"
         )
-    if not math.isfinite(seconds):
-        raise ValueError(f"duration {text!r} is too large")
+    return _bounded_duration(seconds, text)
+
+
+def _bounded_duration(seconds: float, text: str) -> float:
+    if not math.isfinite(seconds) or seconds > MAX_SECONDS:
+        raise ValueError(f"duration {text!r} is too large (at most {format_duration(MAX_SECONDS)})")
     return seconds
+
+
+def _bounded_size(size: int, text: str) -> int:
+    if size > MAX_BYTES:
+        raise ValueError(f"size {text!r} is too large (at most {format_size(MAX_BYTES)})")
+    return size
 
 
 def parse_size(value: str | int | float, *, plain: bool = False) -> int:
@@ -87,11 +103,11 @@ def parse_size(value: str | int | float, *, plain: bool = False) -> int:
                 f"size {text!r} has no unit: write it with one, e.g. {text}GiB, {text}GB or "
                 f"{text}MiB"
             )
-        return int(float(text))
+        return _bounded_size(int(float(text)), text)
     m = _SIZE.fullmatch(text)
     if m is None:
         raise ValueError(f"not a size: {text!r} (examples: 80GiB, 24GB, 81559MiB, 2Gi)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    return _bounded_size(int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]), text)
 
 
 def format_duration(seconds: float) -> str:
@@ -115,7 +131,17 @@ def format_size(size: float) -> str:
 # -- config keys --------------------------------------------------------------------------------
 def config_value(key: str, value: object) -> object:
     """A config value with its unit applied when the key names one (`*_seconds`, `*_bytes`) and
-    the value is text; anything else unchanged (the model's own validation judges it)."""
+    the value is text; a plain number there is held to the same bounds (MAX_SECONDS, MAX_BYTES);
+    anything else unchanged (the model's own validation judges it)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            if key.endswith("_seconds"):
+                _bounded_duration(float(value), str(value)[:20])
+            elif key.endswith("_bytes"):
+                _bounded_size(int(value), str(value)[:20])
+        except OverflowError:  # an integer beyond a float
+            raise ValueError(f"{str(value)[:20]}... is too large") from None
+        return value  # the model judges its type
     if not isinstance(value, str):
         return value
     if key.endswith("_seconds"):
