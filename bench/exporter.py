@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import http.client
+import json
 import resource
 import statistics
 import subprocess
@@ -446,6 +447,68 @@ def measure_scrape(
     return out
 
 
+# Prometheus 2.42's scrapeAcceptHeader (scrape/scrape.go): OpenMetrics first
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+def prometheus_scrape(port: int) -> tuple[float, int]:
+    """One scrape as Prometheus 2.x makes it (its Accept header, gzip): (seconds, body bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    t0 = time.perf_counter()
+    conn.request(
+        "GET", "/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT, "Accept-Encoding": "gzip"}
+    )
+    resp = conn.getresponse()
+    body = resp.read()
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    assert resp.status == 200 and resp.getheader("Content-Encoding") == "gzip"
+    return elapsed, len(body)
+
+
+def measure_prometheus_scrapes(
+    poller: Poller, registry: CollectorRegistry, n: int
+) -> dict[str, Any]:
+    """Prometheus scrapes the exporter every second (deploy/prometheus), each time a new
+    snapshot: its first scrape renders OpenMetrics and compresses it (both made on first
+    request, then kept for the snapshot's other scrapes). Each of `n` rounds polls every
+    collector, renders, then scrapes once, timed, with the process CPU it took; the plain
+    registry's server is scraped the same way (it renders on every scrape)."""
+    ours_srv = MetricsServer(("127.0.0.1", 0), lambda: poller.latest, max_snapshot_age=1e9)
+    ours_srv.start()
+    plain_srv, _thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    ours, cpu, plain = [], [], []
+    size = 0
+    try:
+        for i in range(n):
+            for state in poller.states:
+                poller.poll(state)
+            poller.render()
+            c0 = time.process_time()
+            elapsed, size = prometheus_scrape(ours_srv.port)
+            cpu.append(time.process_time() - c0)
+            ours.append(elapsed)
+            if i % 10 == 0:
+                plain.append(prometheus_scrape(plain_srv.server_address[1])[0])
+    finally:
+        ours_srv.stop()
+        plain_srv.shutdown()
+        plain_srv.server_close()
+    return {
+        "oomguard_p50": percentile(ours, 0.5) * 1e3,
+        "oomguard_p99": percentile(ours, 0.99) * 1e3,
+        "oomguard_cpu_ms_mean": statistics.mean(cpu) * 1e3,
+        "oomguard_n": len(ours),
+        "gzip_bytes": size,
+        "prometheus_client_p50": percentile(plain, 0.5) * 1e3,
+        "prometheus_client_p99": percentile(plain, 0.99) * 1e3,
+        "prometheus_client_n": len(plain),
+    }
+
+
 def poll_cycle_ms(poller: Poller, cycles: int) -> dict[str, float]:
     """CPU per poll cycle, one thread: each collector kind's poll and the render pass."""
     parts: dict[str, list[float]] = {}
@@ -541,6 +604,11 @@ def measure(scenario: Scenario, quick: bool, soak_polls: int) -> dict[str, Any]:
         results["scrape_ms"] = measure_scrape(poller, registry, 200 if quick else 2000)
         for encoding in ("identity", "gzip"):
             print(f"  scrape {encoding}: {fmt(results['scrape_ms'][encoding])}", flush=True)
+        scrapes = 20 if quick else (100 if big else 300)
+        results["prometheus_scrape_ms"] = measure_prometheus_scrapes(poller, registry, scrapes)
+        print(
+            f"  Prometheus 2.x scrape of each new snapshot: {fmt(results['prometheus_scrape_ms'])}"
+        )
         results["poll_cycle_cpu_ms"] = poll_cycle_ms(poller, 3 if quick else 20)
         results["pynvml_process_lists_ms"] = driver_process_lists_ms(scenario, 3 if quick else 20)
         print(f"  poll cycle CPU: {fmt(results['poll_cycle_cpu_ms'])}", flush=True)
@@ -580,6 +648,8 @@ def targets(scenario: str, r: dict[str, Any]) -> dict[str, bool]:
             "series_at_least_10000": r["series"] >= 10_000,
             "scrape_p99_under_1ms_gzip": scrape["gzip"]["oomguard_p99"] < 1.0,
             "scrape_p99_under_1ms_identity": scrape["identity"]["oomguard_p99"] < 1.0,
+            # each of Prometheus's scrapes is of a new snapshot: OpenMetrics made, compressed
+            "prometheus_scrape_p99_under_1ms": r["prometheus_scrape_ms"]["oomguard_p99"] < 1.0,
             "poll_cpu_under_1pct_at_1s": cpu["1.0s"] < 1.0,
             "memory_flat_over_soak": flat,
         }
@@ -617,8 +687,46 @@ def main() -> int:
             "results": results,
             "targets_met": met,
         }
-    record.write(args.out, "exporter", args.quick, scenarios=scenarios)
+    record.write(
+        args.out, "exporter", args.quick, scenarios=scenarios, earlier_runs=earlier(args.out)
+    )
     return 0
+
+
+def earlier(path: str, keep: int = 6) -> list[dict[str, Any]]:
+    """The key figures of the runs before this one (this shared machine's load varies from run
+    to run: the record shows the spread), newest first."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    if "scenarios" not in old:
+        return []
+    runs: list[dict[str, Any]] = [
+        {
+            "when": old.get("when"),
+            "quick": old.get("quick"),
+            "commit": (old.get("provenance") or {}).get("commit"),
+            "load_average": (old.get("provenance") or {}).get("load_average"),
+            "node": _key_figures(old["scenarios"].get("node")),
+        }
+    ]
+    return (runs + old.get("earlier_runs", []))[:keep]
+
+
+def _key_figures(scenario: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not scenario:
+        return None
+    r = scenario["results"]
+    prom = r.get("prometheus_scrape_ms") or {}
+    return {
+        "series": r["series"],
+        "poll_cpu_percent_at_1s": r["poll_cpu_percent_of_one_core"].get("1.0s"),
+        "poll_cycle_cpu_ms": r["poll_cycle_cpu_ms"]["total"],
+        "scrape_gzip_p99_ms": r["scrape_ms"]["gzip"]["oomguard_p99"],
+        "prometheus_scrape_p99_ms": prom.get("oomguard_p99"),
+        "prometheus_scrape_cpu_ms": prom.get("oomguard_cpu_ms_mean"),
+    }
 
 
 if __name__ == "__main__":

@@ -214,6 +214,19 @@ def _exporter_table(r: Results, scenario: str) -> str:
                 f"p99 {{{{target:< 1 ms}}}}: {fmt(met[target], 'met')}" if target else "–",
             ]
         )
+    prom = res.get("prometheus_scrape_ms")
+    if prom:
+        target = met.get("prometheus_scrape_p99_under_1ms")
+        rows.append(
+            [
+                "scrape as Prometheus 2.x makes it (OpenMetrics, gzip), each of a new snapshot: "
+                "p50 / p99 (CPU per scrape)",
+                pair(prom["oomguard_p50"], prom["oomguard_p99"], ".1f", "ms")
+                + f" ({fmt(prom['oomguard_cpu_ms_mean'], '.1f')} ms)",
+                pair(prom["prometheus_client_p50"], prom["prometheus_client_p99"], ".0f", "ms"),
+                "–" if target is None else f"p99 {{{{target:< 1 ms}}}}: {fmt(target, 'met')}",
+            ]
+        )
     rows.append(
         [
             "page size, plain / gzip",
@@ -247,6 +260,56 @@ def _exporter_table(r: Results, scenario: str) -> str:
         ]
     )
     return table(["measure", "oomguard", "plain prometheus_client registry", "target"], rows)
+
+
+def block_exporter_runs(r: Results) -> str:
+    """This record and the runs before it (their key figures), with each one's load."""
+    data = r.file("exporter")
+    from_record = {"when": data["when"], "quick": data["quick"], "load_average": None}
+    from_record["load_average"] = (data.get("provenance") or {}).get("load_average")
+    runs = [{**from_record, "node": None, "this": True}, *data.get("earlier_runs", [])]
+    rows = []
+    for run in runs:
+        node = run["node"] if not run.get("this") else None
+        if run.get("this"):
+            res = data["scenarios"]["node"]["results"]
+            prom = res.get("prometheus_scrape_ms") or {}
+            node = {
+                "poll_cpu_percent_at_1s": res["poll_cpu_percent_of_one_core"].get("1.0s"),
+                "poll_cycle_cpu_ms": res["poll_cycle_cpu_ms"]["total"],
+                "scrape_gzip_p99_ms": res["scrape_ms"]["gzip"]["oomguard_p99"],
+                "prometheus_scrape_p99_ms": prom.get("oomguard_p99"),
+                "prometheus_scrape_cpu_ms": prom.get("oomguard_cpu_ms_mean"),
+            }
+        if not node:
+            continue
+        load = run.get("load_average") or {}
+        start, end = load.get("at_start"), load.get("at_end")
+        rows.append(
+            [
+                _utc(run["when"])
+                + (" (this record)" if run.get("this") else "")
+                + (", quick" if run.get("quick") else ""),
+                f"{fmt(start[0], '.1f')} → {fmt(end[0], '.1f')}" if start and end else "–",
+                fmt(node["poll_cpu_percent_at_1s"], ".2f") + " %",
+                fmt(node["poll_cycle_cpu_ms"], ".1f") + " ms",
+                fmt(node["scrape_gzip_p99_ms"], ".2f") + " ms",
+                fmt(node.get("prometheus_scrape_p99_ms"), ".1f") + " ms",
+                fmt(node.get("prometheus_scrape_cpu_ms"), ".1f") + " ms",
+            ]
+        )
+    return table(
+        [
+            "run (node scale)",
+            "load average",
+            "polling CPU at 1 s",
+            "poll cycle CPU",
+            "gzip scrape p99",
+            "Prometheus scrape p99",
+            "its CPU",
+        ],
+        rows,
+    )
 
 
 def block_exporter_cycle(r: Results) -> str:
@@ -958,6 +1021,7 @@ NAMES = re.compile(
     r"|\bissue \d+\b"
     r"|\bengine \d\b"  # the twin's engines by index
     r"|\b(?:FP|BF)\d+\b"  # number formats
+    r"|\b(?:Prometheus|Alertmanager|vLLM) \d+(?:\.(?:\d+|x))*"  # versions of the parts
 )
 
 

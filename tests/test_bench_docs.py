@@ -51,6 +51,7 @@ def test_a_figure_typed_into_the_prose_is_found(line: str) -> None:
         "an H100 80 GB, an A100 40 GB, an L4 and an RTX 4090",
         "MIG 1g.10gb and 3g.40gb",
         "issue 30, engine 0 and engine 1, FP32 logits",
+        "what Prometheus 2.x asks for, as vLLM 0.33 does",
         "`--inflight 64` and commit `1b3c99f`",
         "{{exporter/scenarios/node/results/series|,d}} series, {{target:< 1 ms}}",
     ],

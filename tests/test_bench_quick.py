@@ -65,6 +65,7 @@ def test_exporter_quick_lane() -> None:
         assert set(render) == set(rec["render_ms"])
         scrape = exporter.measure_scrape(poller, registry, n=20, rounds=1)
         assert set(scrape) == set(rec["scrape_ms"])
+        prom = exporter.measure_prometheus_scrapes(poller, registry, 3)
         cycle = exporter.poll_cycle_ms(poller, cycles=3)
         assert set(cycle) == set(rec["poll_cycle_cpu_ms"])
         steady = min(
@@ -87,11 +88,20 @@ def test_exporter_quick_lane() -> None:
     assert_within(
         "poll cycle CPU, ms", cycle["total"], rec["poll_cycle_cpu_ms"]["total"], slack=10.0
     )
+    if "prometheus_scrape_ms" in rec:
+        assert set(prom) == set(rec["prometheus_scrape_ms"])
+        assert_within(
+            "CPU per Prometheus scrape of a new snapshot, ms",
+            prom["oomguard_cpu_ms_mean"],
+            rec["prometheus_scrape_ms"]["oomguard_cpu_ms_mean"],
+            slack=10.0,
+        )
     targets = exporter.targets(
         "node",
         {
             **rec,
             "scrape_ms": scrape,
+            "prometheus_scrape_ms": prom,
             "poll_cpu_percent_of_one_core": {"1.0s": 0.0},
             "soak": {"growth_bytes": 0},
         },

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import gzip
+import http.client
 import math
 import re
 from pathlib import Path
@@ -21,7 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomguard.exporter.collectors.nvml import NvmlCollector
-from oomguard.exporter.render import Family, FamilyBuilder, TextRenderer
+from oomguard.exporter.render import (
+    Family,
+    FamilyBuilder,
+    OpenMetricsRenderer,
+    TextRenderer,
+    render_openmetrics,
+    render_openmetrics_reference,
+)
 from tests.fake_nvml import GIB, FakeGpu, FakeMig, FakeNvml
 
 GOLDEN = Path(__file__).parent / "fixtures" / "exporter" / "node-2000.prom.gz"
@@ -152,3 +160,81 @@ def test_process_series_follow_every_change_of_the_process_lists(monkeypatch) ->
     gpus[1].mig[0] = FakeMig(3, "1g.10gb", 10 * GIB, 9 * GIB, GIB, processes=[(201, 9 * GIB)])
     third = process_series(collector)  # the GPU re-partitioned: instance 9 became 3
     assert sorted((k[6], k[8]) for k in third if k[0] == "1") == [("3", "201")]
+
+
+# -- OpenMetrics: what Prometheus 2.x asks for first ----------------------------------------------
+PROMETHEUS_2_ACCEPT = (  # Prometheus 2.42's scrapeAcceptHeader (scrape/scrape.go)
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+@pytest.mark.slow  # serves the scenario's 16 vLLM pages from a subprocess
+def test_node_openmetrics_is_what_prometheus_client_renders() -> None:
+    from bench.exporter import node, running
+
+    scenario = node(2000, now=NOW)
+    with running(scenario, clock=lambda: NOW) as poller:
+        for _ in range(3):  # a fresh render, then the caches' turn (counters move each poll)
+            for state in poller.states:
+                poller.poll(state)
+            families = poller.render().families
+            assert render_openmetrics(families) == render_openmetrics_reference(families)
+
+
+finite = st.floats(allow_nan=False, allow_infinity=True) | st.sampled_from([0.0, -0.0, 1e21])
+
+
+@st.composite
+def valid_snapshots(draw: st.DrawFn) -> list[list[Family]]:
+    """As `snapshots`, with values prometheus_client can render (it raises on the others)."""
+    out: list[list[Family]] = []
+    for _ in range(draw(st.integers(1, 6))):
+        families = []
+        for name in draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=3)):
+            family = Family(name)  # an empty family too: HELP and TYPE all the same
+            width = LABELS.get(name, 0)
+            for key in draw(st.lists(st.sampled_from(["a", "", 'q"\\\n']), max_size=3)):
+                labels = tuple(f"{key}{i}" if key else "" for i in range(width))
+                family.samples.append((labels, draw(finite | st.just(math.nan))))
+            families.append(family)
+        if out and draw(st.booleans()):
+            families = out[-1]
+        out.append(families)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_snapshots())
+def test_openmetrics_renderer_matches_prometheus_client(sequence: list[list[Family]]) -> None:
+    renderer = OpenMetricsRenderer()  # long-lived: its caches across the sequence
+    for families in sequence:
+        assert renderer.render(families) == render_openmetrics_reference(families)
+
+
+def test_a_prometheus_scrape_gets_gzipped_openmetrics() -> None:
+    from oomguard.exporter.poller import Snapshot
+    from oomguard.exporter.server import MetricsServer
+
+    family = Family("oomguard_vllm_requests_running")
+    family.samples = [(("t", "m", "0"), 3.0)]
+    snapshot = Snapshot(NOW, [family], TextRenderer().render([family]))
+    server = MetricsServer(("127.0.0.1", 0), lambda: snapshot, max_snapshot_age=1e12)
+    server.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request(
+            "GET", "/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT, "Accept-Encoding": "gzip"}
+        )
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+    finally:
+        server.stop()
+    assert resp.getheader("Content-Type", "").startswith("application/openmetrics-text")
+    assert resp.getheader("Content-Encoding") == "gzip"
+    assert gzip.decompress(body) == snapshot.openmetrics
+    assert snapshot.openmetrics.endswith(b"# EOF\n")
+    assert b'oomguard_vllm_requests_running{engine="0",model_name="m",target="t"} 3.0' in (
+        snapshot.openmetrics
+    )

@@ -79,6 +79,7 @@ class Snapshot:
         self.text = text
         self._gzip: bytes | None = None
         self._openmetrics: bytes | None = None
+        self._openmetrics_gzip: bytes | None = None
 
     @property
     def text_gzip(self) -> bytes:
@@ -91,6 +92,12 @@ class Snapshot:
         if self._openmetrics is None:
             self._openmetrics = render_openmetrics(self.families)
         return self._openmetrics
+
+    @property
+    def openmetrics_gzip(self) -> bytes:
+        if self._openmetrics_gzip is None:
+            self._openmetrics_gzip = gzip.compress(self.openmetrics, compresslevel=1)
+        return self._openmetrics_gzip
 
 
 class Poller:

@@ -119,9 +119,18 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             snapshot = self.server.snapshot()
             accept = self.headers.get("Accept", "")
-            if "application/openmetrics-text" in accept:
-                self._send(200, snapshot.openmetrics, OPENMETRICS_CONTENT_TYPE, {})
-            elif "gzip" in self.headers.get("Accept-Encoding", ""):
+            gzipped = "gzip" in self.headers.get("Accept-Encoding", "")
+            if "application/openmetrics-text" in accept:  # what Prometheus 2.x asks for first
+                if gzipped:
+                    self._send(
+                        200,
+                        snapshot.openmetrics_gzip,
+                        OPENMETRICS_CONTENT_TYPE,
+                        {"Content-Encoding": "gzip"},
+                    )
+                else:
+                    self._send(200, snapshot.openmetrics, OPENMETRICS_CONTENT_TYPE, {})
+            elif gzipped:
                 self._send(
                     200, snapshot.text_gzip, TextRenderer.CONTENT_TYPE, {"Content-Encoding": "gzip"}
                 )
