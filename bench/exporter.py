@@ -670,13 +670,13 @@ def main() -> int:
         "--scenario", choices=("node", "small"), action="append", help="default: both"
     )
     parser.add_argument("--series", type=int, default=10_000, help="node scenario's series")
-    parser.add_argument("--soak-polls", type=int, help="default: 1,000 (node), 10,000 (small)")
+    parser.add_argument("--soak-polls", type=int, help="default: 300 (node), 3,000 (small)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "exporter.json"))
     args = parser.parse_args()
     scenarios: dict[str, Any] = {}
     for name in args.scenario or ("node", "small"):
         scenario = node(args.series) if name == "node" else small()
-        polls = args.soak_polls or (200 if args.quick else (1000 if name == "node" else 10_000))
+        polls = args.soak_polls or (200 if args.quick else (300 if name == "node" else 3000))
         before = [round(x, 2) for x in __import__("os").getloadavg()]
         results = measure(scenario, args.quick, polls)
         met = targets(name, results)
