@@ -483,6 +483,7 @@ def measure_prometheus_scrapes(
     ours, cpu, plain = [], [], []
     size = 0
     try:
+        prometheus_scrape(ours_srv.port)  # the process's first: its caches cold, once a lifetime
         for i in range(n):
             for state in poller.states:
                 poller.poll(state)
@@ -501,6 +502,7 @@ def measure_prometheus_scrapes(
         "oomguard_p50": percentile(ours, 0.5) * 1e3,
         "oomguard_p99": percentile(ours, 0.99) * 1e3,
         "oomguard_cpu_ms_mean": statistics.mean(cpu) * 1e3,
+        "oomguard_cpu_ms_p50": statistics.median(cpu) * 1e3,
         "oomguard_n": len(ours),
         "gzip_bytes": size,
         "prometheus_client_p50": percentile(plain, 0.5) * 1e3,

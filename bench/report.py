@@ -262,6 +262,10 @@ def _exporter_table(r: Results, scenario: str) -> str:
     return table(["measure", "oomguard", "plain prometheus_client registry", "target"], rows)
 
 
+def _ms(value: float | None, spec: str) -> str:
+    return "–" if value is None else f"{fmt(value, spec)} ms"
+
+
 def block_exporter_runs(r: Results) -> str:
     """This record and the runs before it (their key figures), with each one's load."""
     data = r.file("exporter")
@@ -294,8 +298,8 @@ def block_exporter_runs(r: Results) -> str:
                 fmt(node["poll_cpu_percent_at_1s"], ".2f") + " %",
                 fmt(node["poll_cycle_cpu_ms"], ".1f") + " ms",
                 fmt(node["scrape_gzip_p99_ms"], ".2f") + " ms",
-                fmt(node.get("prometheus_scrape_p99_ms"), ".1f") + " ms",
-                fmt(node.get("prometheus_scrape_cpu_ms"), ".1f") + " ms",
+                _ms(node.get("prometheus_scrape_p99_ms"), ".1f"),
+                _ms(node.get("prometheus_scrape_cpu_ms"), ".1f"),
             ]
         )
     return table(
