@@ -17,6 +17,12 @@ Reading treats the file as untrusted input, since anything may have written it: 
 not UTF-8, not JSON, nested too deeply, holds a 5,000-digit number, is not an object or is
 longer than MAX_LINE_BYTES is counted by reason and skipped (`Replay.skipped`); reading never
 raises on content.
+
+The file is rotated once it passes `max_bytes` (auditrotate.py): the old one is kept as
+`<file>.1` ... `<file>.<backups>`, and the new one starts with what a replay needs (the pause
+switch, the actions of the safety window `carry_seconds`, uncommitted intents, recent restarts),
+so a start reads at most about `max_bytes` whatever the log's age. The rotation runs in a thread
+of its own after the append that crossed the size; appends wait only for its final swap.
 """
 
 from __future__ import annotations
@@ -37,12 +43,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from oomguard.errors import ConfigError
-from oomguard.remediator import clocks
+from oomguard.remediator import auditrotate, clocks
 
 log = logging.getLogger("oomguard.remediator.audit")
 
 MAX_LINE_BYTES = 1 << 20  # an audit line is a few hundred bytes; a longer one is not ours
 SHOWN_BAD_LINES = 5  # line numbers named in the log per replay
+DEFAULT_MAX_BYTES = 32 << 20  # about 80,000 entries; replayed in seconds
+DEFAULT_BACKUPS = 10
 
 
 @dataclass
@@ -110,15 +118,29 @@ def check_path(path: Path, what: str = "audit_log") -> None:
 
 
 class AuditLog:
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        backups: int = DEFAULT_BACKUPS,
+        carry_seconds: float = 3600.0,
+    ) -> None:
+        """`max_bytes`, `backups`: rotation (module docstring); `carry_seconds`: the safety
+        window whose actions a rotation carries into the new file (the controller sets it)."""
         self.path = Path(path)
         check_path(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            auditrotate.recover(self.path)  # a rotation a crash interrupted
         except OSError as exc:
             raise ConfigError(
                 f"audit_log {self.path}: cannot create its directory: {exc.strerror or exc}"
             ) from exc
+        self.max_bytes, self.backups, self.carry_seconds = max_bytes, backups, carry_seconds
+        self._rotate_at = max_bytes
+        self._rotating = threading.Lock()
+        self.rotations = 0
+        self.rotation_errors = 0
         self._lock = threading.Lock()
         self._check_tail = True  # at the first append, and after a failed one
         self.writable = True
@@ -159,7 +181,7 @@ class AuditLog:
         line = (json.dumps(entry, separators=(",", ":"), default=str) + "\n").encode()
         with self._lock:
             try:
-                self._append(line)
+                size = self._append(line)
             except OSError as exc:
                 self.writable = False
                 self.write_errors += 1
@@ -170,6 +192,9 @@ class AuditLog:
             if not self.writable:
                 log.warning("the audit log %s is writable again", self.path)
             self.writable, self.last_error = True, None
+            due = size >= self._rotate_at and not self._rotating.locked()
+        if due:
+            threading.Thread(target=self.rotate, name="audit-rotate", daemon=True).start()
         return entry
 
     def try_record(self, event: str, **fields: Any) -> dict[str, Any] | None:
@@ -180,7 +205,8 @@ class AuditLog:
         except OSError:
             return None
 
-    def _append(self, line: bytes) -> None:
+    def _append(self, line: bytes) -> int:
+        """Append `line` whole, durably; the file's size after it."""
         created = not self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
         try:
@@ -202,6 +228,62 @@ class AuditLog:
             os.close(fd)
         if created:  # the file's name must be as durable as its first line
             _fsync_dir(self.path.parent)
+        return size + len(line)
+
+    # -- rotation --------------------------------------------------------------------------------
+    def rotate(self) -> bool:
+        """Rotate now (auditrotate.py); False when another rotation runs or it failed (then
+        the file keeps growing, and the next try comes after another quarter of max_bytes).
+        The old file is read without holding appends up; only what was appended meanwhile is
+        read, and the files swapped, under the append lock."""
+        if not self._rotating.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                head_end = os.stat(self.path).st_size  # appends leave whole lines
+            rows = self._rows(0, head_end)
+            with self._lock:
+                end = os.stat(self.path).st_size
+                rows += self._rows(head_end, end)
+                lines = auditrotate.carry(rows, self.carry_seconds, time.time(), clocks.boottime())
+                auditrotate.install(self.path, lines, self.backups)
+                kept = sum(len(line) + 1 for line in lines)
+                # carried entries alone near the limit: do not rotate again at every append
+                self._rotate_at = max(self.max_bytes, 2 * kept)
+        except OSError as exc:
+            self.rotation_errors += 1
+            with contextlib.suppress(OSError):
+                self._rotate_at = os.stat(self.path).st_size + max(1, self.max_bytes // 4)
+            log.error("cannot rotate the audit log %s: %s (it keeps growing)", self.path, exc)
+            return False
+        finally:
+            self._rotating.release()
+        self.rotations += 1
+        log.info(
+            "audit log %s rotated at %d bytes to %s; %d entries carried into the new file",
+            self.path,
+            end,
+            auditrotate.backup(self.path, 1) if self.backups > 0 else "nothing (no backups)",
+            len(lines),
+        )
+        return True
+
+    def _rows(self, start: int, end: int) -> list[tuple[bytes, dict[str, Any]]]:
+        """The entries a rotation may carry between byte offsets `start` and `end`, with their
+        lines (everything else, mostly `received`, is not held)."""
+        out: list[tuple[bytes, dict[str, Any]]] = []
+        if end <= start:
+            return out
+        with self.path.open("rb") as fh:
+            fh.seek(start)
+            for raw in _lines(fh):
+                if raw is not None and raw.strip():  # a line too long is skipped, as in replay
+                    parsed = parse_line(raw)
+                    if isinstance(parsed, dict) and parsed["event"] in auditrotate.CARRIED_EVENTS:
+                        out.append((raw, parsed))
+                if fh.tell() >= end:
+                    break
+        return out
 
     def _repair_tail(self, fd: int) -> None:
         """Cut off a torn last line (no newline after it): it was never acknowledged."""

@@ -218,6 +218,15 @@ class RemediatorConfig(BaseModel):
     flags: FlagLimits = Field(default_factory=FlagLimits)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     audit_log: str = "/var/lib/oomguard/remediator-audit.jsonl"
+    audit_max_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Rotate the audit log at this size; the new file starts with what the "
+        "safety limits need (a start reads at most about this much).",
+    )
+    audit_backups: int = Field(
+        10, ge=0, le=1000, description="Rotated audit logs kept: <audit_log>.1 (newest) to .N."
+    )
     reconcile_seconds: float = Field(1.0, gt=0, description="Level-triggered pass interval.")
     actuation_timeout_seconds: float = Field(3.0, gt=0)
     actuation_attempts: int = Field(3, ge=1)

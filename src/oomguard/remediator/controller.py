@@ -73,6 +73,8 @@ class Controller:
         self.dry_run = config.dry_run or isinstance(actuator, DryRunActuator)
         self.actuator = actuator
         self.audit = audit
+        # a rotation carries the safety window's actions into the new file (auditrotate.py)
+        audit.carry_seconds = max(audit.carry_seconds, config.safety.window_seconds)
         self.metrics = metrics or RemediatorMetrics()
         self.metrics.watch_audit(audit)
         self.safety = (

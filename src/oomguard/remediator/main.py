@@ -65,7 +65,11 @@ def build_controller(config: RemediatorConfig, actuator: Actuator | None = None)
         actuator = DryRunActuator(actuator)
     backends = {} if config.dry_run else restart_backends(config)
     return Controller(
-        config, actuator, AuditLog(config.audit_log), RemediatorMetrics(), backends=backends
+        config,
+        actuator,
+        AuditLog(config.audit_log, config.audit_max_bytes, config.audit_backups),
+        RemediatorMetrics(),
+        backends=backends,
     )
 
 

@@ -178,6 +178,7 @@ class Safety:
         """
         counted: dict[str, tuple[str, str, float | None]] = {}  # key -> target, action, age
         pending: dict[str, dict[str, Any]] = {}
+        intents: set[str] = set()  # ids seen on an intent: a second one is another action
         wall_now, uptime_now = self.wall(), clocks.boottime()
         for n, e in enumerate(entries):
             try:
@@ -188,6 +189,9 @@ class Safety:
                 target, action, intent = e.get("target"), e.get("action"), e.get("intent")
                 key = intent if isinstance(intent, str) and intent else f"#{n}"
                 if event == "intent":
+                    if key in intents:  # a duplicate id (nothing we write): count both
+                        key = f"{key}#{n}"
+                    intents.add(key)
                     if isinstance(target, str) and target and action in DISRUPTIVE:
                         counted[key] = (target, str(action), clocks.age(e, wall_now, uptime_now))
                     if isinstance(target, str) and target:
