@@ -200,6 +200,14 @@ _SPECS: tuple[MetricSpec, ...] = (
         "seconds",
         ALLOCATOR_LABELS,
     ),
+    _counter(
+        "oomguard_step_guard_shrinks_total",
+        "Steps the plugin's step guard shrank because the full step would not fit the memory "
+        "the engine could get (action: fewer_prefill_tokens, decode_only, wait; reason: what "
+        "did not fit: activations, prompt_logprobs_logits, sampling_logits).",
+        "",
+        (*ALLOCATOR_LABELS, "action", "reason"),
+    ),
     # --- vLLM engines (scraped from vLLM's /metrics) ----------------------------------------
     _gauge(
         "oomguard_vllm_up",

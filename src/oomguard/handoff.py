@@ -18,7 +18,9 @@ File: `<directory>/pid-<pid>.json`, one JSON object:
       "inactive_split_bytes": 5,
       "alloc_retries": 0, "ooms": 0,       # cumulative counts since the process started
       "free_after_gc_bytes": null,         # device free bytes right after empty_cache(), if run
-      "gc_timestamp": null                 # when that measurement was taken
+      "gc_timestamp": null,                # when that measurement was taken
+      "step_shrinks": {"fewer_prefill_tokens/activations": 3}  # optional: the plugin's step
+                                           # guard's shrinks by "action/reason", cumulative
     }
 
 Unknown keys are ignored, so the format can grow; a missing required key or a wrong type makes
@@ -69,6 +71,12 @@ MAX_TEXT = 256  # target, engine, device UUID: label values, kept short
 
 _NAME = re.compile(r"pid-([1-9][0-9]{0,9})\.json")
 
+# The step guard's shrinks (vllm_plugin/step_guard.py): only these "action/reason" keys are
+# accepted, so a hostile file cannot invent label values.
+STEP_ACTIONS = ("fewer_prefill_tokens", "decode_only", "wait")
+STEP_REASONS = ("activations", "prompt_logprobs_logits", "sampling_logits")
+STEP_SHRINK_KEYS = frozenset(f"{a}/{r}" for a in STEP_ACTIONS for r in STEP_REASONS)
+
 _INT_FIELDS = (
     "allocated_bytes",
     "reserved_bytes",
@@ -117,6 +125,7 @@ class AllocatorReport:
     ooms: int
     free_after_gc_bytes: int | None = None
     gc_timestamp: float | None = None
+    step_shrinks: dict[str, int] | None = None
 
     @classmethod
     def from_memory_stats(cls, stats: dict[str, Any], **identity: Any) -> AllocatorReport:
@@ -158,9 +167,22 @@ class AllocatorReport:
             )
             gc_ts = data.get("gc_timestamp")
             kwargs["gc_timestamp"] = None if gc_ts is None else _timestamp(data, "gc_timestamp")
+            kwargs["step_shrinks"] = _shrinks(data.get("step_shrinks"))
         except KeyError as exc:
             raise InvalidReport("missing_field", f"missing field {exc.args[0]!r}") from None
         return cls(**kwargs)
+
+
+def _shrinks(value: Any) -> dict[str, int] | None:
+    """The optional `step_shrinks` object: known "action/reason" keys, counts as counters."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidReport("bad_type", "field 'step_shrinks' must be an object")
+    unknown = [str(k)[:64] for k in value if k not in STEP_SHRINK_KEYS]
+    if unknown:
+        raise InvalidReport("bad_type", f"field 'step_shrinks' has unknown key {unknown[0]!r}")
+    return {key: _int(value, key) for key in sorted(value)}
 
 
 def _shown(value: Any) -> str:

@@ -16,8 +16,11 @@ A neighbour process, a leak or fragmentation eats the headroom; a healthy engine
 
   3 critical  headroom < headroom_critical_ratio        reason headroom_exhausted
               a rank on the GPU reported a new OOM       reason allocator_oom
+              the engine's step guard could not run a prefill step at all (decode only,
+              or waiting)                                reason step_guard_stall
   2 pressure  headroom < headroom_pressure_ratio         reason headroom_low
               a rank on the GPU retried an allocation    reason allocator_retries
+              the engine's step guard shrank a step      reason step_guard_shrink
   1 caution   headroom < headroom_caution_ratio          reason headroom_caution
 
 A GPU with no engine, or whose engines' plan is unknown, keeps a plain free-memory floor and goes
@@ -153,7 +156,7 @@ class PressureEvaluator:
     def __init__(self, thresholds: PressureThresholds | None = None) -> None:
         self.t = thresholds or PressureThresholds()
         self._history: dict[EngineKey, deque[tuple[float, float, float]]] = {}
-        self._last_counts: dict[tuple[int, int], tuple[int, int]] = {}
+        self._last_counts: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._held_gpu: dict[str, tuple[float, Level]] = {}
         self._held_engine: dict[tuple[str, str], tuple[float, Level]] = {}
         self._seen_gpus: dict[GpuKey, tuple[float, GpuIdentity]] = {}
@@ -188,14 +191,19 @@ class PressureEvaluator:
             key = (r.pid, r.rank)
             seen.add(key)
             previous = self._last_counts.get(key)
-            self._last_counts[key] = (r.ooms, r.alloc_retries)
+            shrunk, stalled = _step_shrinks(r)
+            self._last_counts[key] = (r.ooms, r.alloc_retries, shrunk, stalled)
             if previous is None:
                 continue  # first sight of this process: its history is not news
             event: Level | None = None
             if r.ooms > previous[0]:
                 event = Level(CRITICAL, "allocator_oom")
+            elif stalled > previous[3]:
+                event = Level(CRITICAL, "step_guard_stall")
             elif r.alloc_retries > previous[1]:
                 event = Level(PRESSURE, "allocator_retries")
+            elif shrunk > previous[2]:
+                event = Level(PRESSURE, "step_guard_shrink")
             if event is not None:
                 self._hold(self._held_gpu, r.device_uuid, hold_until, event)
                 self._hold(self._held_engine, (r.target, r.engine), hold_until, event)
@@ -491,6 +499,17 @@ class _ProcessIndex:
         for pid in pids:
             found |= self._gpus_of_pid.get(pid, set())
         return found
+
+
+def _step_shrinks(r: AllocatorReport) -> tuple[int, int]:
+    """(steps the step guard shrank, steps it could not run a prefill in at all)."""
+    shrunk = stalled = 0
+    for kind, count in (r.step_shrinks or {}).items():
+        if kind.startswith(("decode_only/", "wait/")):
+            stalled += count
+        else:
+            shrunk += count
+    return shrunk, stalled
 
 
 def _trim(seen: dict[Any, Any]) -> None:

@@ -103,6 +103,10 @@ def _knob(
     return value
 
 
+# How stale the GPU state may be where a step's fit is decided (its start, its end, the step
+# guard's look): the trace driver rewrites the state file every 0.1 s wall.
+STATE_FRESH_S = 0.02
+
 ILLEGAL_ADDRESS = (
     "CUDA error: an illegal memory access was encountered\n"
     "CUDA kernel errors might be asynchronously reported at some other API call, so the "
@@ -175,9 +179,9 @@ class GpuTwin:
                 target=self._publish_device_memory, name="twin-gpu-process", daemon=True
             ).start()
 
-    def _read_state(self) -> None:
+    def _read_state(self, every: float = 0.2) -> None:
         now = time.monotonic()
-        if not self.state_file or now - self._read_at < 0.2:
+        if not self.state_file or now - self._read_at < every:
             return
         self._read_at = now
         try:
@@ -269,12 +273,14 @@ class GpuTwin:
             return
         self._published_at = now
         from oomguard.handoff import AllocatorReport, write_report
+        from oomguard.vllm_plugin.step_guard import shrinks
 
         try:
             write_report(
                 self.allocator_dir,
                 AllocatorReport.from_memory_stats(
                     self.memory_stats(),
+                    step_shrinks=shrinks() or None,
                     timestamp=time.time(),
                     pid=os.getpid(),
                     rank=0,
@@ -294,6 +300,21 @@ class GpuTwin:
         p = self.physics
         idle = p.total - p.driver_reserved - p.resident - p.activation(p.max_num_batched_tokens)
         return {"now": idle - self.neighbour - self.fragmented - self.leaked, "idle": idle}
+
+    def step_room(self) -> dict[str, int]:
+        """What the plugin's step guard reads before each step (a GPU worker reads the device
+        and the allocator): `available`, the room for the step's transient memory now (what
+        the device holds beside the engine's resident memory, the neighbour, fragmentation and
+        leaks); `idle`, the same with nothing else on the GPU; `profiled`, a full step's
+        activations (what vLLM's profile measured)."""
+        self._read_state(every=STATE_FRESH_S)
+        p = self.physics
+        idle = p.total - p.driver_reserved - p.resident
+        return {
+            "available": idle - self.neighbour - self.fragmented - self.leaked,
+            "idle": idle,
+            "profiled": p.activation(p.max_num_batched_tokens),
+        }
 
     def check_startup(self) -> None:
         """vLLM refuses to start when the device's free memory is below what it was told to take
@@ -320,6 +341,21 @@ class GpuTwin:
         if self.steps == self.cuda_error_at_step:
             # a fault of the GPU or a kernel, not of memory: PyTorch raises it as this
             raise torch.AcceleratorError(ILLEGAL_ADDRESS)
+        self.check(step)
+        self.publish()
+        return self.physics.step_seconds(step) / self.compression
+
+    def step_end(self, step: Any) -> None:
+        """The step's activations are held until it ends: memory another process (or
+        fragmentation) took while it ran meets them there, as on a GPU, where a neighbour
+        that grows during a long prefill step kills it mid-way."""
+        if step.tokens <= 0:
+            return
+        self._read_state(every=STATE_FRESH_S)
+        self.check(step)
+
+    def check(self, step: Any) -> None:
+        """Raise a CUDA OOM (after PyTorch's OOM observers) when the step does not fit now."""
         p = self.physics
         fragmented, leaked = self.fragmented, self.leaked
         peak = p.peak(step, fragmented, self.neighbour) + leaked
@@ -340,8 +376,6 @@ class GpuTwin:
                 f"{self.neighbour / 2**30:.2f} GiB, fragmentation "
                 f"{fragmented / 2**30:.2f} GiB, leaked {leaked / 2**30:.2f} GiB)"
             )
-        self.publish()
-        return p.step_seconds(step) / self.compression
 
 
 class ModelFreeWorker:
@@ -380,6 +414,14 @@ class ModelFreeWorker:
         # tokens that must be computed before a request samples: prompt (+ outputs if resumed)
         self._needed: dict[str, int] = {}
         self._pending: ModelRunnerOutput | None = None
+        if self.gpu is not None:
+            from oomguard.vllm_plugin import step_guard
+
+            # in the engine's process, as vLLM's single-GPU worker: the step guard reads it,
+            # and a shrink rewrites the hand-off at once
+            step_guard.register_probe(self.oomguard_step_memory)
+            gpu = self.gpu
+            step_guard.on_shrink(lambda: gpu.publish(force=True))
 
     # -- start-up ------------------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -402,6 +444,10 @@ class ModelFreeWorker:
     def oomguard_memory(self) -> dict[str, int] | None:
         """The request guard's headroom (a GPU worker computes it from the allocator)."""
         return self.gpu.headroom() if self.gpu is not None else None
+
+    def oomguard_step_memory(self) -> dict[str, int] | None:
+        """The step guard's reading before each step (vllm_plugin/step_guard.py)."""
+        return self.gpu.step_room() if self.gpu is not None else None
 
     def check_health(self) -> None:
         pass
@@ -454,10 +500,12 @@ class ModelFreeWorker:
             if ready and req_id in self._prompt_logprobs:
                 prompt_logprobs[req_id] = self._prompt_logprob_tensors(req_id)
         step_seconds = self.step_seconds
+        step = None
         if self.gpu is not None:
             from oomguard.twin.physics import Step
 
-            step_seconds = self.gpu.step(Step(tokens, attention, context, logits))
+            step = Step(tokens, attention, context, logits)
+            step_seconds = self.gpu.step(step)
         self._pending = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -468,6 +516,8 @@ class ModelFreeWorker:
         remaining = step_seconds - (time.monotonic() - started)
         if remaining > 0:
             time.sleep(remaining)
+        if self.gpu is not None and step is not None:
+            self.gpu.step_end(step)
 
     def _sampled_logprobs(self, req_ids: list[str]) -> Any:
         """What a GPU runner's sampler returns when a request in the batch asked for `logprobs`

@@ -29,6 +29,7 @@ from typing import Any
 
 from oomguard.contract import ALLOCATOR_DIR_ENV, HANDOFF_DIR, TARGET_ENV
 from oomguard.handoff import AllocatorReport, report_path, write_report
+from oomguard.vllm_plugin import step_guard
 
 log = logging.getLogger("oomguard.vllm_plugin.allocator")
 
@@ -99,6 +100,7 @@ class AllocatorPublisher:
                 device_uuid=uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}",
                 free_after_gc_bytes=self._free_after_gc,
                 gc_timestamp=self._gc_at,
+                step_shrinks=step_guard.shrinks() or None,
             )
             return write_report(self.directory, report)
         except Exception:
@@ -143,6 +145,8 @@ def install() -> AllocatorPublisher | None:
             os.environ.get(TARGET_ENV, ""),
         )
         publisher.start()
+        # a step guard's shrink reaches the exporter at once, not at the next tick
+        step_guard.on_shrink(publisher.publish_once)
         return publisher
     except Exception:
         log.warning("oomguard: allocator publisher not started", exc_info=True)

@@ -31,11 +31,14 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomguard.contract import DRAINING, INITIAL_CAP_ENV
 from oomguard.engine_state import EngineCoreState, SinceCapChange
 from oomguard.vllm_plugin import oom
+
+if TYPE_CHECKING:
+    from oomguard.vllm_plugin.step_guard import StepGuard
 
 log = logging.getLogger("oomguard.vllm_plugin")
 
@@ -93,10 +96,80 @@ def _initial_cap(scheduler: Any) -> None:
     log.info("oomguard: starting with admission cap %d (%s)", applied, INITIAL_CAP_ENV)
 
 
+_NO_GUARD = object()
+
+
+def step_guard_of(scheduler: Any) -> StepGuard | None:
+    """The scheduler's step guard (vllm_plugin/step_guard.py), made at its first step; None
+    when off, misconfigured, or without an in-process worker to read the memory from."""
+    guard = scheduler.__dict__.get("_oomguard_step_guard", _NO_GUARD)
+    if guard is _NO_GUARD:
+        guard = scheduler._oomguard_step_guard = _make_step_guard(scheduler)
+    return guard  # type: ignore[no-any-return]
+
+
+def _make_step_guard(scheduler: Any) -> StepGuard | None:
+    from oomguard.vllm_plugin import step_guard
+
+    mode = os.environ.get("OOMGUARD_STEP_GUARD_MODE", "observe").strip() or "observe"
+    if mode == "off":
+        return None
+    probe = step_guard.registered_probe()
+    if probe is None:
+        log.info(
+            "oomguard: step guard inactive: the workers run in other processes (tensor "
+            "parallelism); it reads memory from an in-process worker"
+        )
+        return None
+    try:
+        model = scheduler.vllm_config.model_config
+        hidden, vocab = int(model.get_hidden_size()), int(model.get_vocab_size())
+        dtype_bytes = int(getattr(model.dtype, "itemsize", 2) or 2)
+        full = int(scheduler.max_num_scheduled_tokens)
+
+        def costs(profiled: int) -> step_guard.StepCosts:
+            return step_guard.StepCosts.calibrated(profiled, full, hidden, vocab, dtype_bytes)
+
+        guard = step_guard.StepGuard.from_env(probe, costs)
+    except (AttributeError, TypeError, ValueError) as exc:
+        log.error("oomguard: step guard off: %s", exc)
+        return None
+    log.info("oomguard: step guard in %s mode", guard.mode)
+    return guard
+
+
+def _guarded_schedule(schedule: Any, self: Any, args: Any, kwargs: Any) -> Any:
+    """`schedule` with the step guard's budget, if it gives one, for this call only."""
+    guard = step_guard_of(self)
+    budget = None
+    if guard is not None:
+        try:
+            budget = guard.budget(self)
+        except Exception:  # the guard must never break a step: vLLM's own budget then
+            log.warning("oomguard: step guard failed; step left as vLLM planned", exc_info=True)
+    if budget is None:
+        output = schedule(self, *args, **kwargs)
+    else:
+        # vLLM's own token budget (Scheduler.schedule reads it once, at the start), restored
+        # whatever happens
+        full = self.max_num_scheduled_tokens
+        self.max_num_scheduled_tokens = budget
+        try:
+            output = schedule(self, *args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = full
+    if guard is not None:
+        tokens = int(getattr(output, "total_num_scheduled_tokens", 0) or 0)
+        guard.after(tokens)
+        if budget == 0 and tokens == 0 and guard.wait_seconds > 0:
+            time.sleep(guard.wait_seconds)  # nothing fits: look again shortly
+    return output
+
+
 def _wrap_schedule(schedule: Any) -> Any:
     @functools.wraps(schedule)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = schedule(self, *args, **kwargs)
+        output = _guarded_schedule(schedule, self, args, kwargs)
         try:
             c = counters(self)
             c.admitted += len(output.scheduled_new_reqs)
@@ -106,6 +179,22 @@ def _wrap_schedule(schedule: Any) -> Any:
         except Exception:  # counting must never break a step
             log.debug("oomguard: could not count a scheduler step", exc_info=True)
         return output
+
+    wrapper._oomguard_wrapper = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_add_request(add: Any) -> Any:
+    @functools.wraps(add)
+    def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = add(self, request, *args, **kwargs)
+        try:  # the step guard counts what prompt and top logprobs add to a step
+            guard = step_guard_of(self)
+            if guard is not None:
+                guard.track(request)
+        except Exception:
+            log.debug("oomguard: step guard could not track a request", exc_info=True)
+        return result
 
     wrapper._oomguard_wrapper = True  # type: ignore[attr-defined]
     return wrapper
@@ -435,6 +524,48 @@ def worker_memory(self: Any) -> dict[str, int]:
     return {"now": int(now), "idle": int(idle)}
 
 
+def worker_step_memory(self: Any) -> dict[str, int]:
+    """What the step guard reads before each step (a GPU worker in the engine's process).
+
+    available = device free + reserved-but-free allocator cache not split into fragments
+    idle      = device total - allocated - non-torch memory at the first reading (the same with
+                nothing else on the GPU)
+    profiled  = the transient peak vLLM's profile measured for a full step
+                (`Worker.peak_activation_memory`; 0 when the worker has none)
+    One `cudaMemGetInfo` and one read of the allocator's counters: tens of microseconds.
+    """
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    stats = torch.cuda.memory_stats()
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    allocated = int(stats.get("allocated_bytes.all.current", 0))
+    fragments = (
+        0 if _expandable_segments() else int(stats.get("inactive_split_bytes.all.current", 0))
+    )
+    if not hasattr(self, "_oomguard_non_torch"):
+        self._oomguard_non_torch = max(0, total - free - reserved)
+    return {
+        "available": int(free + max(0, reserved - allocated - fragments)),
+        "idle": int(total - allocated - self._oomguard_non_torch),
+        "profiled": int(getattr(self, "peak_activation_memory", 0) or 0),
+    }
+
+
+def _wrap_worker_init(init: Any) -> Any:
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        from oomguard.vllm_plugin import step_guard
+
+        # a worker in the engine's own process (vLLM's single-GPU executor) lets the step
+        # guard read its memory; one in another process registers in that process only
+        step_guard.register_probe(self.oomguard_step_memory)
+
+    wrapper._oomguard_wrapper = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _patch_worker() -> None:
     """The GPU worker notes each step for OOM incident records (no GPU worker: nothing to do)."""
     try:
@@ -448,6 +579,9 @@ def _patch_worker() -> None:
     if not getattr(Worker.execute_model, "_oomguard_wrapper", False):
         Worker.execute_model = _wrap_worker_execute(Worker.execute_model)  # type: ignore[method-assign]
     Worker.oomguard_memory = worker_memory  # type: ignore[attr-defined]
+    Worker.oomguard_step_memory = worker_step_memory  # type: ignore[attr-defined]
+    if not getattr(Worker.__init__, "_oomguard_wrapper", False):
+        Worker.__init__ = _wrap_worker_init(Worker.__init__)  # type: ignore[method-assign]
 
 
 def register() -> None:
@@ -468,6 +602,8 @@ def register() -> None:
         Scheduler.update_from_output = _wrap_update_from_output(Scheduler.update_from_output)  # type: ignore[method-assign]
     if not getattr(Scheduler._preempt_request, "_oomguard_wrapper", False):
         Scheduler._preempt_request = _wrap_preempt(Scheduler._preempt_request)  # type: ignore[method-assign]
+    if not getattr(Scheduler.add_request, "_oomguard_wrapper", False):
+        Scheduler.add_request = _wrap_add_request(Scheduler.add_request)  # type: ignore[method-assign]
     setattr(EngineCore, _PATCHED, True)
     _patch_worker()
     from oomguard.vllm_plugin.allocator import install as install_allocator_publisher

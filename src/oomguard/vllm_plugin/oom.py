@@ -235,8 +235,15 @@ class OomRecorder:
                 "device_uuid": "",
                 **self.identity(),
             }
+            from oomguard.vllm_plugin.step_guard import shrinks
+
             report = AllocatorReport.from_memory_stats(
-                stats, timestamp=now, pid=os.getpid(), target=self.target, **identity
+                stats,
+                timestamp=now,
+                pid=os.getpid(),
+                target=self.target,
+                step_shrinks=shrinks() or None,  # the counts go on in the same file
+                **identity,
             )
             if self.directory:
                 write_report(self.directory, report)

@@ -74,3 +74,6 @@ class AllocatorCollector:
             out.add("oomguard_allocator_ooms_total", labels, r.ooms)
             out.add("oomguard_allocator_free_after_gc_bytes", labels, r.free_after_gc_bytes)
             out.add("oomguard_allocator_report_timestamp_seconds", labels, r.timestamp)
+            for kind, count in (r.step_shrinks or {}).items():
+                action, reason = kind.split("/", 1)  # keys checked by the hand-off reader
+                out.add("oomguard_step_guard_shrinks_total", (*labels, action, reason), count)
