@@ -69,6 +69,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "src/oomguard/thresholds.py",
     ),
     "guard": ("bench/guard.py", "src/oomguard/vllm_plugin", "src/oomguard/twin"),
+    "step_guard": ("bench/step_guard.py", "src/oomguard/vllm_plugin", "src/oomguard/twin"),
     "fleet": ("bench/fleet.py", "src/oomguard/remediator"),
     # scripts/gpu-check on a GPU machine: the code that reads a real GPU, and the checks
     "gpu-check": (

@@ -523,6 +523,22 @@ def node(t: AlertThresholds | None = None) -> dict[str, Any]:
         ],
     )
     L.timeseries(
+        "Step guard shrinks",
+        "Steps the plugin's step guard ran smaller than vLLM planned because the full step "
+        "would not fit the memory the engine could get, by action (fewer_prefill_tokens, "
+        "decode_only, wait) and reason (oomguard_step_guard_shrinks_total). Any shrink means "
+        "memory beyond the engine's plan is gone (a neighbour, fragmentation, logits): the "
+        "engine's pressure level rises with it.",
+        "short",
+        [
+            target(
+                f"sum by (target, engine, action, reason) (increase("
+                f"oomguard_step_guard_shrinks_total{{{s.rank}}}[$__rate_interval]))",
+                "{{target}}/{{engine}} {{action}} ({{reason}})",
+            ),
+        ],
+    )
+    L.timeseries(
         "KV-cache usage and projected demand",
         "KV pool in use "
         "(oomguard_vllm_kv_cache_usage_ratio) and the projected demand of running plus "

@@ -3,6 +3,7 @@
 Routes (JSON in and out; docs/vllm-plugin.md has the full contract):
   GET  /oomguard/v1/state      every engine's cap, mode and counters (read-only, no token)
   GET  /oomguard/v1/ready      200 while serving, 503 while draining: a readinessProbe target
+  GET  /oomguard/v1/step-guard each engine's step guard: mode, shrinks, its cost per step
   PUT  /oomguard/v1/admission  {"cap": N}: set the live admission cap (clamped to 1..startup)
   POST /oomguard/v1/drain      stop admitting; running requests finish; new ones get 503
   POST /oomguard/v1/resume     admit again
@@ -364,6 +365,12 @@ class OomguardEndpointPlugin:
         @router.get("/state")
         async def get_state() -> dict[str, Any]:
             return await plugin.state()
+
+        @router.get("/step-guard")
+        async def get_step_guard() -> dict[str, Any]:
+            """Each engine's step guard: mode, steps looked at, shrinks by kind, its own cost
+            and the steps' time (read-only, like /state)."""
+            return {"engines": await plugin.call_engines("oomguard_step_guard")}
 
         @router.get("/ready")
         async def ready() -> JSONResponse:

@@ -456,7 +456,23 @@ def oomguard_headroom(self: Any) -> dict[str, Any]:
     }
 
 
+def oomguard_step_guard(self: Any) -> dict[str, Any]:
+    """The step guard of this engine (vllm_plugin/step_guard.py), for GET /step-guard."""
+    from oomguard.vllm_plugin import step_guard
+
+    guard = step_guard_of(self.scheduler)
+    out: dict[str, Any] = {
+        "engine": int(getattr(self, "engine_index", 0) or 0),
+        "mode": guard.mode if guard is not None else "inactive",
+        "shrinks": step_guard.shrinks(),
+    }
+    if guard is not None:
+        out.update(guard.stats())
+    return out
+
+
 UTILITIES = {
+    "oomguard_step_guard": oomguard_step_guard,
     "oomguard_state": oomguard_state,
     "oomguard_headroom": oomguard_headroom,
     "oomguard_set_admission_cap": oomguard_set_admission_cap,

@@ -312,7 +312,11 @@ class StepGuard:
         self.last: Plan | None = None
         self.looks = 0
         self.shrunk = 0
-        self.cost_ns = 0  # time spent deciding (bench/step_guard.py reads it)
+        self.cost_ns = 0  # time spent deciding, memory reading included (bench/step_guard.py)
+        self.cost_max_ns = 0
+        self.decisions = 0
+        self.step_s = 0.0  # time of the steps timed (busy steps, look to look)
+        self.steps_timed = 0
 
     @classmethod
     def from_env(
@@ -377,7 +381,32 @@ class StepGuard:
         try:
             return self._budget(scheduler)
         finally:
-            self.cost_ns += time.perf_counter_ns() - started
+            spent = time.perf_counter_ns() - started
+            self.cost_ns += spent
+            self.cost_max_ns = max(self.cost_max_ns, spent)
+            self.decisions += 1
+
+    def stats(self) -> dict[str, Any]:
+        """What GET /oomguard/v1/step-guard shows: the guard's own cost against its steps'."""
+        last = self.last
+        return {
+            "looks": self.looks,
+            "shrunk": self.shrunk,
+            "decisions": self.decisions,
+            "cost_ns_total": self.cost_ns,
+            "cost_ns_max": self.cost_max_ns,
+            "steps_timed": self.steps_timed,
+            "step_seconds_total": round(self.step_s, 6),
+            "last": None
+            if last is None
+            else {
+                "budget": last.budget,
+                "action": last.action,
+                "reason": last.reason,
+                "need_bytes": last.need,
+                "room_bytes": last.room,
+            },
+        }
 
     def after(self, scheduled_tokens: int) -> None:
         """What the step scheduled (its time until the next look is a step's time only when
@@ -388,6 +417,8 @@ class StepGuard:
         now = self.clock()
         if self._last_look is not None and self._busy:
             self._step_times.append(now - self._last_look)
+            self.step_s += now - self._last_look
+            self.steps_timed += 1
         self._last_look = now
         reading = self.probe()
         if not reading:
