@@ -1,14 +1,19 @@
 """GPU matrix benchmark: is oomguard right on every common GPU at every sane setting?
 
 Every twin GPU (24 GB to 192 GB, MIG slices) x gpu_memory_utilization {0.85, 0.90, 0.92, 0.95}
-x {steady heavy load, each memory incident trace scaled to the GPU}, in simulated time
+x {steady heavy load, each memory incident trace scaled to the GPU, each trace of memory taken
+within seconds (STEP_TRACES, 0.1 s ticks)}, in simulated time
 (twin/matrix.py: the twin's memory physics, the exporter's own NVML collector and pressure
 evaluator, the remediation the alerts carry). Reported per cell: the highest level and why,
 remediator actions, when vLLM alone would hit a CUDA OOM, whether it does with oomguard, and the
 lead time (OOM minus the first level 2), and where the trace's pressure ends, the recovery: the
 end of the pressure to full admission through the shipped alert hysteresis and the remediator's
-own decision (twin/recovery.py). Targets: steady cells at level 0 with zero actions; incident
-cells at level >= 2 before the OOM, no OOM with oomguard, recovery <= 60 s with no re-trigger.
+own decision (twin/recovery.py), and the plugin's step guard on top (the same plan before each
+step: the ticks it shrank, and any OOM despite it, at a step's start or end). Targets: steady
+cells at level 0 with zero actions and no shrink; incident cells at level >= 2 before the OOM,
+no OOM with oomguard (with and without the step guard), recovery <= 60 s with no re-trigger;
+cells of memory taken within seconds: vLLM alone dies, none with the step guard (the alerts'
+drain cannot outrun the next chunk there, and is not required to).
 
 Usage: python bench/matrix.py [--quick] [--real | --real-only] [--gpus ...] [--traces ...]
 (writes bench/results/matrix.json; the real subset is merged into bench/results/matrix-real.json)
@@ -38,6 +43,7 @@ from oomguard.twin.gpu import GPU_MODELS  # noqa: E402
 from oomguard.twin.matrix import (  # noqa: E402
     GMUS,
     INCIDENT_TRACES,
+    STEP_TRACES,
     Cell,
     real_trace,
     run,
@@ -49,12 +55,23 @@ from oomguard.twin.traces import Trace  # noqa: E402
 
 def judge(cell: Cell) -> bool:
     if cell.scenario == "steady":
-        return cell.max_level == 0 and cell.actions == 0 and cell.oom_without_s is None
+        # do no harm: no level, no action, and the step guard never shrinks a step
+        return (
+            cell.max_level == 0
+            and cell.actions == 0
+            and cell.oom_without_s is None
+            and cell.step_guard_shrinks == 0
+        )
+    if cell.scenario in STEP_TRACES:
+        # memory taken within seconds: vLLM alone dies, the step guard keeps it alive (the
+        # alerts' drain is recorded, not required: it cannot outrun the next chunk)
+        return cell.oom_without_s is not None and cell.oom_with_step_guard_s is None
     return (
         cell.oom_without_s is not None
         and cell.first_pressure_s is not None
         and cell.first_pressure_s < cell.oom_without_s
         and cell.oom_with_s is None
+        and cell.oom_with_step_guard_s is None
         # where the pressure ends: full admission within 60 s, and no re-trigger
         and (cell.recovery_s is None or cell.recovery_s <= 60)
         and not cell.retriggered
@@ -64,15 +81,18 @@ def judge(cell: Cell) -> bool:
 def table(cells: list[Cell]) -> str:
     rows = [
         "| GPU | gmu | model | scenario | max level (reason) | actions | OOM alone (s) "
-        "| OOM with oomguard | lead (s) | recovery (s) | met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| OOM with oomguard | with the step guard (shrunk ticks) | lead (s) | recovery (s) "
+        "| met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         oom_with = "none" if c.oom_with_s is None else f"at {c.oom_with_s:.0f} s"
+        step = "none" if c.oom_with_step_guard_s is None else f"at {c.oom_with_step_guard_s:.0f} s"
         rows.append(
             f"| {c.gpu} | {c.gmu:.2f} | {c.model} | {c.scenario} | {c.max_level} ({c.max_reason}) "
             f"| {c.actions} | {'-' if c.oom_without_s is None else f'{c.oom_without_s:.0f}'} "
-            f"| {oom_with} | {'-' if c.lead_s is None else f'{c.lead_s:.0f}'} "
+            f"| {oom_with} | {step} ({c.step_guard_shrinks}) "
+            f"| {'-' if c.lead_s is None else f'{c.lead_s:.0f}'} "
             f"| {_recovery(c)} | {'yes' if judge(c) else 'NO'} |"
         )
     return "\n".join(rows)
@@ -183,7 +203,7 @@ def main() -> int:
     gpus = ("L4", "L40S", "H100") if args.quick else tuple(GPU_MODELS)
     gmus = (0.92,) if args.quick else GMUS
     started = time.perf_counter()
-    cells = run(gpus, gmus, INCIDENT_TRACES)
+    cells = run(gpus, gmus, INCIDENT_TRACES + STEP_TRACES)
     elapsed = time.perf_counter() - started
     print(table(cells))
     met = sum(judge(c) for c in cells)

@@ -63,10 +63,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
+from oomguard.handoff import AllocatorReport  # noqa: E402
 from oomguard.twin.physics import Physics, Step  # noqa: E402
 from oomguard.twin.routers import ROUTERS  # noqa: E402
 from oomguard.twin.runner import (  # noqa: E402
     CONFIGS,
+    NO_STEP_GUARD,
     ClosedLoop,
     EngineView,
     Fleet,
@@ -76,6 +78,19 @@ from oomguard.twin.runner import (  # noqa: E402
 from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
+# Memory taken within seconds under heavy prefill load (issue 27): no signal outruns the next
+# step. These run at time compression 1 (each step takes its roofline time: the race is real)
+# and in a fourth configuration, oomguard with the plugin's step guard off.
+STEP_TRACES = (
+    "neighbour-2s-24gb",
+    "neighbour-8s-48gb",
+    "neighbour-30s-80gb",
+    "fragmentation-spike",
+    "long-prompt-burst",
+)
+# The plugin's step guard in the `oomguard` configuration: enforcing, as an operator who deploys
+# oomguard against CUDA OOMs runs it (the plugin ships it in `observe`).
+STEP_GUARD_MODE = "enforce"
 # The request guard in the `oomguard` configuration. The plugin ships it in `observe` (it refuses
 # nothing); an operator who deploys oomguard to stop CUDA OOMs enforces it (the runbook's fix for
 # requests whose own transient memory never fits: prompt-logprobs kills vLLM with observe).
@@ -364,18 +379,44 @@ def oom_times(fleet: Fleet, target: str | None = None) -> list[float]:
     return [t for t, engine in oom_records(fleet) if target in (None, engine)]
 
 
+def configs_for(trace: str) -> tuple[str, ...]:
+    """The configurations a trace runs in: the three, and without the step guard where memory
+    is taken within seconds."""
+    return (*CONFIGS, NO_STEP_GUARD) if trace in STEP_TRACES else CONFIGS
+
+
+def step_shrinks(fleet: Fleet) -> dict[str, int]:
+    """The step guard's shrinks in the fleet, by "action/reason", from every engine process's
+    last hand-off report (a restarted engine's files stay beside the new one's)."""
+    total: dict[str, int] = {}
+    for path in (fleet.work / "allocator").glob("pid-*.json"):
+        try:
+            report = AllocatorReport.from_json(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if report.target in fleet.names:
+            for kind, count in (report.step_shrinks or {}).items():
+                total[kind] = total.get(kind, 0) + count
+    return total
+
+
 def run(
     trace: Trace,
     config: str,
     load: ClosedLoop | None,
     guard_mode: str = GUARD_MODE,
+    step_guard_mode: str = STEP_GUARD_MODE,
     router: str = "gateway",
 ) -> tuple[Outcome, dict[str, Any]]:
-    # oomguard: the fleet's remediator, shipped defaults + restarts, and the request guard in
-    # `guard_mode`; default and static: vLLM alone (guard off). `router`: what is in front of
-    # the engines (the twin's gateway, vllm-router or nginx: twin/routers.py)
-    mode = guard_mode if config == "oomguard" else None
-    fleet = Fleet(trace, config, load=load, guard_mode=mode, router=router)
+    # oomguard: the fleet's remediator, shipped defaults + restarts, the request guard in
+    # `guard_mode` and the step guard in `step_guard_mode` (off without the step guard);
+    # default and static: vLLM alone (guards off). `router`: what is in front of the engines
+    # (the twin's gateway, vllm-router or nginx: twin/routers.py)
+    mode = guard_mode if config in ("oomguard", NO_STEP_GUARD) else None
+    step_mode = step_guard_mode if config == "oomguard" else None
+    fleet = Fleet(
+        trace, config, load=load, guard_mode=mode, step_guard_mode=step_mode, router=router
+    )
     try:
         fleet.start()
         fleet.replay()
@@ -385,7 +426,12 @@ def run(
             fleet.crash_times = [t for t, _ in ooms]
         o = fleet.outcome()
         first = next((t for t, engine in ooms if engine == fleet.names[0]), None)
-        return o, {"guard_mode": mode or "off", **engine0(fleet, trace, o, first)}
+        return o, {
+            "guard_mode": mode or "off",
+            "step_guard_mode": step_mode or "off",
+            "step_guard_shrinks": step_shrinks(fleet),
+            **engine0(fleet, trace, o, first),
+        }
     finally:
         fleet.stop()
 
@@ -421,7 +467,43 @@ def judge(
         ratio = o.goodput_tokens_per_s / d.goodput_tokens_per_s if d.goodput_tokens_per_s else None
         checks["do_no_harm_ratio"] = round(ratio, 3) if ratio is not None else None
         checks["do_no_harm_at_least_99pct"] = ratio is not None and ratio >= 0.99
+    if trace.name in STEP_TRACES:
+        checks["vllm_alone_crashes"] = d.crashes > 0
+        n = outcomes.get(NO_STEP_GUARD)
+        if n is not None:
+            checks["without_step_guard_crashes"] = n.crashes
     return checks
+
+
+def step_checks(trace: Trace, extra: dict[str, dict[str, Any]]) -> dict[str, object]:
+    """The step guard's part of the targets: it acted where memory was taken within seconds,
+    and never on the steady (do-no-harm) trace."""
+    shrinks = extra.get("oomguard", {}).get("step_guard_shrinks")
+    if shrinks is None:
+        return {}
+    if trace.name in STEP_TRACES:
+        return {"step_guard_shrank": sum(shrinks.values()) > 0}
+    if not trace.gpu_events and trace.pressure_ends_s is None:  # steady: do no harm
+        return {"no_step_guard_shrink": not shrinks}
+    return {}
+
+
+def step_summary(traces: dict[str, Any]) -> dict[str, object]:
+    """Across the step traces recorded: oomguard without the step guard lost the race on at
+    least one (a CUDA OOM), and with it every one had no OOM and lost nothing."""
+    rows = {n: traces[n]["outcomes"] for n in STEP_TRACES if n in traces}
+    lost_race = [n for n, o in rows.items() if o.get(NO_STEP_GUARD, {}).get("crashes", 0) > 0]
+    return {
+        "traces": sorted(rows),
+        "without_step_guard_lost_the_race_on": lost_race,
+        "without_step_guard_lost_at_least_one": bool(lost_race),
+        "with_step_guard_no_oom_nothing_lost": bool(rows)
+        and all(
+            o.get("oomguard", {}).get("crashes", 1) == 0
+            and o.get("oomguard", {}).get("lost", 1) == 0
+            for o in rows.values()
+        ),
+    }
 
 
 def main() -> int:
@@ -435,7 +517,10 @@ def main() -> int:
         help="override the traces' time compression (lower: slower, truer on a loaded machine)",
     )
     parser.add_argument(
-        "--config", action="append", choices=CONFIGS, help="run only these configurations"
+        "--config",
+        action="append",
+        choices=(*CONFIGS, NO_STEP_GUARD),
+        help="run only these configurations",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "outcome.json"))
     parser.add_argument(
@@ -457,6 +542,12 @@ def main() -> int:
         help="what is in front of the engines: the twin's gateway (re-sends 503s to a peer), or "
         "vllm-router or nginx configured as docs/vllm-plugin.md says (the clients retry what "
         "OpenAI's clients retry, after Retry-After); a trace's results are kept per router",
+    )
+    parser.add_argument(
+        "--step-guard-mode",
+        choices=("off", "observe", "enforce"),
+        default=STEP_GUARD_MODE,
+        help="the step guard's mode in the oomguard configuration",
     )
     parser.add_argument("--conditions", help="how the run went (recorded as is)")
     args = parser.parse_args()
@@ -484,11 +575,11 @@ def main() -> int:
         key = name if args.router == "gateway" else f"{name}@{args.router}"
         outcomes, extra = kept(traces.get(key), trace, args.config, args.inflight)
         load_before = [round(x, 2) for x in os.getloadavg()]
-        for config in args.config or CONFIGS:
+        for config in args.config or configs_for(name):
             failed.pop(f"{key}/{config}", None)
             try:
                 outcomes[config], extra[config] = run(
-                    trace, config, load, args.guard_mode, args.router
+                    trace, config, load, args.guard_mode, args.step_guard_mode, args.router
                 )
                 print("  " + summary(outcomes[config], extra[config]), flush=True)
             except RuntimeError as exc:  # an engine that did not start on a loaded machine
@@ -497,7 +588,7 @@ def main() -> int:
                 outcomes.pop(config, None)
                 extra.pop(config, None)
             # recorded after each configuration: a run stopped at its time limit keeps the rest
-            checks = judge(trace, outcomes, extra)
+            checks = {**judge(trace, outcomes, extra), **step_checks(trace, extra)}
             if load is not None:
                 for c in outcomes:  # every engine held the load asked for at the incident
                     held = extra[c]["inflight_at_incident_per_engine"] or [0]
@@ -525,13 +616,24 @@ def main() -> int:
                 horizon=HORIZON,
                 traces=traces,
                 not_run=failed,
+                step_guard=step_summary(traces),
                 **kept_keys,
             )
         print(f"  targets: {json.dumps(traces[key]['targets'])}", flush=True)
     return 0
 
 
-OWN_KEYS = ("benchmark", "quick", "when", "machine", "conditions", "horizon", "traces", "not_run")
+OWN_KEYS = (
+    "benchmark",
+    "quick",
+    "when",
+    "machine",
+    "conditions",
+    "horizon",
+    "traces",
+    "not_run",
+    "step_guard",
+)
 HORIZON = (
     "each trace extended to the end of its trouble + reload_s (720 s) + 120 s, the same for all "
     "configurations; goodput = good output tokens / horizon"
@@ -546,6 +648,7 @@ def summary(o: Outcome, x: dict[str, Any]) -> str:
         f"{o.preemptions}  in flight at incident {x.get('inflight_at_incident_per_engine')} "
         f"(engine 0 peak {x.get('inflight_peak')})  slowdown {x.get('inflight_decode_slowdown')}"
         f"  recovery {o.recovery_s}  actions {len(o.actions)}"
+        f"  step guard {x.get('step_guard_shrinks') or '-'}"
         + (f"  restart chain {x['restart_chain']}" if x.get("restart_chain") else "")
     )
 

@@ -435,15 +435,33 @@ def test_matrix_subset_steady_is_left_alone_and_the_incident_is_caught_in_time(
     assert cell.lead_s is not None and cell.lead_s >= 30  # level 2 well before the OOM
     assert cell.first_critical_s is not None and cell.first_critical_s < cell.oom_without_s
     assert cell.oom_with_s is None  # drained before its next full chunk no longer fit
+    assert cell.oom_with_step_guard_s is None and steady.step_guard_shrinks == 0
+
+
+@pytest.mark.parametrize("gpu_name", ["RTX4090", "L40S", "H100", "H100-MIG-3g.40gb"])
+def test_matrix_memory_taken_within_seconds_only_the_step_guard_holds(gpu_name):
+    """Memory taken within seconds under heavy prefill (issue 27): vLLM alone dies, the alerts'
+    drain lands after the next full chunk, the step guard looking before each step holds; a
+    steady GPU is never shrunk."""
+    from oomguard.twin.matrix import STEP_DT, STEP_TRACES
+
+    assert simulate(gpu_name, 0.92, duration_s=30).step_guard_shrinks == 0
+    lost_race = 0
+    for name in STEP_TRACES:
+        cell = simulate(gpu_name, 0.92, Trace.load(name), dt=STEP_DT)
+        assert cell.oom_without_s is not None, name
+        assert cell.oom_with_step_guard_s is None and cell.step_guard_shrinks > 0, name
+        lost_race += cell.oom_with_s is not None
+    assert lost_race >= 1
 
 
 def test_matrix_covers_every_trace_that_takes_memory_away():
     """A trace with GPU memory events is a pressure-model incident: the matrix must run it."""
-    from oomguard.twin.matrix import INCIDENT_TRACES
+    from oomguard.twin.matrix import INCIDENT_TRACES, STEP_TRACES
     from oomguard.twin.traces import TRACES
 
     with_events = {p.stem for p in TRACES.glob("*.json") if Trace.load(p.stem).gpu_events}
-    assert with_events == set(INCIDENT_TRACES)
+    assert with_events == set(INCIDENT_TRACES) | set(STEP_TRACES)
 
 
 def test_the_real_twins_trace_has_the_simulations_load():

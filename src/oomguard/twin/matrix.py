@@ -17,6 +17,7 @@ memory the incident takes always ends up beyond what vLLM left free, on every GP
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from oomguard.exporter.collectors.nvml import NvmlCollector
@@ -27,6 +28,8 @@ from oomguard.thresholds import PressureThresholds
 from oomguard.twin.gpu import GPU_MODELS, TwinGpu, TwinNvml
 from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
 from oomguard.twin.traces import Phase, Trace
+from oomguard.vllm_plugin import step_guard
+from oomguard.vllm_plugin.step_guard import Room, StepCosts, margin_for, plan
 
 GMUS = (0.85, 0.90, 0.92, 0.95)
 # Largest first: each GPU serves the largest of these that starts at the lowest gmu of the matrix.
@@ -35,6 +38,17 @@ MODEL_LADDER = ("llama-3-8b", "llama-3.2-3b", "llama-3.2-1b")
 # what the pressure level predicts. prompt-logprobs and prefill-during-decode are one request's own
 # transient peak; the request guard (vllm_plugin/guard.py) answers those, not the level.
 INCIDENT_TRACES = ("neighbour-growth", "fragmentation-creep", "long-context-burst")
+# Memory taken within seconds under heavy prefill load (issue 27): no alert outruns the next full
+# chunk, so the remediation the alerts carry loses the race; the plugin's step guard, which looks
+# before every step, is what holds. Simulated at STEP_DT.
+STEP_TRACES = (
+    "neighbour-2s-24gb",
+    "neighbour-8s-48gb",
+    "neighbour-30s-80gb",
+    "fragmentation-spike",
+    "long-prompt-burst",
+)
+STEP_DT = 0.1  # simulated seconds per tick for STEP_TRACES (a 2 s ramp is 20 ticks)
 ENGINE_PID, NEIGHBOUR_PID = 4242, 7777
 MAX_NUM_SEQS = 256
 
@@ -71,6 +85,11 @@ class Cell:
     # remediator's own decision (twin/recovery.py); None where the trace has no end
     recovery_s: float | None = None
     retriggered: bool | None = None  # drained or capped again after full admission
+    # the plugin's step guard on top of the remediation (vllm_plugin/step_guard.py: the same
+    # plan, the twin's room, the margin and the room's trend): ticks it shrank the step, and
+    # when (if ever) the step it allowed did not fit at the step's start or end
+    step_guard_shrinks: int = 0
+    oom_with_step_guard_s: float | None = None
 
     @property
     def lead_s(self) -> float | None:
@@ -117,6 +136,7 @@ def simulate(
     if trace is not None:
         scale = _scale(trace, slack, overshoot)
         duration_s = trace.duration_s
+    guard = _StepGuardSim(p, trace, scale)
     full = Step(tokens=p.max_num_batched_tokens)
     decode = Step(tokens=MAX_NUM_SEQS)
     critical_since: float | None = None
@@ -173,13 +193,74 @@ def simulate(
             step = None  # drained and idle: no allocation, nothing to fail
         if cell.oom_with_s is None and step is not None and not p.fits(step, frag, neighbour):
             cell.oom_with_s = t
+        # ... and with the step guard looking before that step
+        if guard.step(t, step, neighbour, frag) and cell.oom_with_step_guard_s is None:
+            cell.oom_with_step_guard_s = t
         t += dt
+    cell.step_guard_shrinks = guard.shrinks
     if trace is not None and trace.pressure_ends_s is not None:
         from oomguard.twin.recovery import on_gpu, simulate_recovery
 
         r = simulate_recovery(on_gpu(trace, gpu_name, gmu, model), ticks, dt)
         cell.recovery_s, cell.retriggered = r.recovery_s, r.retriggered
     return cell
+
+
+class _StepGuardSim:
+    """The step guard's plan before each tick's step, on the twin's room (what the plugin reads
+    from the twin's worker), with its margin and the room's trend; whether the step it allows
+    fits at its start and at its end (memory taken while it runs meets its activations)."""
+
+    def __init__(self, p: Physics, trace: Trace | None, scale: float) -> None:
+        self.p, self.trace, self.scale = p, trace, scale
+        self.idle = p.total - p.driver_reserved - p.resident
+        full = p.max_num_batched_tokens
+        self.costs = StepCosts.calibrated(
+            p.activation(full), full, p.shape.hidden_size, p.shape.vocab_size
+        )
+        # a full chunk of a long prompt (the slowest step): what the trend's loss is scaled by
+        self.full_s = p.step_seconds(Step(tokens=full, attention=full * full, context=full))
+        self.rooms: deque[tuple[float, int]] = deque()
+        self.shrinks = 0
+
+    def _memory(self, t: float) -> tuple[int, int]:
+        if self.trace is None:
+            return 0, 0
+        n, f = self.trace.gpu_at(t)
+        return int(n * self.scale), int(f * self.scale)
+
+    def step(self, t: float, step: Step | None, neighbour: int, frag: int) -> bool:
+        """True when the step the guard allows does not fit (a CUDA OOM despite it)."""
+        room = Room(
+            self.idle - neighbour - frag, self.idle, self.p.activation(self.costs.max_tokens)
+        )
+        self.rooms.append((t, room.available))
+        while len(self.rooms) > 2 and t - self.rooms[1][0] >= step_guard.TREND_WINDOW_S:
+            self.rooms.popleft()
+        rate = max(
+            (
+                (r - room.available) / (t - at)
+                for at, r in self.rooms
+                if t - at >= step_guard.TREND_SPAN_S
+            ),
+            default=0.0,
+        )
+        trend = max(0.0, rate) * self.full_s * step_guard.TREND_SAFETY
+        margin = margin_for(room, self.costs, step_guard.MARGIN) + trend
+        if step is None:
+            return False
+        budget = plan(self.costs, room, margin).budget
+        tokens = min(step.tokens, budget)
+        if tokens < step.tokens:
+            self.shrinks += 1
+        if tokens <= 0:
+            return False  # waits: nothing allocated
+        run = Step(tokens=tokens)
+        n_end, f_end = self._memory(t + self.p.step_seconds(run))
+        return not (
+            self.p.fits(run, frag, neighbour)
+            and self.p.fits(run, max(frag, f_end), max(neighbour, n_end))
+        )
 
 
 def _report(t: float, device_uuid: str, p: Physics, frag: int) -> AllocatorReport:
@@ -287,7 +368,7 @@ def real_trace(trace: Trace, cell: Cell) -> tuple[Trace, float]:
 def run(
     gpus: tuple[str, ...] = tuple(GPU_MODELS),
     gmus: tuple[float, ...] = GMUS,
-    traces: tuple[str, ...] = INCIDENT_TRACES,
+    traces: tuple[str, ...] = INCIDENT_TRACES + STEP_TRACES,
     steady_s: float = 120.0,
 ) -> list[Cell]:
     loaded = [Trace.load(name) for name in traces]
@@ -295,5 +376,8 @@ def run(
     for gpu in gpus:
         for gmu in gmus:
             cells.append(simulate(gpu, gmu, duration_s=steady_s))
-            cells.extend(simulate(gpu, gmu, trace) for trace in loaded)
+            cells.extend(
+                simulate(gpu, gmu, trace, dt=STEP_DT if trace.name in STEP_TRACES else 1.0)
+                for trace in loaded
+            )
     return cells

@@ -14,6 +14,7 @@ trace's GPU events hit engine 0's GPU; the others are its healthy peers. Configu
 - `guard`: vLLM's flags from the trace with the plugin's request guard enforcing (a request
   whose own transient memory never fits is answered 400, one that fits only later 503), and
   nothing else of oomguard: no exporter, no remediator (default and static run the guard off);
+- `oomguard-no-step-guard`: `oomguard` below with the plugin's step guard off;
 - `oomguard`: the exporter reading the twin GPUs, the remediator (standalone mode: pressure
   levels from the exporter) with its shipped policy, safety and alert-timing defaults, each
   clock scaled by the trace's time compression (`remediator_config`), acting through the plugin
@@ -64,6 +65,10 @@ from oomguard.twin.traces import Request, Trace, requests
 
 CONFIGS = ("default", "static", "oomguard")  # the outcome benchmark's three
 GUARD = "guard"  # the request guard alone (bench/guard.py)
+# oomguard with the plugin's step guard off: what the alerting path and the request guard do
+# alone against memory taken within seconds (bench/outcome.py runs it on the step traces)
+NO_STEP_GUARD = "oomguard-no-step-guard"
+WITH_OOMGUARD = ("oomguard", NO_STEP_GUARD)  # the configurations that run oomguard's loop
 STATIC_MAX_NUM_SEQS = 48
 TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
@@ -425,6 +430,7 @@ class Fleet:
         load: ClosedLoop | None = None,
         guard_mode: str | None = None,
         router: str = "gateway",
+        step_guard_mode: str | None = None,
     ) -> None:
         """`period`: wall seconds between the GPU driver's passes (GPU state, engine reads);
         `served_name`: vLLM's --served-model-name (the `model_name` label of its metrics);
@@ -432,11 +438,12 @@ class Fleet:
         `recovery_watch_s`: trace seconds to keep watching for engine 0's recovery after the
         trace (a crashed engine reloads for the trace's `reload_s`); `start_timeout`: wall
         seconds each vLLM may take to load; `load`: closed-loop users on top of the trace;
-        `guard_mode`: the request guard's mode (default: see `start`); `router`: what is in
-        front of the engines (twin/routers.py): the twin's own gateway, or vllm-router or
-        nginx set up as docs/vllm-plugin.md says (vllm-router: readiness health checks, and the
-        fleet's remediator takes an engine out of its rotation before a drain)."""
-        assert config in (*CONFIGS, GUARD), config
+        `guard_mode`, `step_guard_mode`: the request and step guards' modes (default: see
+        `start`); `router`: what is in front of the engines (twin/routers.py): the twin's own
+        gateway, or vllm-router or nginx set up as docs/vllm-plugin.md says (vllm-router:
+        readiness health checks, and the fleet's remediator takes an engine out of its rotation
+        before a drain)."""
+        assert config in (*CONFIGS, GUARD, NO_STEP_GUARD), config
         assert router in ROUTERS, router
         self.trace, self.config, self.log = trace, config, log
         self.work = workdir or Path(tempfile.mkdtemp(prefix=f"oomguard-{trace.name}-{config}-"))
@@ -466,6 +473,7 @@ class Fleet:
         self.guard_mode = guard_mode
         self.router = router
         self.front: VllmRouter | Nginx | None = None
+        self.step_guard_mode = step_guard_mode
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._gmu = [trace.engine.gpu_memory_utilization] * engines
@@ -497,8 +505,15 @@ class Fleet:
 
         # the request guard: enforcing in `guard`, vLLM as shipped in default and static, and
         # oomguard's own default (observe) in `oomguard` unless the caller chose a mode
-        guard_mode = self.guard_mode or {GUARD: "enforce", "oomguard": "observe"}.get(
-            self.config, "off"
+        guard_mode = self.guard_mode or {
+            GUARD: "enforce",
+            "oomguard": "observe",
+            NO_STEP_GUARD: "observe",
+        }.get(self.config, "off")
+        # the step guard: oomguard's own default (observe) in `oomguard` unless the caller chose
+        # a mode; off in vLLM as shipped, the request guard alone and `oomguard-no-step-guard`
+        step_guard_mode = (
+            (self.step_guard_mode or "observe") if self.config == "oomguard" else "off"
         )
 
         def launch(i: int) -> SupervisedVllm:
@@ -514,6 +529,7 @@ class Fleet:
                 env={
                     "HF_HUB_OFFLINE": "1",  # the tokenizer is in the folder: no network wait
                     "OOMGUARD_GUARD_MODE": guard_mode,
+                    "OOMGUARD_STEP_GUARD_MODE": step_guard_mode,
                     **self._router_env(),
                     "OOMGUARD_TWIN_GPU": trace.gpu,
                     "OOMGUARD_TWIN_MODEL": trace.model,
@@ -523,8 +539,8 @@ class Fleet:
                     TARGET_ENV: self.names[i],
                 },
                 restart_delay=trace.reload_s / c,
-                max_crashes=1000 if self.config != "oomguard" else 20,
-                keep_flags_on_crash=self.config != "oomguard",
+                max_crashes=1000 if self.config not in WITH_OOMGUARD else 20,
+                keep_flags_on_crash=self.config not in WITH_OOMGUARD,
                 timeout=self.start_timeout,
             )
 
@@ -538,7 +554,7 @@ class Fleet:
         ]
         for thread in self._threads:
             thread.start()
-        if self.config != "oomguard":
+        if self.config not in WITH_OOMGUARD:
             return
         self.exporter, self.exporter_port = twin_exporter(
             dict(zip(self.names, (e.url for e in self.engines), strict=True)),

@@ -21,7 +21,7 @@ what the engine can get now:
   logits per chunk token: `prompt_logits_bytes_per_token`, the shared logits formula);
 - top-logprobs: when a request in the engine asked for `logprobs`, the sampler's FP32
   log-softmax of every sampled row (beyond the profiled sampler);
-- margin: `OOMGUARD_STEP_GUARD_MARGIN` (0.15) of the engine's idle slack (what a full step leaves
+- margin: `OOMGUARD_STEP_GUARD_MARGIN` (0.1) of the engine's idle slack (what a full step leaves
   free on a GPU with nothing else on it: a full step on a healthy engine always fits, whatever
   `gpu_memory_utilization`), plus the memory the trend says will be gone by the end of the step
   (how fast the room shrank over the last second x the longest recent step x 1.5): a neighbour
@@ -74,12 +74,14 @@ log = logging.getLogger("oomguard.vllm_plugin.step_guard")
 
 MODES = ("off", "observe", "enforce")
 __all__ = ["ACTIONS", "MODES", "REASONS", "StepCosts", "StepGuard", "plan"]
-MARGIN = 0.15  # share of the engine's idle slack kept free
+MARGIN = 0.1  # share of the engine's idle slack kept free
 WAIT_SECONDS = 0.01
 TREND_WINDOW_S = 1.0  # how far back the room's decline is measured
 TREND_SAFETY = 1.5  # the trend's loss over the longest recent step, times this
 STEP_TIMES_KEPT = 16  # recent step durations; the longest is the next step's estimate
 TREND_NOISE = 64 * 2**20  # a decline this small is the allocator's cache moving, not a trend
+TREND_EVERY_S = 0.02  # readings kept for the trend at most this often
+TREND_SPAN_S = 0.2  # a decline measured over less than this is not a rate yet
 LISTENER_EVERY_S = 0.2  # the hand-off is rewritten after a shrink at most this often
 
 # Activations: the field calibration for Llama-3-8B (hidden 4096; no public source found), as in
@@ -356,20 +358,29 @@ class StepGuard:
 
     # -- the room's trend ----------------------------------------------------------------------
     def _trend_loss(self, now: float, available: int) -> float:
-        """Bytes the room may lose before the step ends: its decline over the last
-        TREND_WINDOW_S (bytes/s) x the longest recent step x TREND_SAFETY."""
+        """Bytes the room may lose before the step ends: how fast it declined lately (the
+        steepest decline from any reading of the last TREND_WINDOW_S at least TREND_SPAN_S
+        old to now, in bytes/s: a ramp that just began is not averaged away) x the longest
+        recent step x TREND_SAFETY."""
         rooms = self._rooms
-        if not rooms or now - rooms[-1][0] >= 0.05:
+        if not rooms or now - rooms[-1][0] >= TREND_EVERY_S:
             rooms.append((now, available))
         while len(rooms) > 2 and now - rooms[1][0] >= TREND_WINDOW_S:
             rooms.popleft()
-        start_t, start_room = rooms[0]
-        span = now - start_t
-        if span <= 0 or start_room - available <= TREND_NOISE:
-            return 0.0
-        rate = (start_room - available) / max(span, 0.05)
+        if self._room_max(rooms) - available <= TREND_NOISE:
+            return 0.0  # steady (the common case): nothing declined
+        rate = 0.0
+        for t, room in rooms:
+            span = now - t
+            if span < TREND_SPAN_S:
+                break
+            rate = max(rate, (room - available) / span)
         step = max(self._step_times, default=0.0)
         return rate * step * TREND_SAFETY
+
+    @staticmethod
+    def _room_max(rooms: deque[tuple[float, int]]) -> int:
+        return max(room for _, room in rooms)
 
     # -- the hook ------------------------------------------------------------------------------
     def budget(self, scheduler: Any) -> int | None:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[3]  # src/oomguard/twin/models -> the checkout
-MODELS = ("tiny-llama", "llama-3-8b")  # the same files in each twin model folder
+MODELS = ("tiny-llama", "llama-3-8b", "llama-3.2-3b")  # the same files in each twin model folder
 VOCAB = 1024
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
