@@ -93,8 +93,79 @@ def test_the_executor_raises_a_cuda_oom_at_exactly_that_step(tmp_path):
     assert twin.step(Step(tokens=64)) >= 0  # a decode-only step still fits
 
 
+def test_memory_taken_while_a_step_runs_kills_it_at_its_end_and_the_step_guard_reads_it(
+    tmp_path,
+):
+    """A step that fits when it starts still dies when a neighbour grows while it runs (its
+    activations are held to its end); the room the step guard reads is the same physics."""
+    require_vllm()
+    import time
+
+    import torch
+
+    from oomguard.twin.executor import GpuTwin
+
+    state = tmp_path / "gpu.json"
+    state.write_text(json.dumps({"neighbour_bytes": 0}))
+    vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+        cache_config=SimpleNamespace(gpu_memory_utilization=0.9, block_size=16),
+    )
+    twin = GpuTwin(vllm_config, {"gpu": "H100", "state_file": str(state)})
+    chunk = Step(tokens=8192)
+    room = twin.step_room()
+    assert room["available"] == room["idle"] == LLAMA.total - LLAMA.peak(chunk) + LLAMA.activation(
+        8192
+    )
+    assert room["profiled"] == LLAMA.activation(8192)
+    twin._read_at = 0.0
+    assert twin.step(chunk) > 0  # fits when it starts
+    headroom = LLAMA.total - LLAMA.peak(chunk)
+    state.write_text(json.dumps({"neighbour_bytes": headroom + 1}))  # grows while it runs
+    time.sleep(0.03)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        twin.step_end(chunk)
+    assert twin.step_room()["available"] == LLAMA.activation(8192) - 1
+
+
+@pytest.mark.parametrize(
+    ("name", "ramp_s"),
+    [
+        ("neighbour-2s-24gb", 2),
+        ("neighbour-8s-48gb", 8),
+        ("neighbour-30s-80gb", 30),
+        ("fragmentation-spike", 3),
+        ("long-prompt-burst", 6),
+    ],
+)
+def test_the_step_traces_take_a_full_chunks_room_within_seconds_not_a_decode_step_s(
+    name, ramp_s
+):
+    """Issue 27's traces: on their own GPU and model, the memory taken within `ramp_s` leaves
+    no room for a full prefill chunk but room for smaller steps, at real time."""
+    from oomguard.twin.gpu import GPU_MODELS
+
+    trace = Trace.load(name)
+    assert trace.time_compression == 1 and trace.pressure_ends_s is not None
+    p = Physics.for_model(
+        trace.model,
+        gpu=trace.gpu,
+        gpu_memory_utilization=trace.engine.gpu_memory_utilization,
+        max_num_batched_tokens=trace.engine.max_num_batched_tokens,
+    )
+    points = sorted(trace.gpu_events, key=lambda e: e.at_s)
+    start, top = points[0], points[1]
+    assert top.at_s - start.at_s == ramp_s
+    neighbour, frag = trace.gpu_at(top.at_s)
+    assert not p.fits(Step(tokens=trace.engine.max_num_batched_tokens), frag, neighbour)
+    assert p.fits(Step(tokens=1024), frag, neighbour)
+    if name.endswith("gb"):  # the GPU size its name says (nominal GB, NVML's MiB)
+        nominal = int(name.rsplit("-", 1)[1].removesuffix("gb"))
+        assert 0.9 * nominal <= GPU_MODELS[trace.gpu].total_mib * MIB / 1e9 <= 1.1 * nominal
+
+
 def test_traces_are_valid_seeded_and_reproducible():
-    assert len(names()) == 6
+    assert len(names()) == 11
     for name in names():
         trace = Trace.load(name)
         first, again = requests(trace), requests(trace)

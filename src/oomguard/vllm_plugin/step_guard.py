@@ -69,6 +69,7 @@ from typing import Any
 
 from oomguard.handoff import STEP_ACTIONS as ACTIONS
 from oomguard.handoff import STEP_REASONS as REASONS
+from oomguard.logits import LogitsShape
 
 log = logging.getLogger("oomguard.vllm_plugin.step_guard")
 
@@ -90,19 +91,18 @@ LISTENER_EVERY_S = 0.2  # the hand-off is rewritten after a shrink at most this 
 _CAL_HIDDEN = 4096
 ACT_PER_TOKEN = (11.2e9 - 2.1e9) / (30_000 - 2_048)
 ACT_BASE = 2.1e9 - 2_048 * ACT_PER_TOKEN
-FP32 = 4
 
 
 def prompt_logits_bytes_per_token(vocab_size: int, dtype_bytes: int = 2) -> int:
-    """Bytes a prefill chunk holds per prompt token with `prompt_logprobs`: the one place the
-    step guard counts them (the shared logits formula, oomguard.logits, replaces this)."""
-    del dtype_bytes  # the request guard's and the twin's figure today: FP32 logits
-    return vocab_size * FP32
+    """Bytes a prefill chunk holds per prompt token with `prompt_logprobs` at its peak: the
+    shared logits formula (oomguard.logits) that budget, preflight, the request guard and the
+    twin use."""
+    return LogitsShape(vocab_size, dtype_bytes).prompt_logprobs_bytes_per_token
 
 
 def top_logprobs_bytes(rows: int, vocab_size: int) -> int:
     """The sampler's FP32 log-softmax of `rows` sampled rows (`logprobs` requested)."""
-    return max(0, rows) * vocab_size * FP32
+    return LogitsShape(vocab_size).top_logprobs_bytes(rows)
 
 
 @dataclass(frozen=True)
