@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from oomguard.handoff import AllocatorReport  # noqa: E402
+from oomguard.handoff import AllocatorReport, InvalidReport  # noqa: E402
 from oomguard.twin.physics import Physics, Step  # noqa: E402
 from oomguard.twin.routers import ROUTERS  # noqa: E402
 from oomguard.twin.runner import (  # noqa: E402
@@ -392,7 +392,7 @@ def step_shrinks(fleet: Fleet) -> dict[str, int]:
     for path in (fleet.work / "allocator").glob("pid-*.json"):
         try:
             report = AllocatorReport.from_json(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, InvalidReport):
             continue
         if report.target in fleet.names:
             for kind, count in (report.step_shrinks or {}).items():

@@ -526,7 +526,9 @@ def _recovery(o: dict[str, Any]) -> str:
 
 def _outcome_table(trace: dict[str, Any]) -> str:
     rows = []
-    for config in ("default", "static", "oomguard"):
+    # oomguard without the plugin's step guard: run on the traces of memory taken in seconds
+    without = ("oomguard-no-step-guard",) if "oomguard-no-step-guard" in trace["outcomes"] else ()
+    for config in ("default", "static", *without, "oomguard"):
         o = trace["outcomes"].get(config)
         if o is None:
             rows.append([config, "not run", "", "", "", "", "", ""])
@@ -735,6 +737,37 @@ def block_guard_traces(r: Results) -> str:
     )
 
 
+def block_step_guard(r: Results) -> str:
+    rows = []
+    for p in r.get("step_guard/phases"):
+        shrinks = ", ".join(f"{k} {fmt(v)}" for k, v in sorted(p["shrinks"].items())) or "none"
+        rows.append(
+            [
+                p["mode"],
+                f"{p['gpu']} (neighbour {fmt(p['neighbour_gib'], '.1f')} GiB)",
+                fmt(p["decisions"]),
+                f"{fmt(p['cost_us_mean'], '.1f')} / {fmt(p['cost_us_max'], ',.0f')}",
+                fmt(p["step_ms_mean"], ".1f"),
+                f"{fmt(100 * p['cost_share_of_step'], '.2f')} %",
+                shrinks,
+                ", ".join(f"{k}: {fmt(v)}" for k, v in sorted(p["requests"].items())),
+            ]
+        )
+    return table(
+        [
+            "mode",
+            "GPU",
+            "steps decided",
+            "cost per step, mean / worst (µs)",
+            "mean step (ms)",
+            "cost / step",
+            "shrinks",
+            "requests",
+        ],
+        rows,
+    )
+
+
 def block_matrix(r: Results) -> str:
     cells = r.get("matrix/cells")
     gmus = sorted({c["gmu"] for c in cells})
@@ -755,6 +788,10 @@ def block_matrix(r: Results) -> str:
             ]
             critical.append(f"{fmt(min(crit), ',.0f')}" if crit else "–")
         recov = [c["recovery_s"] for c in these if c["recovery_s"] is not None]
+        # the step guard's columns (cells recorded before it have none: "–")
+        lost = sum(c.get("oom_with_s") is not None for c in these)
+        guarded = [c for c in these if "oom_with_step_guard_s" in c]
+        held = sum(c["oom_with_step_guard_s"] is None for c in guarded)
         rows.append(
             [
                 scenario,
@@ -764,6 +801,9 @@ def block_matrix(r: Results) -> str:
                 " / ".join(critical),
                 f"{fmt(min(recov), '.0f')}-{fmt(max(recov), '.0f')} s" if recov else "–",
                 fmt(max(c["actions"] for c in these)),
+                f"{lost} / {len(these)}",
+                f"{held} / {len(guarded)}" if guarded else "–",
+                fmt(max(c["step_guard_shrinks"] for c in guarded)) if guarded else "–",
             ]
         )
     return table(
@@ -777,6 +817,9 @@ def block_matrix(r: Results) -> str:
             "level 3 lead (s)",
             "full admission after the pressure ends",
             "most actions in a cell",
+            "cells with an OOM despite the alerts' drain",
+            "cells with no OOM with the step guard",
+            "most ticks the step guard shrank",
         ],
         rows,
     )

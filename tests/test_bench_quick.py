@@ -126,6 +126,24 @@ def test_guard_quick_lane() -> None:
     assert_within("decision µs per loop ns", one["us_per_decision_median"] / speed, then, 0.05)
 
 
+# -- step guard: its cost per step inside vLLM's engine, on the real server -----------------------
+@pytest.mark.slow
+def test_step_guard_quick_lane(tmp_path: Path) -> None:
+    from bench import step_guard
+
+    rec = recorded("step_guard")
+    row = step_guard.phase("enforce", "pressed", seconds=8.0, clients=4, work=tmp_path)
+    then = next(p for p in rec["phases"] if (p["mode"], p["gpu"]) == ("enforce", "pressed"))
+    assert set(row) == set(then)
+    assert row["shrinks"] and set(row["requests"]) == {"200"}  # it shrank, nothing failed
+    assert_within(
+        "step guard cost, share of a step",
+        row["cost_share_of_step"],
+        then["cost_share_of_step"],
+        0.01,
+    )
+
+
 # -- matrix and recovery: simulated time ----------------------------------------------------------
 def test_matrix_quick_lane() -> None:
     from bench import matrix

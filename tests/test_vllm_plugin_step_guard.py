@@ -316,6 +316,11 @@ def test_the_exporter_counts_shrinks_and_raises_the_engine_s_level_at_once(tmp_p
     )
     held = evaluator._held(evaluator._held_engine, ("engine-0", "0"))
     assert (held.level, held.reason) == (CRITICAL, "step_guard_stall")
+    # the level falls soon after the shrinks stop (they are counted while memory is short)
+    evaluator._expire(2.0 + 14.0)
+    assert evaluator._held(evaluator._held_engine, ("engine-0", "0")).level == CRITICAL
+    evaluator._expire(2.0 + 16.0)
+    assert evaluator._held(evaluator._held_engine, ("engine-0", "0")).level == 0
 
     write_report(tmp_path, report({"wait/prompt_logprobs_logits": 5}))
     collector = AllocatorCollector(str(tmp_path), "node-1")
@@ -330,3 +335,40 @@ def test_the_exporter_counts_shrinks_and_raises_the_engine_s_level_at_once(tmp_p
         "prompt_logprobs_logits",
         5.0,
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("OOMGUARD_STEP_GUARD_MODE", "panic"),
+        ("OOMGUARD_STEP_GUARD_MARGIN", "1.5"),
+        ("OOMGUARD_STEP_GUARD_MARGIN", "nan"),
+        ("OOMGUARD_STEP_GUARD_WAIT_SECONDS", "soon"),
+    ],
+)
+def test_a_bad_step_guard_setting_names_the_variable_and_leaves_vllm_alone(
+    monkeypatch, name, value
+):
+    from oomguard.vllm_plugin.engine import _make_step_guard
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        StepGuard.from_env(lambda: None, lambda profiled: costs_for(H100))
+    step_guard.register_probe(lambda: None)
+    scheduler = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(
+                get_hidden_size=lambda: HIDDEN, get_vocab_size=lambda: VOCAB, dtype=None
+            )
+        ),
+        max_num_scheduled_tokens=FULL,
+    )
+    assert _make_step_guard(scheduler) is None  # an error logged, vLLM's own steps
+
+
+def test_without_an_in_process_worker_the_guard_is_inactive(monkeypatch):
+    from oomguard.vllm_plugin.engine import _make_step_guard
+
+    monkeypatch.setenv("OOMGUARD_STEP_GUARD_MODE", "enforce")
+    assert step_guard.registered_probe() is None  # workers in other processes register there
+    assert _make_step_guard(SimpleNamespace()) is None

@@ -45,6 +45,10 @@ from oomguard.handoff import AllocatorReport
 from oomguard.thresholds import PressureThresholds
 
 BLIND, OK, CAUTION, PRESSURE, CRITICAL = -1, 0, 1, 2, 3
+# How long a step guard shrink holds the engine's level (seconds): it is counted on every step
+# that shrinks, so the level stays while memory stays short and falls soon after it returns.
+STEP_GUARD_HOLD_S = 15.0
+_STEP_REASONS = ("step_guard_shrink", "step_guard_stall")
 
 # Engines known at once, at most: upstream /metrics is untrusted, and an endpoint inventing new
 # engine labels every poll must not grow the exporter's memory without bound.
@@ -205,8 +209,11 @@ class PressureEvaluator:
             elif shrunk > previous[2]:
                 event = Level(PRESSURE, "step_guard_shrink")
             if event is not None:
-                self._hold(self._held_gpu, r.device_uuid, hold_until, event)
-                self._hold(self._held_engine, (r.target, r.engine), hold_until, event)
+                # a shrink says memory is short at this moment, and the step guard keeps
+                # counting while it stays short: held briefly, so the level falls with it
+                until = now + STEP_GUARD_HOLD_S if event.reason in _STEP_REASONS else hold_until
+                self._hold(self._held_gpu, r.device_uuid, until, event)
+                self._hold(self._held_engine, (r.target, r.engine), until, event)
         for key in list(self._last_counts):
             if key not in seen:
                 del self._last_counts[key]
@@ -214,6 +221,8 @@ class PressureEvaluator:
     @staticmethod
     def _hold(table: dict[Any, tuple[float, Level]], key: Any, until: float, event: Level) -> None:
         held = table.get(key)
+        if held is not None and event.level == held[1].level:
+            until = max(until, held[0])  # a shorter hold never cuts a longer one short
         if held is None or event.level >= held[1].level:
             table[key] = (until, event)
 

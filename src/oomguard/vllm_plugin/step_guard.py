@@ -64,7 +64,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from oomguard.handoff import STEP_ACTIONS as ACTIONS
@@ -445,7 +445,9 @@ class StepGuard:
             running, waiting = scheduler.get_request_counts()
             rows = min(int(scheduler.max_num_running_reqs), running + waiting)
         margin = margin_for(room, costs, self.margin_share) + self._trend_loss(now, room.available)
-        step = plan(costs, room, margin, plp, rows, decode_tokens=_decoding(scheduler))
+        step = plan(costs, room, margin, plp, rows)
+        if step.action == "fewer_prefill_tokens" and step.budget <= _decoding(scheduler):
+            step = replace(step, action="decode_only")  # counted only when shrinking
         self.last = step
         if step.action is None:
             return None
