@@ -114,8 +114,10 @@ def test_memory_taken_while_a_step_runs_kills_it_at_its_end_and_the_step_guard_r
     twin = GpuTwin(vllm_config, {"gpu": "H100", "state_file": str(state)})
     chunk = Step(tokens=8192)
     room = twin.step_room()
-    assert room["available"] == room["idle"] == LLAMA.total - LLAMA.peak(chunk) + LLAMA.activation(
-        8192
+    assert (
+        room["available"]
+        == room["idle"]
+        == LLAMA.total - LLAMA.peak(chunk) + LLAMA.activation(8192)
     )
     assert room["profiled"] == LLAMA.activation(8192)
     twin._read_at = 0.0
@@ -138,9 +140,7 @@ def test_memory_taken_while_a_step_runs_kills_it_at_its_end_and_the_step_guard_r
         ("long-prompt-burst", 6),
     ],
 )
-def test_the_step_traces_take_a_full_chunks_room_within_seconds_not_a_decode_step_s(
-    name, ramp_s
-):
+def test_the_step_traces_take_a_full_chunks_room_within_seconds_not_a_decode_step_s(name, ramp_s):
     """Issue 27's traces: on their own GPU and model, the memory taken within `ramp_s` leaves
     no room for a full prefill chunk but room for smaller steps, at real time."""
     from oomguard.twin.gpu import GPU_MODELS
