@@ -78,3 +78,44 @@ def _threads(pid: int) -> int:
         if line.startswith("Threads:"):
             return int(line.split()[1])
     return 0
+
+
+def test_connections_that_do_nothing_give_way_to_a_new_client(tmp_path):
+    """Found: clients holding the cap with kept-alive connections (one request every few
+    seconds keeps them within the idle limit) or with request heads that never end made every
+    new connection 503, Alertmanager's webhooks included. Now a new client takes the place of
+    the connection that has done nothing the longest; 503 only while every one is busy."""
+    config = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "auth": {"allow_unauthenticated": True},
+        "targets": [{"name": "a", "url": f"http://127.0.0.1:{free_port()}"}],
+        "audit_log": str(tmp_path / "audit.jsonl"),
+        "max_connections": 4,
+        "request_timeout_seconds": 30,
+    }
+    proc = RemediatorProcess(tmp_path, config)
+    host, port = config["listen"].rsplit(":", 1)
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(4):  # kept alive after one answer each
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _answer(s, 10).startswith(b"HTTP/1.1 200")
+            sockets.append(s)
+        r = httpx.get(f"{proc.url}/healthz", timeout=5)
+        assert r.status_code == 200
+        for s in sockets:
+            s.close()
+        sockets.clear()
+        time.sleep(0.5)
+        for _ in range(4):  # half a request head each, then nothing
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            sockets.append(s)
+        time.sleep(1.5)  # slower than any real client's head
+        r = httpx.get(f"{proc.url}/healthz", timeout=5)
+        assert r.status_code == 200
+    finally:
+        for s in sockets:
+            s.close()
+        proc.kill()

@@ -4,8 +4,13 @@ A scrape never waits on hardware or on an engine: it reads one reference and wri
 
 The port is reachable by anything on the node's network, so the server is bounded (issue 25,
 defect 14: 400 half-open `GET /metrics` held 408 threads, none closed a minute later):
-- at most `max_connections` connections are served at once (one thread each); one more is
-  answered 503 and closed at once, without a thread, and logged;
+- at most `max_connections` connections are served at once (one thread each). At the cap a
+  new connection takes the slot of one that is doing nothing (kept alive between requests,
+  or still without a whole request head after EVICT_AFTER seconds: a scraper sends its head
+  in one packet), the one waiting longest, which is closed; only when every connection is
+  busy is the new one answered 503 and closed at once, without a thread, and logged. Before,
+  64 clients that kept their connections open between scrapes (one request a minute each)
+  shut a restarted Prometheus out for as long as they liked;
 - a request's line and headers must arrive within `request_timeout` seconds of its first byte,
   however slowly they trickle (a per-request deadline, not a per-read timeout);
 - a new connection must start its request within `request_timeout`; a keep-alive connection
@@ -16,6 +21,7 @@ defect 14: 400 half-open `GET /metrics` held 408 threads, none closed a minute l
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -43,6 +49,8 @@ MAX_CONNECTIONS = 64  # Prometheus (an HA pair), a few people with curl; far mor
 REQUEST_TIMEOUT = 10.0
 IDLE_TIMEOUT = 60.0
 WRITE_TIMEOUT = 10.0
+EVICT_AFTER = 1.0  # a request head still incomplete this long is slow, not a scraper's
+SLOT_WAIT = 2.0  # how long a new connection waits for the slot of a connection it closed
 
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 31\r\n"
@@ -70,8 +78,15 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection
     server: MetricsServer
     deadline = 0.0
+    # what the connection does now, for the choice of one to close at the cap: "waiting"
+    # (for a request, or the rest of its head) since `since`, or "busy" answering one
+    phase = "waiting"
+    since = 0.0
+    kept_alive = False  # waiting for a second or later request (not a new connection)
 
     def setup(self) -> None:
+        self.since = time.monotonic()
+        self.server.opened(self)
         super().setup()
         # Headers and body go out in separate writes; without TCP_NODELAY a keep-alive client
         # waits out the peer's delayed ACK (40 ms) on every scrape.
@@ -84,7 +99,8 @@ class _Handler(BaseHTTPRequestHandler):
         # Wait for the request's first byte (a new connection: request_timeout; a kept-alive
         # one: idle_timeout), then give the whole request line and headers request_timeout.
         wait = self.server.idle_timeout if self._requests else self.server.request_timeout
-        self.deadline = time.monotonic() + wait
+        self.phase, self.since, self.kept_alive = "waiting", time.monotonic(), self._requests > 0
+        self.deadline = self.since + wait
         try:
             if not self._reader.peek(1):
                 self.close_connection = True  # the client closed it
@@ -93,8 +109,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self._requests += 1
+        self.kept_alive = False  # a request has begun: no longer idle (its head may be slow)
         self.deadline = time.monotonic() + self.server.request_timeout
         super().handle_one_request()  # a TimeoutError in there closes the connection
+
+    def finish(self) -> None:
+        self.server.closed(self)
+        super().finish()
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s " + format, self.address_string(), *args)
@@ -115,6 +136,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.do_GET()
 
     def do_GET(self) -> None:
+        self.phase = "busy"  # its head arrived whole: answering it is never interrupted
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             snapshot = self.server.snapshot()
@@ -172,12 +194,45 @@ class MetricsServer(ThreadingHTTPServer):
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._open: set[_Handler] = set()
+        self._open_lock = threading.Lock()
         self.refused = 0  # connections answered 503 at the cap, since start
+        self.evicted = 0  # idle or slow connections closed for a new one at the cap
         self._last_warning = -math.inf
         self._thread: threading.Thread | None = None
 
+    def opened(self, handler: _Handler) -> None:
+        with self._open_lock:
+            self._open.add(handler)
+
+    def closed(self, handler: _Handler) -> None:
+        with self._open_lock:
+            self._open.discard(handler)
+
+    def _evict(self) -> bool:
+        """At the cap: close the connection that has waited longest while doing nothing (kept
+        alive between requests, or with a request head incomplete after EVICT_AFTER); False
+        when every connection is busy or new."""
+        now = time.monotonic()
+        with self._open_lock:
+            idle = [
+                h
+                for h in self._open
+                if h.phase == "waiting" and (h.kept_alive or now - h.since >= EVICT_AFTER)
+            ]
+            victim = min(idle, key=lambda h: h.since, default=None)
+            if victim is None:
+                return False
+            self._open.discard(victim)  # never chosen twice
+        with contextlib.suppress(OSError):  # its thread's read ends; its slot comes back
+            victim.request.shutdown(socket.SHUT_RDWR)
+        self.evicted += 1
+        return True
+
     def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False) and not (
+            self._evict() and self._slots.acquire(timeout=SLOT_WAIT)
+        ):
             self._refuse(request)
             return
         try:

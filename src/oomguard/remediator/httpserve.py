@@ -2,8 +2,11 @@
 caller's cleanup runs on SIGTERM.
 
 Bounds (the remediator's API and `oomguard serve`'s):
-- at most `max_connections` connections at once; one beyond it is answered 503 (Retry-After)
-  and closed at once, before anything is read;
+- at most `max_connections` connections at once. At the cap a new connection takes the place
+  of one that does nothing (kept alive between requests, or without its whole request head
+  after EVICT_AFTER seconds), the one waiting longest, which is closed; when every connection
+  is busy or new, the new one is answered 503 (Retry-After) and closed at once, before
+  anything is read. Clients that only hold connections open cannot keep Alertmanager out;
 - a request must arrive whole (head and body) within `request_timeout` seconds of the
   connection, or of the previous response on a kept-alive connection: a client that sends a
   byte a minute (slowloris) or opens a connection and says nothing is closed, and its slot is
@@ -36,6 +39,7 @@ log = logging.getLogger("oomguard.http")
 MAX_CONNECTIONS = 256
 REQUEST_TIMEOUT = 10.0
 IDLE_TIMEOUT = 5.0
+EVICT_AFTER = 1.0  # a request head still incomplete this long is slow, not Alertmanager's
 _BUSY = b"too many connections\n"
 REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nretry-after: 1\r\n"
@@ -48,11 +52,42 @@ def bounded_protocol(max_connections: int, request_timeout: float) -> type[H11Pr
 
     class Bounded(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _waiting_since = 0.0  # (monotonic) since the connection or its last answer
+        _answered = 0  # requests answered on this connection
         refused_at = -1e9
+        evicted = 0  # connections closed to make room, since start (all protocols)
+
+        def _idle_for(self, now: float) -> float | None:
+            """How long this connection has done nothing worth its slot, or None: waiting
+            for its next request (kept alive), or for its first request head to complete
+            for over EVICT_AFTER."""
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return None
+            if self.cycle is not None and not self.cycle.response_complete:
+                return None
+            waited = now - self._waiting_since
+            return waited if self._answered or waited >= EVICT_AFTER else None
+
+        def _make_room(self) -> bool:
+            now = time.monotonic()
+            idle = [
+                (waited, c)
+                for c in self.connections
+                if c is not self
+                and isinstance(c, Bounded)
+                and (waited := c._idle_for(now)) is not None
+            ]
+            if not idle:
+                return False
+            _, victim = max(idle, key=lambda pair: pair[0])
+            victim.transport.close()
+            Bounded.evicted += 1
+            return True
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
+            live = sum(not c.transport.is_closing() for c in self.connections)
+            if live > max_connections and not self._make_room():
                 now = time.monotonic()
                 if now - Bounded.refused_at > 10:  # a line per burst, not per connection
                     log.warning("%d connections: refusing more", len(self.connections) - 1)
@@ -64,6 +99,7 @@ def bounded_protocol(max_connections: int, request_timeout: float) -> type[H11Pr
 
         def _arm(self) -> None:
             self._disarm()
+            self._waiting_since = time.monotonic()
             self._deadline = self.loop.call_later(request_timeout, self._expire)
 
         def _disarm(self) -> None:
@@ -84,6 +120,7 @@ def bounded_protocol(max_connections: int, request_timeout: float) -> type[H11Pr
                 self._disarm()  # received whole (or over): handling it is not limited
 
         def on_response_complete(self) -> None:
+            self._answered += 1
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm()  # the next request on this connection gets its own deadline
