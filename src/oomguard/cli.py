@@ -1381,7 +1381,7 @@ def _add_status(sub: Any) -> None:
         type=duration_arg,
         default=2.0,
         metavar="DURATION",
-        help="per part (default 2s)",
+        help="per part: its whole answer, however slowly it trickles (default 2s)",
     )
     p.add_argument(
         "--wait",

@@ -21,6 +21,7 @@ up, a part that cannot be read); 2 for a mistake in the command or the config.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -182,7 +183,28 @@ def _headers(endpoint: Endpoint) -> dict[str, str]:
 
 
 def fetch(client: httpx.Client, url: str, endpoint: Endpoint | None, as_json: bool) -> Read:
-    """GET `url`, bounded; never raises."""
+    """GET `url`, bounded in size and in time: the whole answer, head and body, within the
+    client's timeout (httpx's timeouts are per read: a part that sent a byte a second held the
+    command for as long as it liked). The request runs in a daemon thread; one still running
+    at the deadline is left to end with the command. Never raises."""
+    within = client.timeout.read or 10.0
+    box: list[Read] = []
+
+    def run() -> None:
+        try:
+            box.append(_fetch(client, url, endpoint, as_json))
+        except Exception as exc:  # never a traceback from a part
+            box.append(Read(url, error=f"{type(exc).__name__}: {exc}"[:300]))
+
+    worker = threading.Thread(target=run, name="status-read", daemon=True)
+    worker.start()
+    worker.join(within)
+    if box:
+        return box[0]
+    return Read(url, error=f"no whole answer within {within:g}s")
+
+
+def _fetch(client: httpx.Client, url: str, endpoint: Endpoint | None, as_json: bool) -> Read:
     limits = JSON_LIMITS if as_json else METRICS_LIMITS
     try:
         headers = _headers(endpoint) if endpoint else {}
@@ -338,6 +360,7 @@ def build(plan: Plan, client: httpx.Client) -> Report:
             attention.append(f"remediator {rem.url}: {remediator['error']}")
 
     specs = {t.name: t for t in plan.targets}
+    discovered: dict[str, Callable[[], Read]] = {}
     for name, view in targets_view.items():  # found by the remediator (discovery)
         if name not in specs and isinstance(view, dict):
             url = str(view.get("url") or "")
@@ -346,8 +369,12 @@ def build(plan: Plan, client: httpx.Client) -> Report:
             if url:
                 spec = specs[name]
                 spec.plugin = Endpoint(url, token)
-                more = fetch(client, f"{url.rstrip('/')}{API_PREFIX}/state", spec.plugin, True)
-                reads[f"plugin {name}"] = more
+                state = f"{url.rstrip('/')}{API_PREFIX}/state"
+                discovered[f"plugin {name}"] = partial(fetch, client, state, spec.plugin, True)
+    if discovered:  # in parallel too: a fleet's engines, not one timeout after another
+        with ThreadPoolExecutor(max_workers=min(16, len(discovered))) as pool:
+            futures = {name: pool.submit(job) for name, job in discovered.items()}
+            reads.update({name: f.result() for name, f in futures.items()})
 
     reports = []
     claimed: set[int] = set()

@@ -9,6 +9,12 @@ the component's /healthz answers degraded. A thread that keeps dying therefore k
 degraded; one that died once and runs again recovers it after `settle` seconds, while the
 restart counter (and its alert) keeps the record.
 
+A thread can also hang rather than die (a call with no timeout on a connection whose peer
+vanished): with `stall_after`, a body that calls `beat()` at least that often is alive, and one
+that stops beating is named by `problem()` as stuck, so /healthz degrades (and a liveness probe
+can restart the process: a hung thread cannot be killed from inside). The thread's own calls
+still need timeouts; this catches the one nobody foresaw.
+
 Used for every long-lived loop of the exporter (collectors, render), the remediator (leader
 election, discovery watches, the standalone watch) and `oomguard serve` (the vLLM log reader).
 """
@@ -38,6 +44,7 @@ class Supervised:
         max_backoff: float = MAX_BACKOFF_SECONDS,
         settle: float = SETTLE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        stall_after: float | None = None,
     ) -> None:
         self.name = name
         self.body = body
@@ -45,6 +52,8 @@ class Supervised:
         self.on_death = on_death
         self.backoff, self.max_backoff, self.settle = backoff, max_backoff, settle
         self.clock = clock
+        self.stall_after = stall_after
+        self.last_beat = clock()
         self.deaths = 0
         self.last_error: str | None = None
         self.last_death: float | None = None
@@ -62,10 +71,14 @@ class Supervised:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def beat(self) -> None:
+        """The body made progress (see `stall_after`)."""
+        self.last_beat = self.clock()
+
     def _loop(self) -> None:
         delay = self.backoff
         while not self.stop_event.is_set():
-            started = self.clock()
+            started = self.last_beat = self.clock()
             self.running = True
             try:
                 self.body()
@@ -95,6 +108,10 @@ class Supervised:
             return None
         if not self._thread.is_alive():
             return f"thread {self.name} is gone"
+        if self.running and self.stall_after is not None:
+            quiet = self.clock() - self.last_beat
+            if quiet > self.stall_after:
+                return f"thread {self.name} has made no progress for {quiet:.0f} s (stuck)"
         if self.last_death is None:
             return None
         if not self.running:

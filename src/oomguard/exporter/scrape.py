@@ -2,17 +2,50 @@
 
 The stdlib's http.client on a persistent connection: at a 100 ms poll interval over loopback its
 per-request work is less than half of a general-purpose client's, and each collector thread owns
-its own connection, so nothing is shared. The timeout bounds each socket operation; a collector
-whose poll still runs past its own timeout is reported stuck by the poller.
+its own connection, so nothing is shared. The timeout bounds the whole exchange, head and body,
+however slowly they trickle: each read waits only until the exchange's deadline. A timeout per
+socket operation let a server that sent a byte a second hold a collector (or the remediator's
+standalone watch, which reads every exporter in turn) for as long as it liked.
 """
 
 from __future__ import annotations
 
 import http.client
+import io
+import math
+import socket
+import time
 import zlib
+from typing import Any
 from urllib.parse import urlsplit
 
 from oomguard.errors import CollectorError
+
+
+class _DeadlineIO(socket.SocketIO):
+    """A response's reader: every read waits only until the exchange's deadline."""
+
+    def __init__(self, sock: socket.socket, scraper: Scraper) -> None:
+        super().__init__(sock, "rb")
+        self._scraper = scraper
+
+    def readinto(self, b: Any) -> int | None:
+        left = self._scraper.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the answer took longer than the timeout")
+        self._sock.settimeout(left)  # type: ignore[attr-defined]
+        return super().readinto(b)
+
+
+def _response_class(scraper: Scraper) -> type[http.client.HTTPResponse]:
+    class Response(http.client.HTTPResponse):
+        def __init__(self, sock: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(sock, *args, **kwargs)
+            plain, self.fp = self.fp, io.BufferedReader(_DeadlineIO(sock, scraper))
+            plain.close()  # the reader makefile() gave: the socket stays open
+
+    return Response
+
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 # identity: on loopback, compression only costs CPU at both ends
@@ -32,11 +65,13 @@ class Scraper:
         self._port = parts.port
         self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._conn: http.client.HTTPConnection | None = None
+        self.deadline = math.inf  # (monotonic) of the exchange in progress
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
             cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
             self._conn = cls(self._host, self._port, timeout=self.timeout)
+            self._conn.response_class = _response_class(self)
         return self._conn
 
     def close(self) -> None:
@@ -62,6 +97,7 @@ class Scraper:
 
     def get(self) -> tuple[str, str]:
         """Returns (text, content type). Raises CollectorError with a reason."""
+        self.deadline = time.monotonic() + self.timeout
         for attempt in (1, 2):
             try:
                 status, content_type, encoding, body, complete = self._exchange()

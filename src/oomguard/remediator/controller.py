@@ -114,6 +114,9 @@ class Controller:
         self._dirty = False
         self.failed_passes = 0  # consecutive passes that raised (/healthz degrades on these)
         self.restore_error: str | None = None  # the audit log could not be read (no action)
+        self._pass_started: float | None = None  # (monotonic) of the pass in progress
+        # a pass is stuck past this (None: the bound below, from the fleet's size)
+        self.stuck_after: float | None = None
         self._uncommitted: list[dict[str, Any]] = []  # intents to reconcile with the engines
         self._intents_due = 0.0  # (monotonic) when to try the ones left again
         # what survives a remediator restart: the pause switch, each target's recent actions
@@ -185,6 +188,7 @@ class Controller:
         if not self._pass_lock.acquire(blocking=False):
             self._dirty = True
             return
+        self._pass_started = time.monotonic()
         try:
             while True:
                 self._dirty = False
@@ -200,6 +204,7 @@ class Controller:
                 if not self._dirty:
                     break
         finally:
+            self._pass_started = None
             self._pass_lock.release()
 
     def _pass(self) -> None:
@@ -297,7 +302,21 @@ class Controller:
             out.append(f"audit log not writable ({self.audit.last_error}): no action is taken")
         if self.restore_error is not None:
             out.append(self.restore_error)
+        started = self._pass_started
+        if started is not None and time.monotonic() - started > self._stuck_after():
+            # every call of a pass has a timeout: one this long is hung (a lock, a call
+            # nobody bounded), and no engine is protected while it is
+            out.append(f"a reconcile pass has run for {time.monotonic() - started:.0f} s (stuck)")
         return out
+
+    def _stuck_after(self) -> float:
+        """How long a pass may run: it reads every engine at once and takes a step or two per
+        target, each call within the actuation timeout and attempts; far more is a hang."""
+        if self.stuck_after is not None:
+            return self.stuck_after
+        c = self.config
+        per_call = c.actuation_timeout_seconds * c.actuation_attempts
+        return max(300.0, per_call * (2 * len(self.fleet.targets) + 10))
 
     def view(self) -> dict[str, Any]:
         replay = self.audit.last_replay

@@ -24,6 +24,13 @@ resourceVersion seen. A 410 Gone (the version was compacted away) lists again, a
 other failure of a watch: an event the client cannot read (it rejects a field) would otherwise
 be requested again from the same version forever, and every pod added or deleted after it would
 be missed. Each namespace's loop runs in a supervised thread (supervised.py).
+
+Every call has a client-side timeout (the client has none by default): a watch whose connection
+vanished without a reset (an API server failover behind a load balancer) waited forever, so pods
+added later were never targets and a deleted pod stayed one, while /healthz said 200. A list
+gets LIST_TIMEOUT; a watch may be silent until the server ends it after `watch_seconds`, so its
+reads wait that long and WATCH_SLACK more. The loop beats at every event and every new request;
+one that stops beating is reported stuck.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ TARGET_LABEL = "oomguard.io/target"
 _TARGET_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # the exporter's target names
 TOKEN_ANNOTATION = "oomguard.io/plugin-token-secret"
 MODEL_ANNOTATION = "oomguard.io/model"
+CONNECT_TIMEOUT = 5.0
+LIST_TIMEOUT = 60.0  # a list of every selected pod of one namespace
+WATCH_SLACK = 30.0  # beyond watch_seconds, before a silent watch is given up
 PodField = Literal["namespace", "pod", "node", "target"]
 
 
@@ -204,10 +214,18 @@ class PodDiscovery:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watches: list[Any] = []
+        quiet = config.watch_seconds + WATCH_SLACK + CONNECT_TIMEOUT
         self.threads = [
-            Supervised(f"discovery-{ns}", functools.partial(self._run, ns), self._stop, on_death)
+            Supervised(
+                f"discovery-{ns}",
+                functools.partial(self._run, ns),
+                self._stop,
+                on_death,
+                stall_after=2 * (quiet + LIST_TIMEOUT + CONNECT_TIMEOUT) + backoff,
+            )
             for ns in config.namespaces
         ]
+        self._beats = {ns: t.beat for ns, t in zip(config.namespaces, self.threads, strict=True)}
         self._started = False
 
     @classmethod
@@ -254,7 +272,10 @@ class PodDiscovery:
         r = cast(
             "BaseHTTPResponse",
             self.core.list_namespaced_pod(
-                namespace, label_selector=self.config.label_selector, _preload_content=False
+                namespace,
+                label_selector=self.config.label_selector,
+                _preload_content=False,
+                _request_timeout=(CONNECT_TIMEOUT, LIST_TIMEOUT),
             ),
         )
         body = json.loads(r.data)
@@ -290,7 +311,9 @@ class PodDiscovery:
                 resource_version=version,
                 timeout_seconds=self.config.watch_seconds,
                 allow_watch_bookmarks=True,
+                _request_timeout=(CONNECT_TIMEOUT, self.config.watch_seconds + WATCH_SLACK),
             ):
+                self._beats[namespace]()
                 if self._stop.is_set():
                     break
                 kind, obj = event.get("type"), event.get("raw_object")
@@ -312,6 +335,7 @@ class PodDiscovery:
 
         version: str | None = None
         while not self._stop.is_set():
+            self._beats[namespace]()
             try:
                 if version is None:
                     version = self._list(namespace)

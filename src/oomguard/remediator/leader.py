@@ -9,6 +9,11 @@ own, before any standby may take over (renew deadline < lease duration), so two 
 act at once. Every write carries the resourceVersion it read: of two standbys racing for an
 expired Lease, the API server lets exactly one through (409 Conflict for the other).
 
+Every API call has a timeout (the client has none by default): a connection to the API server
+that vanished without a reset held the election thread forever, so this replica never led
+again, and with one replica nothing acted while /healthz said 200. The thread beats after each
+attempt; one that stops beating is reported stuck (supervised.py).
+
 On one box there is no election: a single replica leads, as before.
 """
 
@@ -80,7 +85,17 @@ class LeaseElector:
         self._observed: tuple[str, float] | None = None  # (holder's record, when it changed)
         self._was_leading = False
         self._stop = threading.Event()
-        self.thread = Supervised("leader-election", self._run, self._stop, on_death)
+        # (connect, read) for each API call: an answer later than the renew deadline is of
+        # no use to a leader anyway
+        read = config.renew_deadline_seconds
+        self.timeout = (min(5.0, read), read)
+        self.thread = Supervised(
+            "leader-election",
+            self._run,
+            self._stop,
+            on_death,
+            stall_after=4 * sum(self.timeout) + config.retry_seconds,  # two calls an attempt
+        )
         self._started = False
 
     @classmethod
@@ -152,6 +167,7 @@ class LeaseElector:
                     # the client takes a plain dict body at run time; its annotations name V1Lease
                     body,  # type: ignore[arg-type]
                     _preload_content=False,
+                    _request_timeout=self.timeout,
                 )
                 self._renewed = self.clock()
             else:
@@ -179,6 +195,7 @@ class LeaseElector:
                         c.namespace,
                         body,  # type: ignore[arg-type]  # a dict, as above
                         _preload_content=False,
+                        _request_timeout=self.timeout,
                     )
                     self._renewed = self.clock()
                 elif self._renewed is not None:
@@ -200,7 +217,10 @@ class LeaseElector:
             r = cast(
                 "BaseHTTPResponse",
                 self.api.read_namespaced_lease(
-                    self.config.lease_name, self.config.namespace, _preload_content=False
+                    self.config.lease_name,
+                    self.config.namespace,
+                    _preload_content=False,
+                    _request_timeout=self.timeout,
                 ),
             )
         except ApiException as exc:
@@ -221,6 +241,7 @@ class LeaseElector:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.try_once()
+            self.thread.beat()
             self._stop.wait(self.config.retry_seconds)
             self._changed()  # a renewal deadline passes while waiting: step down on time
 
@@ -247,6 +268,7 @@ class LeaseElector:
                 c.namespace,
                 body,  # type: ignore[arg-type]  # a dict: the client's annotations name V1Lease
                 _preload_content=False,
+                _request_timeout=self.timeout,
             )
         except Exception as exc:  # the standby takes over when the lease expires instead
             log.warning("cannot release the lease %s/%s: %s", c.namespace, c.lease_name, exc)

@@ -103,8 +103,15 @@ class Remediator:
             else None
         )
         if self.watcher is not None:
+            every = config.standalone.interval_seconds if config.standalone else 1.0
             self.threads.append(
-                Supervised("standalone-watch", self._watch_loop, self._stopping, metrics.died)
+                Supervised(
+                    "standalone-watch",
+                    self._watch_loop,
+                    self._stopping,
+                    metrics.died,
+                    stall_after=max(120.0, 10 * every),  # each look's reads have timeouts
+                )
             )
         self.discovery = (
             PodDiscovery.from_environment(config.discovery, metrics.died)
@@ -245,9 +252,11 @@ class Remediator:
     def _watch_loop(self) -> None:
         assert self.config.standalone is not None
         interval = self.config.standalone.interval_seconds
+        me = next(t for t in self.threads if t.name == "standalone-watch")
         while not self._stopping.is_set():
             started = time.monotonic()
             self._watch()
+            me.beat()
             self._stopping.wait(max(0.0, interval - (time.monotonic() - started)))
 
     def start(self) -> None:

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from oomguard.exporter.scrape import Scraper
 from oomguard.exporter.textparse import parse
 from oomguard.remediator.config import StandaloneConfig
 from oomguard.remediator.webhook import Alert, Webhook, normalise
@@ -57,16 +58,25 @@ class PressureWatcher:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.client = client or httpx.Client(timeout=2.0)
+        self.client = client
+        self.timeout = 2.0  # a whole exporter page, head and body
+        self._scrapers: dict[str, Scraper] = {}
         self._rules: dict[RuleKey, _Rule] = {}
         self._labels: dict[RuleKey, dict[str, str]] = {}
         self.errors: dict[str, str] = {}
 
     def _levels(self, url: str) -> dict[tuple[str, str], float]:
-        r = self.client.get(url)
-        r.raise_for_status()
+        if self.client is not None:  # a client given (tests)
+            r = self.client.get(url)
+            r.raise_for_status()
+            text = r.text
+        else:  # bounded in size and in time, head and body (a byte a second cannot hold it)
+            scraper = self._scrapers.get(url)
+            if scraper is None:
+                scraper = self._scrapers[url] = Scraper(url, self.timeout)
+            text, _ = scraper.get()
         levels: dict[tuple[str, str], float] = {}
-        for s in parse(r.text, wanted={LEVEL}).get(LEVEL):
+        for s in parse(text, wanted={LEVEL}).get(LEVEL):
             key = (s.labels.get("target", ""), s.labels.get("engine", "0"))
             if s.value < 0 or levels.get(key, 0.0) < 0:
                 levels[key] = BLIND  # blind on any series: never act on it
@@ -153,7 +163,6 @@ def check_exporter(url: str, timeout: float = 5.0) -> int:
     CollectorError when it cannot be read, NotAnExporter when it is not an oomguard exporter's
     /metrics: the exporter's HTML index (`http://host:9848`, no /metrics), another server's
     page. The watch itself would read such a page as "no engines" forever and never act."""
-    from oomguard.exporter.scrape import Scraper
 
     scraper = Scraper(url, timeout)
     try:
