@@ -33,4 +33,4 @@ apt-get install -y -qq --no-install-recommends $(printf '%s\n' "${missing[@]}" |
 if [ "$created_policy" -eq 1 ]; then rm -f "$policy"; fi
 prometheus --version 2>&1 | head -1
 prometheus-alertmanager --version 2>&1 | head -1
-{ command -v nginx || echo /usr/sbin/nginx; } | xargs -I{} {} -v 2>&1 | head -1
+"$(command -v nginx || echo /usr/sbin/nginx)" -v 2>&1 | head -1

@@ -22,8 +22,9 @@ __all__ = ["Prometheus", "growing_metrics", "start_exporter", "stop"]
 _COUNTER_LINE = re.compile(r"^(\S+?(?:_total|_sum|_count|_bucket)(?:\{.*\})?) (\S+)$")
 
 
-def growing_metrics(fixture_text: str) -> LocalServer:
-    """Serves the vLLM fixture with counters and histograms scaled up on every scrape."""
+def growing_metrics(fixture_text: str, frozen: tuple[str, ...] = ()) -> LocalServer:
+    """Serves the vLLM fixture with counters and histograms scaled up on every scrape (but the
+    series named in `frozen`, which keep the fixture's value)."""
     lines = fixture_text.splitlines()
     state = {"n": 0}
     lock = threading.Lock()
@@ -35,7 +36,8 @@ def growing_metrics(fixture_text: str) -> LocalServer:
         out = []
         for line in lines:
             m = _COUNTER_LINE.match(line)
-            out.append(f"{m.group(1)} {float(m.group(2)) * factor}" if m else line)
+            grows = m is not None and not m.group(1).startswith(frozen)
+            out.append(f"{m.group(1)} {float(m.group(2)) * factor}" if grows and m else line)
         return 200, ("\n".join(out) + "\n").encode(), "text/plain; version=0.0.4"
 
     return LocalServer(respond)

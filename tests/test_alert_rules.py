@@ -227,10 +227,11 @@ def test_the_rules_know_the_remediators_fallback_limits():
     other replicas serve the model; a model's only engine capped instead of drained
     (`single_replica`, a single box) pages on purpose: nothing but a person relieves it."""
     from oomguard.alerts.rules import FALLBACK_LIMITS
+    from oomguard.remediator.decision import CAP_INSTEAD
     from oomguard.remediator.decision import FALLBACK_LIMITS as REMEDIATOR
 
-    assert set(REMEDIATOR) - set(FALLBACK_LIMITS) == {"single_replica"}
-    assert set(FALLBACK_LIMITS) < set(REMEDIATOR)
+    assert set(REMEDIATOR) == set(FALLBACK_LIMITS)
+    assert set(CAP_INSTEAD) - set(FALLBACK_LIMITS) == {"single_replica"}
 
 
 def test_mixin_conventions():

@@ -41,7 +41,7 @@ def fleet_config(tmp_path: Path, c: float) -> RemediatorConfig:
 @pytest.mark.parametrize("c", [1.0, 5.0, 20.0])
 def test_the_twins_remediator_is_the_shipped_one_at_the_traces_clock(tmp_path, c):
     cfg = fleet_config(tmp_path, c)
-    shipped = StandaloneConfig(exporters=["x"])
+    shipped = StandaloneConfig(exporters=["http://127.0.0.1:9848/metrics"])
     assert cfg.mode == "standalone" and cfg.standalone is not None
     # the fleet's own remediator had keep_firing 120 s of trace time, four times the shipped
     # hysteresis on action alerts: its recovery was not the product's
