@@ -48,7 +48,9 @@ def test_quick_outcome_benchmark_on_the_neighbour_trace(repo_root, tmp_path):
     assert record["provenance"]["commit"] and record["provenance"]["measures"]
     result = record["traces"]["neighbour-growth"]
     assert result["provenance"]["commit"] == record["provenance"]["commit"]
-    assert set(result) == set(recorded["traces"]["neighbour-growth"])
+    # every field of the recorded run is still produced (docs/benchmarks.md is rendered from
+    # them); a field added since (`router`) waits for the next recording (bench/stale.py)
+    assert set(recorded["traces"]["neighbour-growth"]) <= set(result)
     core = {"requests", "lost", "crashes", "goodput_tokens_per_s", "ttft_p99_s", "recovery_s"}
     assert core <= set(result["outcomes"]["oomguard"])
     assert core <= set(recorded["traces"]["neighbour-growth"]["outcomes"]["oomguard"])
