@@ -9,6 +9,9 @@ SIGKILL (as kill -9 or the OOM killer would) the n-th time (default: the first) 
   after_engine    the engine answered; the commit is not recorded yet
   after_commit    the commit is durable
 
+A restart calls the engine from its own thread (restarting.py): at its after_engine and
+after_commit the sequence has started, and may or may not have reached the engine yet.
+
 Unset (always, in production) a point costs one comparison.
 """
 
