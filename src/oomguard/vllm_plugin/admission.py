@@ -43,6 +43,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from oomguard.catalog import spec
+from oomguard.vllm_plugin.envvars import env_float
 from oomguard.vllm_plugin.guard import (
     MODES,
     STEP_MARGIN,
@@ -117,13 +118,11 @@ class Guard:
         margin = os.environ.get("OOMGUARD_GUARD_KV_MARGIN", "").strip()
         return cls(
             mode=os.environ.get("OOMGUARD_GUARD_MODE", "observe").strip() or "observe",
-            refresh=_env_number("OOMGUARD_GUARD_REFRESH_SECONDS", "0.5", 0.01, 3600.0),
-            kv_margin=_env_number("OOMGUARD_GUARD_KV_MARGIN", margin, 0.0, 10.0)
-            if margin
-            else None,
-            step_margin=_env_number("OOMGUARD_GUARD_STEP_MARGIN", str(STEP_MARGIN), 0.0, 1.0),
-            reservation_ttl=_env_number(
-                "OOMGUARD_GUARD_RESERVATION_TTL_SECONDS", str(RESERVATION_TTL), 1.0, 86_400.0
+            refresh=env_float("OOMGUARD_GUARD_REFRESH_SECONDS", 0.5, 0.01, 3600.0),
+            kv_margin=env_float("OOMGUARD_GUARD_KV_MARGIN", 0.0, 0.0, 10.0) if margin else None,
+            step_margin=env_float("OOMGUARD_GUARD_STEP_MARGIN", STEP_MARGIN, 0.0, 1.0),
+            reservation_ttl=env_float(
+                "OOMGUARD_GUARD_RESERVATION_TTL_SECONDS", RESERVATION_TTL, 1.0, 86_400.0
             ),
         )
 
@@ -500,14 +499,3 @@ def _not_a_guard_failure() -> Any:
         raise
     except Exception:
         log.warning("oomguard guard: decision failed; request admitted", exc_info=True)
-
-
-def _env_number(name: str, default: str, low: float, high: float) -> float:
-    raw = os.environ.get(name, default).strip() or default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, not {raw!r}") from None
-    if not low <= value <= high:  # also refuses nan
-        raise ValueError(f"{name} must be between {low} and {high}, not {raw!r}")
-    return value

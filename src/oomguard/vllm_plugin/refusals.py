@@ -19,7 +19,6 @@ Both carry `x-should-retry: true`, which OpenAI's clients read as "retry this on
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -29,6 +28,7 @@ from oomguard.contract import (
     DRAIN_GRACE_ENV,
     PLUGIN_RETRY_AFTER_ENV,
 )
+from oomguard.vllm_plugin.envvars import env_float, env_int
 
 DEFER_STATUSES = (429, 503)
 DEFAULT_DEFER_STATUS = 429
@@ -51,18 +51,18 @@ class Refusals:
     @classmethod
     def from_env(cls) -> Refusals:
         """The settings as the environment gives them; a ValueError names the bad variable."""
-        status = _env_int(DEFER_STATUS_ENV, DEFAULT_DEFER_STATUS, 400, 599)
+        status = env_int(DEFER_STATUS_ENV, DEFAULT_DEFER_STATUS, 400, 599)
         if status not in DEFER_STATUSES:
             raise ValueError(f"{DEFER_STATUS_ENV} must be one of {DEFER_STATUSES}, not {status}")
         return cls(
             defer_status=status,
-            defer_retry_after=_env_int(
+            defer_retry_after=env_int(
                 DEFER_RETRY_AFTER_ENV, DEFAULT_DEFER_RETRY_AFTER, 1, MAX_RETRY_AFTER
             ),
-            drain_retry_after=_env_int(
+            drain_retry_after=env_int(
                 PLUGIN_RETRY_AFTER_ENV, DEFAULT_DRAIN_RETRY_AFTER, 1, MAX_RETRY_AFTER
             ),
-            drain_grace_seconds=_env_float(DRAIN_GRACE_ENV, 0.0, 0.0, MAX_DRAIN_GRACE),
+            drain_grace_seconds=env_float(DRAIN_GRACE_ENV, 0.0, 0.0, MAX_DRAIN_GRACE),
         )
 
     def retry_after(self, status: int) -> int | None:
@@ -83,29 +83,3 @@ def defer_status() -> HTTPStatus:
         return HTTPStatus(Refusals.from_env().defer_status)
     except ValueError:
         return HTTPStatus(DEFAULT_DEFER_STATUS)
-
-
-def _env_int(name: str, default: int, low: int, high: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, not {raw!r}") from None
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be between {low} and {high}, not {value}")
-    return value
-
-
-def _env_float(name: str, default: float, low: float, high: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, not {raw!r}") from None
-    if not low <= value <= high:  # also refuses nan
-        raise ValueError(f"{name} must be between {low} and {high}, not {raw!r}")
-    return value

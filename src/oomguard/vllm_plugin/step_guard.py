@@ -70,6 +70,7 @@ from typing import Any
 from oomguard.handoff import STEP_ACTIONS as ACTIONS
 from oomguard.handoff import STEP_REASONS as REASONS
 from oomguard.logits import LogitsShape
+from oomguard.vllm_plugin.envvars import env_float
 
 log = logging.getLogger("oomguard.vllm_plugin.step_guard")
 
@@ -328,8 +329,8 @@ class StepGuard:
             os.environ.get("OOMGUARD_STEP_GUARD_MODE", "observe").strip() or "observe",
             probe,
             costs,
-            margin=_env_number("OOMGUARD_STEP_GUARD_MARGIN", MARGIN, 0.0, 1.0),
-            wait_seconds=_env_number("OOMGUARD_STEP_GUARD_WAIT_SECONDS", WAIT_SECONDS, 0.0, 1.0),
+            margin=env_float("OOMGUARD_STEP_GUARD_MARGIN", MARGIN, 0.0, 1.0),
+            wait_seconds=env_float("OOMGUARD_STEP_GUARD_WAIT_SECONDS", WAIT_SECONDS, 0.0, 1.0),
         )
 
     # -- requests whose step needs more than activations -----------------------------------------
@@ -492,14 +493,3 @@ def _demand(scheduler: Any, cap: int) -> int:
             if total >= cap:
                 return cap
     return total
-
-
-def _env_number(name: str, default: float, low: float, high: float) -> float:
-    raw = os.environ.get(name, "").strip() or str(default)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, not {raw!r}") from None
-    if not low <= value <= high:  # also refuses nan
-        raise ValueError(f"{name} must be between {low} and {high}, not {raw!r}")
-    return value
