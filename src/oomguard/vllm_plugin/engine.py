@@ -504,6 +504,24 @@ def _expandable_segments() -> bool:
     return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
+def _room(self: Any) -> tuple[int, int]:
+    """(available, idle) of this worker's GPU: one `cudaMemGetInfo` and one read of the caching
+    allocator's counters (tens of microseconds); what each means: worker_memory below."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    stats = torch.cuda.memory_stats()
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    allocated = int(stats.get("allocated_bytes.all.current", 0))
+    fragments = (
+        0 if _expandable_segments() else int(stats.get("inactive_split_bytes.all.current", 0))
+    )
+    if not hasattr(self, "_oomguard_non_torch"):  # the non-torch memory at the first reading
+        self._oomguard_non_torch = max(0, total - free - reserved)
+    available = free + max(0, reserved - allocated - fragments)
+    return int(available), int(total - allocated - self._oomguard_non_torch)
+
+
 def worker_memory(self: Any) -> dict[str, int]:
     """A GPU worker's transient headroom, from the caching allocator and the device.
 
@@ -517,27 +535,15 @@ def worker_memory(self: Any) -> dict[str, int]:
     before the engine from the engine's own non-torch memory; such a neighbour counts as the
     engine's.
     """
-    import torch
-
     from oomguard.vllm_plugin.guard import ModelMemory, activation_bytes
 
-    free, total = torch.cuda.mem_get_info()
-    stats = torch.cuda.memory_stats()
-    reserved = int(stats.get("reserved_bytes.all.current", 0))
-    allocated = int(stats.get("allocated_bytes.all.current", 0))
-    fragments = (
-        0 if _expandable_segments() else int(stats.get("inactive_split_bytes.all.current", 0))
-    )
-    if not hasattr(self, "_oomguard_non_torch"):
-        self._oomguard_non_torch = max(0, total - free - reserved)
+    available, idle = _room(self)
     config = self.vllm_config
     step = activation_bytes(
         int(config.scheduler_config.max_num_batched_tokens),
         ModelMemory(config.model_config.get_vocab_size(), config.model_config.get_hidden_size()),
     )
-    now = free + max(0, reserved - allocated - fragments) - step
-    idle = total - allocated - self._oomguard_non_torch - step
-    return {"now": int(now), "idle": int(idle)}
+    return {"now": available - step, "idle": idle - step}
 
 
 def worker_step_memory(self: Any) -> dict[str, int]:
@@ -550,20 +556,10 @@ def worker_step_memory(self: Any) -> dict[str, int]:
                 (`Worker.peak_activation_memory`; 0 when the worker has none)
     One `cudaMemGetInfo` and one read of the allocator's counters: tens of microseconds.
     """
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
-    stats = torch.cuda.memory_stats()
-    reserved = int(stats.get("reserved_bytes.all.current", 0))
-    allocated = int(stats.get("allocated_bytes.all.current", 0))
-    fragments = (
-        0 if _expandable_segments() else int(stats.get("inactive_split_bytes.all.current", 0))
-    )
-    if not hasattr(self, "_oomguard_non_torch"):
-        self._oomguard_non_torch = max(0, total - free - reserved)
+    available, idle = _room(self)
     return {
-        "available": int(free + max(0, reserved - allocated - fragments)),
-        "idle": int(total - allocated - self._oomguard_non_torch),
+        "available": available,
+        "idle": idle,
         "profiled": int(getattr(self, "peak_activation_memory", 0) or 0),
     }
 
