@@ -28,7 +28,6 @@ of its own after the append that crossed the size; appends wait only for its fin
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -227,7 +226,7 @@ class AuditLog:
         finally:
             os.close(fd)
         if created:  # the file's name must be as durable as its first line
-            _fsync_dir(self.path.parent)
+            auditrotate.fsync_dir(self.path.parent)
         return size + len(line)
 
     # -- rotation --------------------------------------------------------------------------------
@@ -346,20 +345,6 @@ class AuditLog:
     def entries(self, events: Collection[str] | None = None) -> list[dict[str, Any]]:
         """Every well-formed entry (a torn or foreign line is counted and skipped)."""
         return self.replay(events).entries
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:  # some file systems cannot fsync a directory: nothing to do
-        if exc.errno not in (errno.EINVAL, errno.EBADF):
-            log.warning("cannot fsync %s: %s", path, exc)
-    finally:
-        os.close(fd)
 
 
 def new_intent() -> str:

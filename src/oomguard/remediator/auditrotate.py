@@ -26,12 +26,16 @@ file is renamed first, and a start that finds `<file>.rotating` without `<file>`
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from oomguard.remediator import clocks
+
+log = logging.getLogger("oomguard.remediator.audit")
 
 ACTION_EVENTS = frozenset({"intent", "acted", "failed", "reconciled"})
 PAUSE_EVENTS = frozenset({"paused", "unpaused"})
@@ -147,13 +151,15 @@ def install(path: Path, lines: list[bytes], backups: int) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """Makes a rename or a new file in `path` durable (the directory's entry)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return
     try:
         os.fsync(fd)
-    except OSError:  # some file systems cannot fsync a directory
-        pass
+    except OSError as exc:  # some file systems cannot fsync a directory: nothing to do
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            log.warning("cannot fsync %s: %s", path, exc)
     finally:
         os.close(fd)
