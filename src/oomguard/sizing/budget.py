@@ -28,7 +28,7 @@ from typing import Any
 
 from oomguard.errors import BudgetError
 from oomguard.logits import LogitsShape, longest_prompt_logprobs_prompt
-from oomguard.sizing.capacity import kv_capacity
+from oomguard.sizing.capacity import Capacity, kv_capacity
 from oomguard.sizing.model import DTYPE_BYTES, GIB, MIB, ModelShape, _cdiv
 
 # `budget --json`'s layout; bumped when a field changes meaning or goes away.
@@ -361,33 +361,24 @@ def compute(shape: ModelShape, inp: BudgetInputs, *, vllm_weights: int | None = 
             "activation peaks, CUDA graphs and other processes; operators run 0.88-0.92"
         )
     pool = max(pool, 0)
-    cap = kv_capacity(
-        shape,
-        pool,
-        max_len,
-        kv_bytes=kv_b,
-        block_size=inp.block_size,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=inp.pipeline_parallel_size,
-        max_num_batched_tokens=batched,
-        async_scheduling=inp.async_scheduling,
-    )
-    tokens = cap.tokens
-    context = inp.context_len or max_len
-    if context == max_len:
-        concurrency = cap.max_concurrency
-    else:
-        concurrency = kv_capacity(
+
+    def capacity(length: int) -> Capacity:
+        return kv_capacity(
             shape,
             pool,
-            context,
+            length,
             kv_bytes=kv_b,
             block_size=inp.block_size,
             tensor_parallel_size=tp,
             pipeline_parallel_size=inp.pipeline_parallel_size,
             max_num_batched_tokens=batched,
             async_scheduling=inp.async_scheduling,
-        ).max_concurrency
+        )
+
+    cap = capacity(max_len)
+    tokens = cap.tokens
+    context = inp.context_len or max_len
+    concurrency = cap.max_concurrency if context == max_len else capacity(context).max_concurrency
     if cap.max_concurrency < 1 and pool > 0:
         warnings.append(
             f"one request at max_model_len={max_len:,} does not fit the KV pool "
