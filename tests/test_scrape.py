@@ -19,6 +19,29 @@ def test_keeps_the_connection_alive_and_reconnects_when_the_server_drops_it(loca
     assert scraper.get()[0] == "a 1\n"
 
 
+@pytest.mark.parametrize("protocol", ["HTTP/1.0", "HTTP/1.1 close"])
+def test_reads_a_server_that_closes_after_each_answer(local_server, protocol):
+    """An HTTP/1.0 server (Python's http.server, a WSGI reference server) or one that says
+    `Connection: close` hands the socket to the response: the body must still be read, and the
+    next scrape reconnects."""
+    server = local_server("c 3\n")
+    handler = server.httpd.RequestHandlerClass
+    if protocol == "HTTP/1.0":
+        handler.protocol_version = "HTTP/1.0"
+    else:
+        original = handler.end_headers
+
+        def end_headers(self):
+            self.send_header("Connection", "close")
+            original(self)
+
+        handler.end_headers = end_headers
+    scraper = Scraper(server.url, timeout=2)
+    for _ in range(2):
+        assert scraper.get()[0] == "c 3\n"
+        assert scraper._conn is None  # nothing kept: the server closed it
+
+
 def test_gzip_body_is_inflated_within_the_limit(local_server):
     server = local_server()
     payload = gzip.compress(b"b 2\n")

@@ -22,27 +22,41 @@ from urllib.parse import urlsplit
 from oomguard.errors import CollectorError
 
 
-class _DeadlineIO(socket.SocketIO):
-    """A response's reader: every read waits only until the exchange's deadline."""
+class _DeadlineIO(io.RawIOBase):
+    """A response's reader: every read waits only until the exchange's deadline.
 
-    def __init__(self, sock: socket.socket, scraper: Scraper) -> None:
-        super().__init__(sock, "rb")
+    It wraps the socket reader makefile() gave, which holds a reference on the socket: when a
+    server closes after its answer (HTTP/1.0, `Connection: close`) http.client closes the
+    connection before the body is read, and only that reference keeps the socket open."""
+
+    def __init__(self, raw: Any, sock: socket.socket, scraper: Scraper) -> None:
+        super().__init__()
+        self._raw = raw
+        self._sock = sock
         self._scraper = scraper
+
+    def readable(self) -> bool:
+        return True
 
     def readinto(self, b: Any) -> int | None:
         left = self._scraper.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the answer took longer than the timeout")
-        self._sock.settimeout(left)  # type: ignore[attr-defined]
-        return super().readinto(b)
+        self._sock.settimeout(left)
+        return self._raw.readinto(b)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()  # its reference on the socket: the last one closes it
+        super().close()
 
 
 def _response_class(scraper: Scraper) -> type[http.client.HTTPResponse]:
     class Response(http.client.HTTPResponse):
         def __init__(self, sock: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(sock, *args, **kwargs)
-            plain, self.fp = self.fp, io.BufferedReader(_DeadlineIO(sock, scraper))
-            plain.close()  # the reader makefile() gave: the socket stays open
+            # nothing is buffered yet (begin() reads later): detach() hands over the raw reader
+            self.fp = io.BufferedReader(_DeadlineIO(self.fp.detach(), sock, scraper))
 
     return Response
 
