@@ -71,6 +71,14 @@ def test_the_example_deployment_passes_the_gate_on_an_h100(capsys) -> None:
     assert any("--port" in n for n in w["notes"])  # read, named, not sized
 
 
+def test_the_example_without_a_gpu_stops_the_gate_with_one_line(capsys) -> None:
+    """The example pins a node by name, not by GPU label: without --gpu nothing names the GPU.
+    docs/budget.md: one line on stderr, exit 2, no JSON (a CI job's gate.json stays empty)."""
+    code, doc, err = gate(capsys, str(LLAMA3), "--deployment", str(EXAMPLE))
+    assert code == 2 and doc == {} and err.count("\n") == 1
+    assert "no node label names the GPU" in err and "--gpu NAME" in err
+
+
 def test_the_longest_request_gate_fails_a_prompt_logprobs_prompt_that_does_not_fit(capsys):
     """At 0.90 an 8,192-token prompt_logprobs chunk (9.8 GiB of logits) does not fit what an
     H100 leaves outside vLLM's budget: noted by default, a failure with the flag."""
