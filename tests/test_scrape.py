@@ -19,15 +19,23 @@ def test_keeps_the_connection_alive_and_reconnects_when_the_server_drops_it(loca
     assert scraper.get()[0] == "a 1\n"
 
 
-@pytest.mark.parametrize("protocol", ["HTTP/1.0", "HTTP/1.1 close"])
+@pytest.mark.parametrize("protocol", ["HTTP/1.0", "HTTP/1.0 no length", "HTTP/1.1 close"])
 def test_reads_a_server_that_closes_after_each_answer(local_server, protocol):
     """An HTTP/1.0 server (Python's http.server, a WSGI reference server) or one that says
-    `Connection: close` hands the socket to the response: the body must still be read, and the
-    next scrape reconnects."""
+    `Connection: close` hands the socket to the response: the body must still be read (to the
+    close, when no Content-Length says where it ends), and the next scrape reconnects."""
     server = local_server("c 3\n")
     handler = server.httpd.RequestHandlerClass
-    if protocol == "HTTP/1.0":
+    if protocol.startswith("HTTP/1.0"):
         handler.protocol_version = "HTTP/1.0"
+        if protocol.endswith("no length"):
+            send_header = handler.send_header
+
+            def without_length(self, keyword, value):
+                if keyword != "Content-Length":
+                    send_header(self, keyword, value)
+
+            handler.send_header = without_length
     else:
         original = handler.end_headers
 

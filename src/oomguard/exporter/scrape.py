@@ -98,6 +98,10 @@ class Scraper:
         conn.request("GET", self._path, headers=HEADERS)
         resp = conn.getresponse()
         body = resp.read(self.max_bytes + 1)
+        if len(body) <= self.max_bytes and not resp.isclosed():
+            # a body that ends where the server closes (no Content-Length): http.client marks it
+            # read only once a read comes back empty, which this one does at the end
+            body += resp.read(1)
         complete = resp.isclosed()  # False when more body is left unread: a dirty connection
         if resp.will_close or not complete:
             self.close()
