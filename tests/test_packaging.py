@@ -28,6 +28,7 @@ DATA_DIRS = {
     "src/oomguard/twin": "oomguard/twin",
     "src/oomguard/alerts": "oomguard/alerts",
     "deploy": "oomguard/deploy",
+    "runbooks": "oomguard/runbooks",
 }
 # Build files, not read by any command: not package data.
 NOT_DATA = ("deploy/docker/",)
@@ -252,6 +253,7 @@ def test_wheel_carries_every_data_file(wheel):
         "oomguard/deploy/prometheus/prometheus.yml",
         "oomguard/deploy/alertmanager/alertmanager.yml",
         "oomguard/alerts/generated/oomguard.rules.yaml",
+        "oomguard/runbooks/OomguardMemoryCritical.md",
     ):
         assert needed in names
 
@@ -282,6 +284,20 @@ def test_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "recommended max_num_seqs" in r.stdout
+    # the runbooks the demo's report quotes, from the installed package
+    books = subprocess.run(
+        [
+            str(installed / "python"),
+            "-c",
+            "from oomguard.paths import runbooks_dir as r; print(r())",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert books == str(site.parent / "runbooks")
+    assert (Path(books) / "OomguardMemoryCritical.md").is_file()
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 The package is `src/oomguard/` in a checkout and `site-packages/oomguard/` once installed. Data that
 belongs to a component (generated rules and dashboards, twin models and traces) sits inside its
 folder in both. The deployment files and runbooks sit at the repository's top in a checkout, where
-the docs point; the wheel carries deploy/ as `oomguard/deploy`.
+the docs point; the wheel carries them as `oomguard/deploy` and `oomguard/runbooks`.
 """
 
 from __future__ import annotations
@@ -26,5 +26,5 @@ def deploy_dir() -> Path:
 
 
 def runbooks_dir() -> Path:
-    """Absent from a wheel: callers treat a missing runbook as a link without a preview."""
+    """The demo's report quotes the runbooks of the alerts that fired; a missing one is a link."""
     return _beside_package("runbooks")
