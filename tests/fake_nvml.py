@@ -1,11 +1,13 @@
 """Patch pynvml so that it reports fake GPUs through its real types and real error classes.
 
-Only the functions oomguard calls are replaced; structs are pynvml's own ctypes structures and
+Only the functions oomguard calls are replaced (the process listing at NVML's C function, under
+pynvml's own wrapper); structs are pynvml's own ctypes structures and
 errors are pynvml's own NVMLError subclasses, so `except pynvml.NVMLError_...` works as on a GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,7 @@ class FakeNvml:
         for name in dir(self):
             if name.startswith("nvml"):
                 monkeypatch.setattr(pynvml, name, getattr(self, name))
+        monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer", self._nvmlGetFunctionPointer)
 
     # handles are ("gpu", index) or ("mig", index, slot)
     def nvmlInit(self) -> None:
@@ -108,13 +111,13 @@ class FakeNvml:
         s1.total, s1.used, s1.free = total, used + reserved, free
         return s1
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
-        """What pynvml's own nvmlDeviceGetComputeRunningProcesses_v3 does with the driver's
-        answer: one array of c_nvmlProcessInfo_v3_t (filled by NVML in C: built once here while
-        the list does not change), each element made a friendly object in Python, an
-        unavailable usedGpuMemory turned into None."""
+    def _compute_processes_v3(self, handle: Any, count: Any, array: Any) -> int:
+        """NVML's C function nvmlDeviceGetComputeRunningProcesses_v3, as pynvml calls it (and
+        the exporter's own listing): `count` by reference, `array` of c_nvmlProcessInfo_v3_t or
+        None; the answer an NVML return code. The rows are built once while the list does not
+        change and copied into the caller's array in C, as the driver fills it."""
         if self.process_error:
-            raise self.process_error()
+            return int(self.process_error().value)
         gpu = self._gpu(handle)
         listed = gpu.mig[handle[2]].processes if handle[0] == "mig" else gpu.processes
         key = (handle, tuple(listed))
@@ -128,13 +131,24 @@ class FakeNvml:
                 )
             self._filled = {k: v for k, v in self._filled.items() if k[0] != handle}
             self._filled[key] = c_procs
-        out = []
-        for i in range(len(listed)):
-            obj = pynvml.nvmlStructToFriendlyObject(c_procs[i])
-            if obj.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
-                obj.usedGpuMemory = None  # what pynvml does for NVML_VALUE_NOT_AVAILABLE
-            out.append(obj)
-        return out
+        n = len(listed)
+        counter = count._obj  # ctypes.byref(c_uint)
+        if not n:
+            counter.value = 0
+            return int(pynvml.NVML_SUCCESS)
+        if array is None or counter.value < n:
+            counter.value = n
+            return int(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        ctypes.memmove(array, c_procs, ctypes.sizeof(c_procs))
+        counter.value = n
+        return int(pynvml.NVML_SUCCESS)
+
+    def _nvmlGetFunctionPointer(self, name: str) -> Any:
+        """pynvml's look-up of a C function in the NVML library: the process listing's (the
+        one C function the fake provides; pynvml's own Python wrapper runs above it)."""
+        if name == "nvmlDeviceGetComputeRunningProcesses_v3":
+            return self._compute_processes_v3
+        raise pynvml.NVMLError_FunctionNotFound()
 
     def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
         enabled = bool(self._gpu(handle).mig)

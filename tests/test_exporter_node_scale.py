@@ -238,3 +238,88 @@ def test_a_prometheus_scrape_gets_gzipped_openmetrics() -> None:
     assert b'oomguard_vllm_requests_running{engine="0",model_name="m",target="t"} 3.0' in (
         snapshot.openmetrics
     )
+
+
+# -- gzip from cached pieces, made before a scrape expected to ask -------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=3000), st.binary(max_size=3000))
+def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
+    import zlib
+
+    from oomguard.exporter.render import _crc_shift, crc32_combine
+
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), _crc_shift(len(b))) == zlib.crc32(a + b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(valid_snapshots(), st.sampled_from([1, 40, 8192]))
+def test_gzip_from_pieces_inflates_to_the_rendering(
+    sequence: list[list[Family]], large: int
+) -> None:
+    from oomguard.exporter.render import PartsGzip, join_parts
+
+    text, om = TextRenderer(), OpenMetricsRenderer()
+    text_gzip, om_gzip = PartsGzip(), PartsGzip()
+    text_gzip.LARGE = om_gzip.LARGE = large  # 1: every body spliced from the cache
+    for families in sequence:  # long-lived: caches across snapshots, never a stale piece
+        for renderer, gz in ((text, text_gzip), (om, om_gzip)):
+            parts = renderer.render_parts(families)
+            assert gzip.decompress(gz.compress(parts)) == join_parts(parts)
+    assert text.render(sequence[-1]) == TextRenderer().render(sequence[-1])
+
+
+def test_a_large_body_changed_in_place_is_compressed_again() -> None:
+    from oomguard.exporter.render import PartsGzip
+
+    gz = PartsGzip()
+    body = "x 1\n" * 5000
+    assert gzip.decompress(gz.compress([("x", body)])) == body.encode()
+    changed = body[:-2] + "2\n"  # same length, another object: never the cached blocks
+    assert gzip.decompress(gz.compress([("x", changed)])) == changed.encode()
+
+
+def test_forms_expected_from_the_gap_between_requests() -> None:
+    from oomguard.exporter.poller import Forms
+
+    now = [100.0]
+    forms = Forms(clock=lambda: now[0])
+    assert forms.expected(1.0) == []  # never asked
+    forms.asked("openmetrics_gzip")
+    assert forms.expected(1.0) == []  # once: no rhythm yet
+    now[0] += 1.0
+    forms.asked("openmetrics_gzip")
+    now[0] += 0.2
+    assert forms.expected(1.0) == ["openmetrics_gzip"]  # every second: next is due
+    forms = Forms(clock=lambda: now[0])
+    forms.asked("text_gzip")
+    now[0] += 60.0
+    forms.asked("text_gzip")  # once a minute
+    now[0] += 1.0
+    assert forms.expected(1.0) == []  # not before 59 s from now
+    now[0] += 58.5
+    assert forms.expected(1.0) == ["text_gzip"]
+    now[0] += 200.0
+    assert forms.expected(1.0) == []  # the scraper stopped
+
+
+@pytest.mark.slow  # serves the scenario's 16 vLLM pages from a subprocess
+def test_a_scraped_snapshot_is_made_before_it_is_published_and_never_stale() -> None:
+    from bench.exporter import node, running
+    from oomguard.exporter.poller import Forms
+
+    scenario = node(2000, now=NOW)
+    with running(scenario, clock=lambda: NOW) as poller:
+        snapshot = poller.render()
+        assert snapshot._openmetrics_gzip is None  # nobody asked: not made
+        poller.forms = Forms()
+        previous = None
+        for i in range(4):  # scraped every cycle, as by Prometheus (counters move each poll)
+            for state in poller.states:
+                poller.poll(state)
+            snapshot = poller.render()
+            if i >= 2:  # asked twice: expected, made in the render pass
+                assert snapshot._openmetrics_gzip is not None
+            body = gzip.decompress(snapshot.openmetrics_gzip)
+            assert body == render_openmetrics_reference(snapshot.families)
+            assert body != previous
+            previous = body

@@ -126,3 +126,57 @@ def test_a_pid_listed_twice_on_one_gpu_is_exported_once(monkeypatch):
     collector.families(reading, out)
     (family,) = out.families()
     assert len(family.samples) == 1
+
+
+def _listing(collector: NvmlCollector) -> tuple[list[tuple[str, str, int, float]], dict]:
+    reading = collector.collect()
+    rows = [(i.uuid, i.gpu_instance_id, pid, used) for i, pid, used in reading.processes]
+    return rows, dict(reading.invalid)
+
+
+def test_the_direct_process_listing_reads_what_pynvml_lists(monkeypatch):
+    # The collector reads NVML's process array itself (one unpack, no object per process);
+    # pynvml's own listing over the same C function must give the same processes, through
+    # lists that grow past the collector's first array and shrink again.
+    many = [(1000 + p, (p + 1) * GIB // 8) for p in range(300)]
+    gpus = [
+        FakeGpu("GPU-aaaa", processes=[(101, 40 * GIB), (102, None), (101, 2 * GIB)]),
+        FakeGpu(
+            "GPU-mig",
+            minor=1,
+            mig=[FakeMig(2, "3g.40gb", 40 * GIB, 38 * GIB, 2 * GIB, processes=many)],
+        ),
+    ]
+    FakeNvml(monkeypatch, gpus)
+    direct, pynvml_listing = NvmlCollector("n"), NvmlCollector("n")
+    pynvml_listing._direct = False
+    assert direct._direct
+    for processes in (many, many[:5], [], [*many, (9, 1)]):
+        gpus[1].mig[0].processes = processes
+        rows, invalid = _listing(direct)
+        assert (rows, invalid) == _listing(pynvml_listing)
+        assert [pid for _, iid, pid, _ in rows if iid == "2"] == [p for p, _ in processes]
+        assert invalid == {"not_available": 1, "duplicate_process": 1}
+    assert direct._direct  # it did read the array itself
+
+
+def test_without_the_c_function_pynvml_lists_the_processes(monkeypatch):
+    FakeNvml(monkeypatch, two_gpus())
+
+    def missing(name: str) -> None:
+        raise pynvml.NVMLError_FunctionNotFound()
+
+    collector = NvmlCollector("n")
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer", missing)
+    monkeypatch.setattr(
+        pynvml,
+        "nvmlDeviceGetComputeRunningProcesses",
+        lambda handle: (
+            [pynvml.nvmlFriendlyObject({"pid": 7, "usedGpuMemory": GIB})]
+            if handle == ("gpu", 0)
+            else []
+        ),
+    )
+    rows, _ = _listing(collector)
+    assert not collector._direct
+    assert rows == [("GPU-aaaa", "", 7, float(GIB))]

@@ -122,3 +122,24 @@ def test_any_page_parses_or_is_a_parse_error(text, openmetrics, wanted):
             assert math.isfinite(s.value) and all(isinstance(v, str) for v in s.labels.values())
         keys = [tuple(sorted(s.labels.items())) for s in samples]
         assert len(keys) == len(set(keys))  # never the same series twice
+
+
+def test_parsed_labels_are_the_callers_and_long_label_sets_parse_alike():
+    # label sets are parsed once and kept by their text: each sample still gets its own dict
+    long = "x" * 3000  # longer than what is kept: parsed every time, the same way
+    text = f'a{{k="v"}} 1\nb{{k="v"}} 2\nc{{k="{long}"}} 3\n'
+    first = parse(text)
+    first.get("a")[0].labels["k"] = "changed"
+    again = parse(text)
+    assert again.get("a")[0].labels == {"k": "v"} == again.get("b")[0].labels
+    assert again.get("a")[0].labels is not again.get("b")[0].labels
+    assert again.get("c")[0].labels == {"k": long} == parse(text).get("c")[0].labels
+
+
+def test_wanted_names_are_found_under_type_lines_at_a_line_start_only():
+    text = (
+        "# HELP m_total a help text that says # TYPE m_total counter\n"
+        "# TYPE m_total counter\nm_total 4\n# TYPE other gauge\nother 1\n"
+    )
+    assert [s.value for s in parse(text, ["m_total"]).get("m_total")] == [4.0]
+    assert parse("# TYPE g gauge\ng 2", ["g"]).get("g")[0].value == 2.0  # at offset 0

@@ -11,11 +11,13 @@ from __future__ import annotations
 import functools
 import gzip
 import logging
+import operator
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 from oomguard import __version__, supervised
@@ -31,15 +33,22 @@ from oomguard.exporter.collectors.base import (
 from oomguard.exporter.collectors.vllm import VllmReading
 from oomguard.exporter.pressure import NO_GPU_SOURCE, EngineSource, PressureEvaluator
 from oomguard.exporter.render import (
+    GZIP_LEVEL,
     Family,
     FamilyBuilder,
+    Parts,
+    PartsGzip,
     TextRenderer,
-    render_openmetrics,
+    join_parts,
+    render_openmetrics_parts,
 )
 from oomguard.supervised import Supervised
 from oomguard.thresholds import PressureThresholds
 
 log = logging.getLogger("oomguard.exporter")
+
+_IDENTITY = operator.itemgetter(0)  # of a (GpuIdentity, pid, bytes) process entry
+_KEY = operator.attrgetter("key")
 
 # GPU memory sources in order of preference: a GPU seen by both is reported from the first.
 GPU_SOURCE_PRIORITY = ("nvml", "dcgm")
@@ -70,33 +79,127 @@ class CollectorState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class Snapshot:
-    """One rendered snapshot. Gzip and OpenMetrics forms are made on first request."""
+class Forms:
+    """The encodings of a poller's snapshots other than plain text, and who asks for them.
 
-    def __init__(self, timestamp: float, families: list[Family], text: bytes) -> None:
+    Each form is made once per snapshot, on first request, from cached pieces (PartsGzip). A
+    form that scrapes keep asking for (Prometheus asks for gzipped OpenMetrics) is made in the
+    render pass, before the snapshot is published, when the next scrape is expected while it is
+    the latest (from the gap between the last two requests): that scrape then only writes
+    bytes. A form nobody asks for is never made; one asked for rarely is made on request, plus
+    at most a few snapshots around each expected scrape.
+    """
+
+    FORMS = ("text_gzip", "openmetrics", "openmetrics_gzip")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.text_gzip = PartsGzip()
+        self.openmetrics_gzip = PartsGzip()
+        self._last: dict[str, float] = {}  # form -> when last requested (monotonic)
+        self._gap: dict[str, float] = {}  # form -> time between its last two requests
+
+    def asked(self, form: str) -> None:
+        now = self.clock()
+        last = self._last.get(form)
+        if last is not None:
+            self._gap[form] = now - last
+        self._last[form] = now
+
+    def expected(self, interval: float) -> list[str]:
+        """The forms a scrape is expected to ask for within `interval` from now."""
+        now = self.clock()
+        out = []
+        for form in self.FORMS:
+            last, gap = self._last.get(form), self._gap.get(form)
+            if last is None or gap is None:
+                continue
+            if now - last > 2 * max(gap, interval) + interval:
+                continue  # the scraper stopped: stop making it
+            if last + gap < now + interval:
+                out.append(form)
+        return out
+
+
+class Snapshot:
+    """One rendered snapshot. Gzip and OpenMetrics forms are made on first request (or in the
+    render pass, when a scrape is expected to ask: Forms)."""
+
+    def __init__(
+        self,
+        timestamp: float,
+        families: list[Family],
+        text: bytes,
+        parts: Parts | None = None,
+        forms: Forms | None = None,
+    ) -> None:
         self.timestamp = timestamp
         self.families = families
         self.text = text
+        self._parts = parts  # the text in pieces, when rendered by a Poller
+        self._forms = forms
         self._gzip: bytes | None = None
+        self._openmetrics_parts: Parts | None = None
         self._openmetrics: bytes | None = None
         self._openmetrics_gzip: bytes | None = None
+        self._lock = threading.Lock()  # one making of each form, however many scrapes wait
+
+    def _asked(self, form: str) -> None:
+        if self._forms is not None:
+            self._forms.asked(form)
+
+    def prepare(self, form: str) -> None:
+        """Make a form now (the render pass, before publishing), without counting a request."""
+        getattr(self, f"_make_{form}")()
 
     @property
     def text_gzip(self) -> bytes:
-        if self._gzip is None:
-            self._gzip = gzip.compress(self.text, compresslevel=1)
-        return self._gzip
+        self._asked("text_gzip")
+        return self._make_text_gzip()
 
     @property
     def openmetrics(self) -> bytes:
-        if self._openmetrics is None:
-            self._openmetrics = render_openmetrics(self.families)
-        return self._openmetrics
+        self._asked("openmetrics")
+        return self._make_openmetrics()
 
     @property
     def openmetrics_gzip(self) -> bytes:
+        self._asked("openmetrics_gzip")
+        return self._make_openmetrics_gzip()
+
+    def _make_text_gzip(self) -> bytes:
+        if self._gzip is None:
+            with self._lock:
+                if self._gzip is None:
+                    if self._parts is None or self._forms is None:
+                        self._gzip = gzip.compress(self.text, compresslevel=GZIP_LEVEL)
+                    else:
+                        self._gzip = self._forms.text_gzip.compress(self._parts)
+        return self._gzip
+
+    def _openmetrics_pieces(self) -> Parts:
+        if self._openmetrics_parts is None:
+            self._openmetrics_parts = render_openmetrics_parts(self.families)
+        return self._openmetrics_parts
+
+    def _make_openmetrics(self) -> bytes:
+        if self._openmetrics is None:
+            with self._lock:
+                if self._openmetrics is None:
+                    self._openmetrics = join_parts(self._openmetrics_pieces())
+        return self._openmetrics
+
+    def _make_openmetrics_gzip(self) -> bytes:
         if self._openmetrics_gzip is None:
-            self._openmetrics_gzip = gzip.compress(self.openmetrics, compresslevel=1)
+            with self._lock:
+                if self._openmetrics_gzip is None:
+                    parts = self._openmetrics_pieces()
+                    if self._forms is None:
+                        self._openmetrics_gzip = gzip.compress(
+                            join_parts(parts), compresslevel=GZIP_LEVEL
+                        )
+                    else:
+                        self._openmetrics_gzip = self._forms.openmetrics_gzip.compress(parts)
         return self._openmetrics_gzip
 
 
@@ -117,6 +220,7 @@ class Poller:
         self.engine_gmu = engine_gmu or {}
         self.clock = clock
         self.renderer = TextRenderer()
+        self.forms = Forms()
         self.render_dropped: Counter[str] = Counter()  # samples refused while building
         self.polls = 0
         self._stop = threading.Event()
@@ -325,10 +429,13 @@ class Poller:
         self.polls += 1
         families = out.families()
         t0 = time.perf_counter()
-        text = self.renderer.render(families)
+        parts = self.renderer.render_parts(families)
+        text = join_parts(parts)
         render_seconds = time.perf_counter() - t0
         self._last_render_seconds = render_seconds
-        snapshot = Snapshot(now, families, text)
+        snapshot = Snapshot(now, families, text, parts, self.forms)
+        for form in self.forms.expected(self.interval):
+            snapshot.prepare(form)  # before publishing: the expected scrape only writes bytes
         self.latest = snapshot  # one reference swap: scrapes never see half a snapshot
         return snapshot
 
@@ -371,7 +478,9 @@ class Poller:
                 taken = {g.identity.key for g in reading.gpus if g.identity.key not in merged}
                 for g in reading.gpus:
                     merged.setdefault(g.identity.key, (g, source))
-                processes.extend(p for p in reading.processes if p[0].key in taken)
+                # thousands of processes a render: the filter runs in C
+                keys = map(_KEY, map(_IDENTITY, reading.processes))
+                processes.extend(compress(reading.processes, map(taken.__contains__, keys)))
         return list(merged.values()), processes
 
     def _self_metrics(self, out: FamilyBuilder, now: float, fresh_ids: set[int]) -> None:

@@ -37,6 +37,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import itemgetter
 from typing import Any
 
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory
@@ -479,6 +481,9 @@ class PressureEvaluator:
             del self._history[key]
 
 
+_PID = itemgetter(1)  # of a (GpuIdentity, pid, bytes) process entry
+
+
 class _ProcessIndex:
     """The engines' processes in the GPUs' process lists, indexed once per evaluation.
 
@@ -492,11 +497,12 @@ class _ProcessIndex:
     ) -> None:
         self._by_gpu: dict[GpuKey, list[tuple[int, float]]] = {}
         self._gpus_of_pid: dict[int, set[GpuKey]] = {}
-        for ident, pid, used in processes:
-            if pid in ranks:
-                key = ident.key
-                self._by_gpu.setdefault(key, []).append((pid, used))
-                self._gpus_of_pid.setdefault(pid, set()).add(key)
+        # a node lists thousands of processes and a few dozen ranks: the filter runs in C
+        listed = compress(processes, map(ranks.__contains__, map(_PID, processes)))
+        for ident, pid, used in listed:
+            key = ident.key
+            self._by_gpu.setdefault(key, []).append((pid, used))
+            self._gpus_of_pid.setdefault(pid, set()).add(key)
 
     def on_gpu(self, key: GpuKey) -> list[tuple[int, float]]:
         """(pid, bytes) of ranks listed on this GPU or MIG instance, in the driver's order."""

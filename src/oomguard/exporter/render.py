@@ -3,7 +3,10 @@
 A snapshot is rendered once, when it is collected, and the bytes are served to every scrape.
 The text renderer caches each series' `name{labels}` prefix across snapshots, since label sets
 rarely change between polls: that is what makes rendering cheap enough to poll every 100 ms.
-OpenMetrics is rendered on demand through prometheus_client, from the same families.
+OpenMetrics (the same bytes as prometheus_client's) is rendered from the same families when
+asked for, or before a snapshot is published when a scrape is expected to ask (poller.Forms).
+gzip is made from the renderings' pieces, each large family's compressed blocks kept while its
+text stays the same (PartsGzip).
 
 Rendering never raises on a bad value: one sample that cannot be rendered (a value that is not a
 number or overflows a float, a label value that is not a string, a wrong label count) is dropped
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
@@ -92,6 +97,110 @@ class FamilyBuilder:
         return list(self._families.values())
 
 
+# A rendering in pieces: (family name, its body) or (None, a header or the end marker).
+Parts = list[tuple[str | None, str]]
+
+
+def join_parts(parts: Parts) -> bytes:
+    return "".join([text for _, text in parts]).encode()
+
+
+# -- gzip from cached pieces --------------------------------------------------------------------
+# CRC-32 arithmetic (zlib's crc32_combine): the CRC of A+B from crc(A), crc(B) and len(B), so
+# that a piece that did not change is neither compressed nor checksummed again.
+_CRC_POLY = 0xEDB88320
+
+
+def _crc_multiply(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (bit-reflected, as zlib's multmodp)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+def _crc_powers() -> list[int]:
+    powers, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        powers.append(p)  # x^(2^k)
+        p = _crc_multiply(p, p)
+    return powers
+
+
+_X2N = _crc_powers()
+
+
+def _crc_shift(length: int) -> int:
+    """x^(8 * length) modulo the polynomial: what crc(A) is multiplied by when B follows."""
+    p, k = 1 << 31, 3  # x^0; a byte is 2^3 bits
+    while length:
+        if length & 1:
+            p = _crc_multiply(_X2N[k & 31], p)
+        length >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc_a: int, crc_b: int, shift_b: int) -> int:
+    """crc32(A + B) from crc32(A), crc32(B) and _crc_shift(len(B))."""
+    return _crc_multiply(shift_b, crc_a) ^ crc_b
+
+
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x04\xff"  # deflate, no name, no mtime; fast
+GZIP_LEVEL = 1
+
+
+class PartsGzip:
+    """gzip of a rendering made from its pieces, each large body compressed once while it stays
+    the same (the per-process family, most of a node's page, rarely moves).
+
+    One gzip member, one deflate stream: the small pieces go through one compressor; before a
+    large body's cached blocks it is flushed with Z_FULL_FLUSH, which aligns its output to a
+    byte and forgets its window, so no later block refers back into data it did not see, and
+    each large body was compressed alone (its blocks refer only to itself). The CRC is
+    combined from the pieces' CRCs. The result inflates to exactly the joined pieces.
+    """
+
+    LARGE = 8192  # characters: smaller bodies are cheaper to recompress than to splice
+
+    def __init__(self, level: int = GZIP_LEVEL) -> None:
+        self.level = level
+        # family name -> (body as last compressed, its deflate blocks, crc, bytes, crc shift);
+        # bounded by the catalog. Read and replaced whole: concurrent scrapes need no lock.
+        self._bodies: dict[str, tuple[str, bytes, int, int, int]] = {}
+
+    def compress(self, parts: Parts) -> bytes:
+        out = [_GZIP_HEADER]
+        deflate = zlib.compressobj(self.level, zlib.DEFLATED, -zlib.MAX_WBITS)
+        crc = size = 0
+        for name, text in parts:
+            if name is None or len(text) < self.LARGE:
+                data = text.encode()
+                out.append(deflate.compress(data))
+                crc = zlib.crc32(data, crc)
+                size += len(data)
+                continue
+            cached = self._bodies.get(name)
+            if cached is None or cached[0] is not text:
+                data = text.encode()
+                alone = zlib.compressobj(self.level, zlib.DEFLATED, -zlib.MAX_WBITS)
+                blocks = alone.compress(data) + alone.flush(zlib.Z_FULL_FLUSH)
+                cached = (text, blocks, zlib.crc32(data), len(data), _crc_shift(len(data)))
+                self._bodies[name] = cached
+            _, blocks, body_crc, body_size, shift = cached
+            out.append(deflate.flush(zlib.Z_FULL_FLUSH))
+            out.append(blocks)
+            crc = crc32_combine(crc, body_crc, shift)
+            size += body_size
+        out.append(deflate.flush(zlib.Z_FINISH))
+        out.append(struct.pack("<II", crc, size & 0xFFFFFFFF))
+        return b"".join(out)
+
+
 _INF, _NINF = float("inf"), float("-inf")
 
 
@@ -161,7 +270,12 @@ class TextRenderer:
         return header
 
     def render(self, families: Iterable[Family]) -> bytes:
-        parts: list[str] = []
+        return join_parts(self.render_parts(families))
+
+    def render_parts(self, families: Iterable[Family]) -> Parts:
+        """The text as pieces: each family's header (key None) and body (key its name; the
+        same str object while the family renders the same, for PartsGzip's cache)."""
+        parts: Parts = []
         for family in families:
             if not family.samples:
                 continue
@@ -180,9 +294,9 @@ class TextRenderer:
                     # sample at a time and drop only the bad ones.
                     body = self._body_checked(family)
             if body:
-                parts.append(self._header(family.spec))
-                parts.append(body)
-        return "".join(parts).encode()
+                parts.append((None, self._header(family.spec)))
+                parts.append((name, body))
+        return parts
 
     def _body(self, family: Family) -> tuple[str, bool]:
         """The family's text, and whether any value is zero (either sign)."""
@@ -263,14 +377,18 @@ class OpenMetricsRenderer:
         self.dropped: Counter[str] = Counter()
 
     def render(self, families: Iterable[Family]) -> bytes:
+        return join_parts(self.render_parts(families))
+
+    def render_parts(self, families: Iterable[Family]) -> Parts:
+        """As TextRenderer.render_parts: headers (key None), bodies (key the family's name)."""
         with self._lock:
-            parts: list[str] = []
+            parts: Parts = []
             for family in families:
-                parts.append(self._header(family.spec))
+                parts.append((None, self._header(family.spec)))
                 if family.samples:
-                    parts.append(self._cached_body(family))
-            parts.append("# EOF\n")
-            return "".join(parts).encode()
+                    parts.append((family.spec.name, self._cached_body(family)))
+            parts.append((None, "# EOF\n"))
+            return parts
 
     def _header(self, spec: MetricSpec) -> str:
         header = self._headers.get(spec.name)
@@ -341,6 +459,10 @@ _OPENMETRICS = OpenMetricsRenderer()  # one per process: its caches serve every 
 
 def render_openmetrics(families: Iterable[Family]) -> bytes:
     return _OPENMETRICS.render(families)
+
+
+def render_openmetrics_parts(families: Iterable[Family]) -> Parts:
+    return _OPENMETRICS.render_parts(families)
 
 
 def render_openmetrics_reference(families: Iterable[Family]) -> bytes:

@@ -71,6 +71,31 @@ def _labels(raw: str | None, line: str) -> dict[str, str]:
     return labels
 
 
+# Parsed label sets by their raw text: an engine's page repeats the same label sets poll after
+# poll (only values move), and parsing them is most of a page's parse. Bounded in entries and in
+# the length of what is kept (pages are untrusted).
+_LABEL_CACHE: dict[str, tuple[dict[str, str], tuple[tuple[str, str], ...]]] = {}
+_LABEL_CACHE_ENTRIES = 2048
+_LABEL_CACHE_LONGEST = 2048  # vLLM's cache_config_info: 800 characters
+
+
+def _labels_and_key(
+    raw: str | None, line: str
+) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
+    """A sample's labels (a new dict: the caller's to keep) and its sorted (name, value) key."""
+    if not raw:
+        return {}, ()
+    hit = _LABEL_CACHE.get(raw)
+    if hit is None:
+        labels = _labels(raw, line)
+        hit = (labels, tuple(sorted(labels.items())))
+        if len(raw) <= _LABEL_CACHE_LONGEST:
+            if len(_LABEL_CACHE) >= _LABEL_CACHE_ENTRIES:
+                _LABEL_CACHE.clear()
+            _LABEL_CACHE[raw] = hit
+    return dict(hit[0]), hit[1]
+
+
 def _line_filter(wanted: frozenset[str]) -> re.Pattern[str]:
     """One regex that finds the sample lines of the wanted names, so that the scan of a 750-line
     page runs in C and only a few dozen lines reach Python."""
@@ -92,15 +117,31 @@ def _family_candidates(name: str) -> tuple[str, ...]:
     return (name,)
 
 
+def _type_lines(text: str) -> dict[str, int]:
+    """Where each family's first `# TYPE` line starts: one pass of str.find over the page (a
+    find per wanted name was a pass each)."""
+    out: dict[str, int] = {}
+    i = text.find("# TYPE ")
+    while i >= 0:
+        if i == 0 or text[i - 1] == "\n":
+            end = text.find("\n", i)
+            name, sep, _ = text[i + 7 : end if end >= 0 else len(text)].partition(" ")
+            if sep and name not in out:
+                out[name] = i
+        i = text.find("# TYPE ", i + 7)
+    return out
+
+
 def _wanted_lines(text: str, wanted: frozenset[str]) -> list[str]:
     """Sample lines of the wanted names. Exposition text groups a family's samples under its
     `# TYPE` line, so each wanted family is found with str.find and only its block is split;
     names without a TYPE line fall back to one regex scan of the whole page."""
     by_block: dict[int, tuple[int, set[str]]] = {}
     untyped: set[str] = set()
+    types = _type_lines(text)
     for name in wanted:
         for family in _family_candidates(name):
-            i = text.find(f"# TYPE {family} ")
+            i = types.get(family, -1)
             if i >= 0:
                 start = text.find("\n", i) + 1
                 end = text.find("\n#", start)
@@ -150,12 +191,18 @@ def parse(text: str, wanted: Iterable[str] | None = None, openmetrics: bool = Fa
             out.drop("nan")
             continue
         name = m.group(1)
-        _keep(out, seen, Sample(name, _labels(m.group(2), line), value))
+        labels, key = _labels_and_key(m.group(2), line)
+        _keep(out, seen, Sample(name, labels, value), key)
     return out
 
 
-def _keep(out: Parsed, seen: set[tuple[str, tuple[tuple[str, str], ...]]], s: Sample) -> None:
-    key = (s.name, tuple(sorted(s.labels.items())))
+def _keep(
+    out: Parsed,
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]],
+    s: Sample,
+    label_key: tuple[tuple[str, str], ...] | None = None,
+) -> None:
+    key = (s.name, tuple(sorted(s.labels.items())) if label_key is None else label_key)
     if key in seen:
         out.drop("duplicate_series")
         return

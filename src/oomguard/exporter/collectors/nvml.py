@@ -9,7 +9,9 @@ cache is dropped whenever NVML reports an error that may mean the GPU set change
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,25 @@ from oomguard.exporter.render import FamilyBuilder
 
 _MIG_PROFILE = re.compile(r"MIG\s+(\S+)")
 _MAX_MIG_SLOTS = 7  # GPU instances per GPU at most (NVIDIA's MIG user guide: A100, H100)
+
+
+def _row_format() -> struct.Struct | None:
+    """The (pid, usedGpuMemory) layout of pynvml's c_nvmlProcessInfo_v3_t as a struct format, or
+    None if this pynvml's struct is not the one NVML's headers describe (then pynvml's own
+    listing is used)."""
+    try:
+        row = pynvml.c_nvmlProcessInfo_v3_t
+        pid, used = row.pid, row.usedGpuMemory
+        size = ctypes.sizeof(row)
+    except AttributeError:
+        return None
+    if (pid.offset, pid.size, used.offset, used.size) != (0, 4, 8, 8) or size < 16:
+        return None
+    return struct.Struct(f"=I4xQ{size - 16}x")
+
+
+_ROW = _row_format()
+_NOT_AVAILABLE = 0xFFFF_FFFF_FFFF_FFFF  # NVML_VALUE_NOT_AVAILABLE (unsigned long long)
 
 
 def _text(value: Any) -> str:
@@ -63,6 +84,12 @@ class NvmlCollector:
         self._last_processes: list[tuple[GpuIdentity, int, float]] = []
         self._last_series: list[tuple[tuple[str, ...], float]] = []
         self._memory_v2 = True
+        # Process lists straight from NVML's C function into a reused array, read with one
+        # struct unpack: pynvml's own listing makes a Python object per process (two thirds of
+        # a poll's CPU at thousands of processes). Only for the real pynvml module; a backend
+        # object (the GPU twin) is called through its functions.
+        self._direct = backend is None and _ROW is not None
+        self._buffers: dict[int, Any] = {}  # ctypes array per array length, reused each poll
 
     # -- NVML lifecycle ------------------------------------------------------------------------
     def _ensure_init(self) -> None:
@@ -158,20 +185,63 @@ class NvmlCollector:
             self._read_processes(device.identity, device.handle, reading)
         self._read_mig(device, reading)
 
+    def _process_rows(self, handle: Any) -> list[tuple[int, int | None]]:
+        """(pid, usedGpuMemory or None) of each compute process on the device."""
+        nvml = self.nvml
+        if self._direct:
+            try:
+                fn = nvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+            except (nvml.NVMLError, AttributeError):
+                self._direct = False  # an NVML without it: pynvml's listing says why
+            else:
+                return self._process_rows_direct(fn, handle)
+        return [
+            (int(p.pid), getattr(p, "usedGpuMemory", None))
+            for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        ]
+
+    def _process_rows_direct(self, fn: Any, handle: Any) -> list[tuple[int, int | None]]:
+        """pynvml's nvmlDeviceGetComputeRunningProcesses_v3 without its per-process objects: ask
+        the count, fill an array (oversized, as pynvml does, for processes starting meanwhile),
+        unpack the rows in C."""
+        nvml = self.nvml
+        count = ctypes.c_uint(0)
+        ret = fn(handle, ctypes.byref(count), None)
+        if ret == nvml.NVML_SUCCESS:
+            return []
+        if ret != nvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise nvml.NVMLError(ret)
+        size = 64
+        while size < count.value * 2 + 5:
+            size *= 2  # a few array sizes, each kept: no new array every poll
+        rows = self._buffers.get(size)
+        if rows is None:
+            if len(self._buffers) > 8:
+                self._buffers.clear()
+            rows = self._buffers[size] = (nvml.c_nvmlProcessInfo_v3_t * size)()
+        count.value = size
+        ret = fn(handle, ctypes.byref(count), rows)
+        if ret != nvml.NVML_SUCCESS:
+            raise nvml.NVMLError(ret)
+        assert _ROW is not None  # _direct implies it
+        n = min(count.value, size)
+        return [
+            (pid, None if used == _NOT_AVAILABLE else used)
+            for pid, used in _ROW.iter_unpack(memoryview(rows).cast("B")[: n * _ROW.size])
+        ]
+
     def _read_processes(self, identity: GpuIdentity, handle: Any, reading: GpuReading) -> None:
         nvml = self.nvml
         try:
-            processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            processes = self._process_rows(handle)
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission):
             return
         seen: set[int] = set()
         keep, append = seen.add, reading.processes.append  # thousands a poll on a busy node
-        for proc in processes:
-            used = getattr(proc, "usedGpuMemory", None)
+        for pid, used in processes:
             if used is None:
                 reading.invalid["not_available"] += 1
                 continue
-            pid = int(proc.pid)
             if pid in seen:
                 # One series per (GPU, pid): a repeat would be a duplicate series on our page.
                 reading.invalid["duplicate_process"] += 1
