@@ -569,10 +569,12 @@ def _outcome_table(trace: dict[str, Any]) -> str:
     rows = []
     # oomguard without the plugin's step guard: run on the traces of memory taken in seconds
     without = ("oomguard-no-step-guard",) if "oomguard-no-step-guard" in trace["outcomes"] else ()
+    # runs recorded since the step guard count its shrinks (none before issue 27)
+    step = any("step_guard_shrinks" in o for o in trace["outcomes"].values())
     for config in ("default", "static", *without, "oomguard"):
         o = trace["outcomes"].get(config)
         if o is None:
-            rows.append([config, "not run", "", "", "", "", "", ""])
+            rows.append([config, "not run", *[""] * (7 if step else 6)])
             continue
         held = o.get("inflight_at_incident_per_engine")
         rows.append(
@@ -588,6 +590,8 @@ def _outcome_table(trace: dict[str, Any]) -> str:
                 else "–",
                 _recovery(o) if config == "oomguard" else "–",
             ]
+            # what the step guard did (only `oomguard` runs it)
+            + ([_shrinks(o) if config == "oomguard" else "–"] if step else [])
         )
     return table(
         [
@@ -599,9 +603,19 @@ def _outcome_table(trace: dict[str, Any]) -> str:
             "in flight at the incident, engines 0, 1",
             "decode slowdown",
             "recovery",
+            *(["step guard shrinks"] if step else []),
         ],
         rows,
     )
+
+
+def _shrinks(o: dict[str, Any]) -> str:
+    shrinks = o.get("step_guard_shrinks")
+    if shrinks is None:
+        return "–"
+    if not shrinks:
+        return "none"
+    return ", ".join(f"{fmt(n)} {kind}" for kind, n in sorted(shrinks.items()))
 
 
 def block_outcome_traces(r: Results) -> str:
@@ -622,6 +636,24 @@ def block_outcome_traces(r: Results) -> str:
         )
         out.append(f"{header}\n\n{_outcome_table(t)}\n\nChecks: {checks}.")
     return "\n\n".join(out)
+
+
+def block_outcome_step_guard(r: Results) -> str:
+    """The step traces judged together (bench/outcome.py `step_summary`); none recorded yet
+    reads as such."""
+    summary = r.get("outcome").get("step_guard")
+    if not summary or not summary.get("traces"):
+        return "No step trace is recorded on the real twin yet."
+    lost = summary["without_step_guard_lost_the_race_on"]
+    return (
+        f"Across the step traces recorded ({fmt(summary['traces'], 'list')}): without the step "
+        f"guard oomguard lost the race (a CUDA OOM) on "
+        f"{fmt(lost, 'list') if lost else 'none'} "
+        f"(`without_step_guard_lost_at_least_one` "
+        f"{fmt(summary['without_step_guard_lost_at_least_one'], 'met')}); with it, no CUDA OOM "
+        f"and nothing lost on every one (`with_step_guard_no_oom_nothing_lost` "
+        f"{fmt(summary['with_step_guard_no_oom_nothing_lost'], 'met')})."
+    )
 
 
 def block_outcome_earlier(r: Results) -> str:

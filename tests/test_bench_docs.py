@@ -114,3 +114,51 @@ def test_every_section_says_where_its_figures_come_from() -> None:
     for name in sorted(p.stem for p in (REPO / "bench" / "results").glob("*.json")):
         assert f"{{{{provenance:{name}}}}}" in (REPO / report.TEMPLATE).read_text(), name
     assert page.count("*Recorded ") >= len(list((REPO / "bench" / "results").glob("*.json")))
+
+
+def _row(config: str, **extra: object) -> dict[str, object]:
+    return {
+        "crashes": 0,
+        "lost": 0,
+        "requests": 10,
+        "goodput_tokens_per_s": 5.0,
+        "ttft_p99_s": 1.0,
+        **extra,
+    }
+
+
+def test_a_step_trace_s_table_shows_the_step_guard_s_shrinks() -> None:
+    """The step guard's shrinks are a column once a run counted them (issue 27); the rows
+    before the step guard keep their eight columns."""
+    trace = {
+        "outcomes": {
+            "default": _row("default", crashes=1, step_guard_shrinks={}),
+            "oomguard-no-step-guard": _row("x", step_guard_shrinks={}),
+            "oomguard": _row("oomguard", step_guard_shrinks={"wait/activations": 3}),
+        }
+    }
+    lines = report._outcome_table(trace).splitlines()
+    assert lines[0].endswith("| step guard shrinks |")
+    assert [len(line.split("|")) for line in lines] == [11] * len(lines)
+    assert lines[-1].endswith("| 3 wait/activations |")
+    assert "| static | not run |" in lines[3]
+    before = {"outcomes": {"default": _row("default")}}
+    assert "shrinks" not in report._outcome_table(before)
+
+
+def test_the_step_traces_summary_says_what_held(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "outcome.json").write_text(json.dumps({"traces": {}}))
+    assert "No step trace" in report.block_outcome_step_guard(report.Results(results))
+    summary = {
+        "traces": ["long-prompt-burst", "neighbour-2s-24gb"],
+        "without_step_guard_lost_the_race_on": ["neighbour-2s-24gb"],
+        "without_step_guard_lost_at_least_one": True,
+        "with_step_guard_no_oom_nothing_lost": False,
+    }
+    (results / "outcome.json").write_text(json.dumps({"step_guard": summary}))
+    text = report.block_outcome_step_guard(report.Results(results))
+    assert "lost the race (a CUDA OOM) on neighbour-2s-24gb " in text
+    assert "`without_step_guard_lost_at_least_one` met" in text
+    assert "`with_step_guard_no_oom_nothing_lost` **missed**" in text
