@@ -226,6 +226,11 @@ class Guard:
                 raise
             except Exception:  # an engine restarting or busy: keep the last figures, go stale
                 log.debug("oomguard guard: headroom refresh failed", exc_info=True)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # a cancel something below swallowed: the server is shutting down, and a loop
+                # that outlives it keeps vLLM from exiting (its supervisor never restarts it)
+                raise asyncio.CancelledError
             await asyncio.sleep(self.refresh)
 
     # -- decisions -----------------------------------------------------------------------------

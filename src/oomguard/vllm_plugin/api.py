@@ -284,7 +284,11 @@ class OomguardEndpointPlugin:
                 coro = call_all(method, *args)
             else:
                 coro = asyncio.gather(core.call_utility_async(method, *args))
-            results = await asyncio.wait_for(coro, ENGINE_TIMEOUT_SECONDS)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # arrives as the call finishes (a dead engine fails at once), so the guard's refresh
+            # task outlived the server's shutdown and vLLM never exited (CPython gh-86296)
+            async with asyncio.timeout(ENGINE_TIMEOUT_SECONDS):
+                results = await coro
         except TimeoutError as exc:
             raise HTTPException(
                 504, f"engine did not answer {method} within {ENGINE_TIMEOUT_SECONDS}s"
