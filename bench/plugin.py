@@ -79,7 +79,9 @@ async def workload(server: VllmServer, n: int, offset: int) -> float:
 def wrapper_overhead_us(reps: int) -> float:
     """Time of the plugin's per-step work alone: the schedule wrapper around a no-op."""
     output = SimpleNamespace(scheduled_new_reqs=[1, 2], finished_req_ids={"a"})
-    scheduler = SimpleNamespace()
+    # what the wrapper reads of vLLM's Scheduler: the requests it holds (crash losses); without
+    # them each step measured the cost of a caught AttributeError, not the plugin's work
+    scheduler = SimpleNamespace(requests={"a": 1, "b": 2})
 
     def schedule(_self: object) -> SimpleNamespace:
         return output

@@ -90,6 +90,15 @@ CPU_BUILD_GAPS = {
     "transformers or vLLM: it needs the checkpoint's own code (--trust-remote-code)",
     "DeepSeek-V3.2-Exp": "vLLM 0.33's CPU platform has no sparse-attention (indexer) backend",
 }
+# Configs whose construction depends on the CPU running the test: vLLM 0.33's CPU MoE oracle
+# found no unquantized-MoE kernel for gpt-oss's experts on an AMD EPYC CI machine (2026-12-02),
+# where an earlier CI machine built it. A gap only with that error; sized on both paths otherwise.
+CPU_DEPENDENT_GAPS = {"gpt-oss-120b": "No Unquantized MoE backend supports"}
+
+
+def _cpu_dependent_gap(name: str, sizing: vllm_path.VllmSizing) -> bool:
+    marker = CPU_DEPENDENT_GAPS.get(name)
+    return marker is not None and not sizing.ok and marker in (sizing.error or "")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -97,6 +106,8 @@ def test_fallback_equals_vllms_own_sizing(
     vllm_sizing: dict[str, vllm_path.VllmSizing], name: str
 ) -> None:
     theirs = vllm_sizing[name]
+    if _cpu_dependent_gap(name, theirs):
+        pytest.skip(f"vLLM's CPU build cannot build {name} on this CPU: {theirs.error}")
     if not theirs.ok:
         assert name in CPU_BUILD_GAPS, f"vLLM could not size {name}: {theirs.error}"
         pytest.skip(f"vLLM cannot build {name} on this CPU: {CPU_BUILD_GAPS[name]}")
@@ -137,7 +148,11 @@ def test_the_corpus_is_40_real_configs_sized_by_vllm_where_its_cpu_build_can(
     readme = (FIXTURES / "README.md").read_text()
     for name in NAMES:  # each file's source is noted
         assert f"| {name} |" in readme or f"{name}," in readme or f" {name} " in readme, name
-    failed = {n for n, s in vllm_sizing.items() if not s.ok and n != REFUSAL}
+    failed = {
+        n
+        for n, s in vllm_sizing.items()
+        if not s.ok and n != REFUSAL and not _cpu_dependent_gap(n, s)
+    }
     assert failed == set(CPU_BUILD_GAPS)
     with pytest.raises(BudgetError, match="cannot size this without vLLM: sparse MLA"):
         shape_from_hf_config(_case("DeepSeek-V3.2-Exp")[0])

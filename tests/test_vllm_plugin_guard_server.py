@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from oomguard.incidents import incidents, load
+from oomguard.logits import LogitsShape
 from oomguard.twin.physics import Physics, Step
 from oomguard.twin.processes import PACKAGE, VllmProcess
 from tests.vllm_server import TOKEN, require_vllm
@@ -197,6 +198,9 @@ def test_observe_only_counts_and_the_twin_dies_of_the_logits_peak(tmp_path):
         # forensics (incidents.py): the real server's OOM is a long-prompt spike, type 2
         [found] = incidents(load(incidents_dir))
         assert (found.type, found.figures["steps"] > 1) == ("long_prompt", True)
-        assert 8000 * 128_256 * 4 <= found.figures["logits_bytes"] <= 8192 * 128_256 * 4
+        # the incident's estimate is oomguard.logits' peak (BF16 logits, FP32 cast and
+        # log-softmax: 10 B a logit) for the chunk the engine died in
+        per_token = LogitsShape(128_256).prompt_logprobs_bytes_per_token
+        assert 8000 * per_token <= found.figures["logits_bytes"] <= 8192 * per_token
     finally:
         server.stop()
