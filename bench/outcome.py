@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from oomguard.handoff import AllocatorReport, InvalidReport  # noqa: E402
+from oomguard.twin.matrix import STEP_TRACES  # noqa: E402  (the same traces, simulated)
 from oomguard.twin.physics import Physics, Step  # noqa: E402
 from oomguard.twin.routers import ROUTERS  # noqa: E402
 from oomguard.twin.runner import (  # noqa: E402
@@ -78,16 +79,9 @@ from oomguard.twin.runner import (  # noqa: E402
 from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
-# Memory taken within seconds under heavy prefill load (issue 27): no signal outruns the next
-# step. These run at time compression 1 (each step takes its roofline time: the race is real)
-# and in a fourth configuration, oomguard with the plugin's step guard off.
-STEP_TRACES = (
-    "neighbour-2s-24gb",
-    "neighbour-8s-48gb",
-    "neighbour-30s-80gb",
-    "fragmentation-spike",
-    "long-prompt-burst",
-)
+# STEP_TRACES (twin/matrix.py: memory taken within seconds under heavy prefill load, issue 27)
+# run here at time compression 1 (each step takes its roofline time: the race is real) and in a
+# fourth configuration, oomguard with the plugin's step guard off.
 # The plugin's step guard in the `oomguard` configuration: enforcing, as an operator who deploys
 # oomguard against CUDA OOMs runs it (the plugin ships it in `observe`).
 STEP_GUARD_MODE = "enforce"
