@@ -183,3 +183,48 @@ def test_fake_systemctl_units_are_stopped_once_the_test_process_is_gone(tmp_path
         owner.wait(10)
         watcher.kill()
         watcher.wait(10)
+
+
+def test_a_group_whose_leader_was_reaped_still_gets_the_signal(tmp_path: Path) -> None:
+    """CI: the supervisor's stop polled its child (running), the thread that watches the child
+    reaped it, and `os.getpgid` then raised ProcessLookupError out of `stop()`. The group id is
+    the leader's pid: the signal reaches what the leader left in its group (vLLM's EngineCore),
+    and a group with nobody left is reported, not raised."""
+    pid_file = tmp_path / "grandchild"
+    leader = subprocess.Popen(
+        ["sh", "-c", f"sleep 60 & echo $! > {pid_file}; exit 0"], start_new_session=True
+    )
+    leader.wait(10)  # reaped, as the watching thread does
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.getpgid(leader.pid)  # what the old code called
+    assert children.signal_group(leader.pid, signal.SIGTERM)
+    assert gone_within([grandchild], 10) == []
+
+
+def test_the_supervisor_stops_a_child_reaped_under_it(tmp_path: Path) -> None:
+    """The race itself: `poll()` says running, the process is already reaped."""
+    from oomguard.remediator.supervisor import Supervisor
+
+    argv = ["sh", "-c", "true", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.9"]
+    sup = Supervisor(argv, tmp_path / "state", cgroup_dir="")
+    child = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    os.waitpid(child.pid, 0)  # reaped behind Popen's back: poll() will not know
+
+    class Running:
+        pid = child.pid
+        returncode = None
+
+        def poll(self) -> None:
+            return None
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    sup.child = Running()  # type: ignore[assignment]
+    sup.stop()  # raised ProcessLookupError before
+    assert not children.signal_group(child.pid, signal.SIGTERM)  # nobody left in the group

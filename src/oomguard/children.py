@@ -120,3 +120,16 @@ def popen(
 
     proc: subprocess.Popen[Any] = _SPAWNER.submit(start)
     return proc
+
+
+def signal_group(leader_pid: int, sig: int) -> bool:
+    """Send `sig` to the process group a child started with `start_new_session=True` leads
+    (its id is the child's pid). False when the group is gone. The group id is taken from the
+    pid, not from `os.getpgid`: the leader may be reaped by another thread between a `poll()`
+    and the signal (getpgid then raises), while its own children, vLLM's EngineCore among
+    them, still hold the group and must still get the signal."""
+    try:
+        os.killpg(leader_pid, sig)
+    except ProcessLookupError:
+        return False
+    return True

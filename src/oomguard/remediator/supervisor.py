@@ -523,13 +523,12 @@ class Supervisor:
         child = self.child
         if child is None or child.poll() is not None:
             return
-        group = os.getpgid(child.pid)
-        os.killpg(group, signal.SIGTERM)
+        children.signal_group(child.pid, signal.SIGTERM)
         try:
             child.wait(self.stop_timeout)
         except subprocess.TimeoutExpired:
             log.warning("vLLM did not stop in %.0f s: SIGKILL", self.stop_timeout)
-            os.killpg(group, signal.SIGKILL)
+            children.signal_group(child.pid, signal.SIGKILL)
             child.wait(10)
 
     def clamp_cap(self, initial_cap: int | None, flags: Flags | None) -> int | None:

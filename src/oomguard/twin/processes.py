@@ -87,12 +87,11 @@ class Process:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            group = os.getpgid(self.proc.pid)
-            os.killpg(group, signal.SIGTERM)
+            children.signal_group(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(group, signal.SIGKILL)
+                children.signal_group(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         if not self.log.closed:
             self.log.close()
@@ -325,7 +324,7 @@ class RemediatorProcess(Process):
     def kill(self) -> None:
         """SIGKILL, as a crash or an OOM kill would end it (no clean shutdown)."""
         if self.proc.poll() is None:
-            os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
+            children.signal_group(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         if not self.log.closed:
             self.log.close()
