@@ -180,3 +180,41 @@ def test_without_the_c_function_pynvml_lists_the_processes(monkeypatch):
     rows, _ = _listing(collector)
     assert not collector._direct
     assert rows == [("GPU-aaaa", "", 7, float(GIB))]
+
+
+def test_an_unchanged_process_list_is_reused_and_a_changed_one_read_again(monkeypatch):
+    # Each device's list is read again only when the driver's rows differ from the last poll's:
+    # an unchanged device's entries are the same objects (nothing per process), a changed one
+    # shows its new figures, a process gone is gone, and what a list drops counts every poll.
+    gpus = [
+        FakeGpu("GPU-aaaa", processes=[(101, 40 * GIB), (102, None), (101, 2 * GIB)]),
+        FakeGpu(
+            "GPU-mig",
+            minor=1,
+            mig=[FakeMig(2, "3g.40gb", 40 * GIB, 38 * GIB, 2 * GIB, processes=[(7, GIB)])],
+        ),
+    ]
+    FakeNvml(monkeypatch, gpus)
+    for direct in (True, False):
+        collector = NvmlCollector("n")
+        collector._direct = direct
+        first = collector.collect()
+        again = collector.collect()
+        assert again.processes == first.processes
+        assert all(a is b for a, b in zip(again.processes, first.processes, strict=True))
+        assert again.invalid == first.invalid == {"not_available": 1, "duplicate_process": 1}
+        gpus[1].mig[0].processes = [(7, 3 * GIB), (8, GIB)]
+        moved = collector.collect()
+        assert [(i.uuid, pid, used) for i, pid, used in moved.processes] == [
+            ("GPU-aaaa", 101, 40.0 * GIB),
+            ("GPU-mig", 7, 3.0 * GIB),
+            ("GPU-mig", 8, 1.0 * GIB),
+        ]
+        assert moved.processes[0] is first.processes[0]  # GPU-aaaa's list did not change
+        gpus[0].processes = [(101, 40 * GIB)]
+        gpus[1].mig[0].processes = []
+        gone = collector.collect()
+        assert [(i.uuid, pid) for i, pid, _ in gone.processes] == [("GPU-aaaa", 101)]
+        assert not gone.invalid
+        gpus[0].processes = [(101, 40 * GIB), (102, None), (101, 2 * GIB)]
+        gpus[1].mig[0].processes = [(7, GIB)]

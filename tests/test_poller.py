@@ -311,3 +311,43 @@ def test_a_dead_collector_thread_is_restarted_counted_and_degrades_healthz():
 
 def dies_results(poller: Poller):
     return poller.states[0].result
+
+
+def test_processes_taken_by_runs_are_the_ones_the_filter_takes(monkeypatch):
+    # NVML lists processes device by device (GpuReading.process_runs): a GPU another source
+    # already gave is left out whole, the rest taken in order, as the per-process filter does;
+    # runs that no longer cover the list (something added after them) are not trusted.
+    uuid = "GPU-3f7c1a2e-5b1d-4c0e-9a7f-2d6b8e4c1a90"  # also in the dcgm page
+    FakeNvml(
+        monkeypatch,
+        [
+            FakeGpu(uuid, processes=[(11, GIB), (12, 2 * GIB)]),
+            FakeGpu("GPU-n", minor=1, processes=[(21, GIB)]),
+            FakeGpu("GPU-e", minor=2),  # no processes: no run
+            FakeGpu("GPU-m", minor=3, processes=[(41, GIB), (42, GIB)]),
+        ],
+    )
+    nvml = NvmlCollector("h")
+    poller = Poller([DcgmCollector("h", file=str(DCGM_K8S)), nvml])
+    reading = nvml.collect()
+    assert reading.process_runs is not None and len(reading.process_runs) == 3
+
+    def taken(dcgm_first: bool) -> list[tuple[str, int]]:
+        nvml_state, dcgm_state = poller.states[1], poller.states[0]
+        nvml_state.collector, dcgm_state.collector.name = nvml, "nvml" if dcgm_first else "dcgm"
+        fresh = [(dcgm_state, dcgm_state.collector.collect()), (nvml_state, reading)]
+        nvml_state.collector.name = "dcgm" if dcgm_first else "nvml"
+        try:
+            return [(i.uuid, pid) for i, pid, _ in poller._merge_gpus(fresh)[1]]
+        finally:
+            nvml_state.collector.name, dcgm_state.collector.name = "nvml", "dcgm"
+
+    everything = [(uuid, 11), (uuid, 12), ("GPU-n", 21), ("GPU-m", 41), ("GPU-m", 42)]
+    assert taken(dcgm_first=False) == everything
+    by_filter = reading.process_runs
+    reading.process_runs = None
+    assert taken(dcgm_first=True) == everything[2:]  # dcgm has that GPU first: its processes
+    reading.process_runs = by_filter
+    assert taken(dcgm_first=True) == everything[2:]
+    reading.processes.append(reading.processes[0])  # past the runs: the filter, not the runs
+    assert taken(dcgm_first=False) == [*everything, (uuid, 11)]

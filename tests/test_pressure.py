@@ -255,6 +255,28 @@ def test_mig_slice_is_planned_on_its_own_memory_and_mapped_by_pid():
     assert out.engines[0].level.level == 3
 
 
+def test_a_reused_evaluator_follows_the_process_list_and_the_ranks():
+    # The processes' index is kept while the list and the ranks stay the same: an engine's
+    # usage moves with its process (even in a list changed in place), and a new rank counts.
+    g = GpuMemory(ident(), 80 * GB, 67 * GB, 13 * GB, 0)
+    processes = [(ident(), 1, 60 * GB), (ident(), 99, 7 * GB)]
+    ev = PressureEvaluator()
+    src = [EngineSource("t", engine(0.9))]
+
+    def headroom(reports: list) -> float:
+        (gp,) = ev.evaluate([g], src, reports, 0, processes).gpus
+        assert gp.headroom_bytes is not None
+        return gp.headroom_bytes
+
+    assert headroom([alloc(pid=1)]) == pytest.approx(1 * GB)
+    assert headroom([alloc(pid=1)]) == pytest.approx(1 * GB)  # the same: the index kept
+    processes[0] = (ident(), 1, 65 * GB)  # in place: the engine grew by 5 GB of its plan
+    assert headroom([alloc(pid=1)]) == pytest.approx(6 * GB)
+    # pid 99 is a second rank of the engine now: its 7 GB are the engine's own, not a neighbour
+    assert headroom([alloc(pid=1), alloc(pid=99, rank=1)]) == pytest.approx(13 * GB)
+    assert headroom([alloc(pid=1)]) == pytest.approx(6 * GB)
+
+
 def test_configured_gpus_override_the_data():
     gpus = [gpu(40 * GB, uuid="GPU-a", index="0"), gpu(1 * GB, uuid="GPU-b", index="1")]
     src = EngineSource("t", engine(0.5), ["1"])

@@ -37,6 +37,7 @@ from oomguard.exporter.render import (
     Family,
     FamilyBuilder,
     Parts,
+    PartsBytes,
     PartsGzip,
     TextRenderer,
     join_parts,
@@ -95,6 +96,7 @@ class Forms:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.text_gzip = PartsGzip()
+        self.openmetrics = PartsBytes()
         self.openmetrics_gzip = PartsGzip()
         self._last: dict[str, float] = {}  # form -> when last requested (monotonic)
         self._gap: dict[str, float] = {}  # form -> time between its last two requests
@@ -186,7 +188,11 @@ class Snapshot:
         if self._openmetrics is None:
             with self._lock:
                 if self._openmetrics is None:
-                    self._openmetrics = join_parts(self._openmetrics_pieces())
+                    parts = self._openmetrics_pieces()
+                    if self._forms is None:
+                        self._openmetrics = join_parts(parts)
+                    else:
+                        self._openmetrics = self._forms.openmetrics.join(parts)
         return self._openmetrics
 
     def _make_openmetrics_gzip(self) -> bytes:
@@ -220,6 +226,7 @@ class Poller:
         self.engine_gmu = engine_gmu or {}
         self.clock = clock
         self.renderer = TextRenderer()
+        self._text_bytes = PartsBytes()  # the text's large bodies, encoded once each
         self.forms = Forms()
         self.render_dropped: Counter[str] = Counter()  # samples refused while building
         self.polls = 0
@@ -430,7 +437,7 @@ class Poller:
         families = out.families()
         t0 = time.perf_counter()
         parts = self.renderer.render_parts(families)
-        text = join_parts(parts)
+        text = self._text_bytes.join(parts)
         render_seconds = time.perf_counter() - t0
         self._last_render_seconds = render_seconds
         snapshot = Snapshot(now, families, text, parts, self.forms)
@@ -478,6 +485,13 @@ class Poller:
                 taken = {g.identity.key for g in reading.gpus if g.identity.key not in merged}
                 for g in reading.gpus:
                     merged.setdefault(g.identity.key, (g, source))
+                runs = reading.process_runs
+                if runs is not None and _covers(runs, reading.processes):
+                    # listed device by device: each device's processes taken whole, a slice
+                    for key, start, end in runs:
+                        if key in taken:
+                            processes.extend(reading.processes[start:end])
+                    continue
                 # thousands of processes a render: the filter runs in C
                 keys = map(_KEY, map(_IDENTITY, reading.processes))
                 processes.extend(compress(reading.processes, map(taken.__contains__, keys)))
@@ -518,6 +532,17 @@ class Poller:
         for name, count in sorted(self.thread_restarts.items()):
             out.add("oomguard_exporter_thread_restarts_total", (name,), count)
         out.add("oomguard_exporter_render_duration_seconds", (), self._last_render_seconds)
+
+
+def _covers(runs: list[tuple[tuple[str, str], int, int]], processes: list[Any]) -> bool:
+    """Whether the runs follow each other from the list's start to its end (nothing added to
+    the list after them, none left out); a spot check of each run's first process's key."""
+    at = 0
+    for key, start, end in runs:
+        if start != at or end <= start or processes[start][0].key != key:
+            return False
+        at = end
+    return at == len(processes)
 
 
 def _names(state: CollectorState) -> tuple[str, str]:

@@ -167,6 +167,8 @@ class PressureEvaluator:
         self._held_engine: dict[tuple[str, str], tuple[float, Level]] = {}
         self._seen_gpus: dict[GpuKey, tuple[float, GpuIdentity]] = {}
         self._seen_engines: dict[EngineKey, float] = {}
+        # (process list, ranks, their index) of the last evaluation: _process_index
+        self._last_index: tuple[list[Any], set[int], _ProcessIndex] | None = None
 
     # -- observations ------------------------------------------------------------------------
     def observe_engine(self, target: str, e: EngineReading, now: float) -> None:
@@ -288,13 +290,16 @@ class PressureEvaluator:
                 unreadable.setdefault(key, (ident, GPU_LOST))
         known = [g.identity for g in readable] + [ident for ident, _ in unreadable.values()]
         per_target = Counter(src.target for src in engines)
-        on_gpus = _ProcessIndex(processes, {r.pid for r in reports})
+        on_gpus = self._process_index(processes, {r.pid for r in reports})
+        ranks_of: dict[tuple[str, str], list[AllocatorReport]] = {}  # by (target, engine)
+        for r in reports:
+            ranks_of.setdefault((r.target, r.engine), []).append(r)
         located = {
-            src.key: self._locate(src, known, reports, on_gpus, per_target[src.target] == 1)
+            src.key: self._locate(src, known, ranks_of, on_gpus, per_target[src.target] == 1)
             for src in engines
         }
         mapping = {key: where for key, (where, _) in located.items()}
-        plans = self._plans(readable, engines, mapping, reports, on_gpus)
+        plans = self._plans(readable, engines, mapping, ranks_of, on_gpus)
 
         gpu_out = [self._gpu_level(g, plans.get(g.identity.key), reports) for g in readable]
         gpu_out.extend(GpuPressure(ident, level) for ident, level in unreadable.values())
@@ -345,11 +350,23 @@ class PressureEvaluator:
         return Evaluation(gpu_out, engine_out)
 
     # -- mapping engines to GPUs -------------------------------------------------------------
+    def _process_index(
+        self, processes: Sequence[tuple[GpuIdentity, int, float]], ranks: set[int]
+    ) -> _ProcessIndex:
+        """The index of the last evaluation while the process list and the ranks are the same
+        (a node's list mostly holds still; equal lists of the same entries compare in C)."""
+        last = self._last_index
+        if last is not None and last[1] == ranks and last[0] == processes:
+            return last[2]
+        index = _ProcessIndex(processes, ranks)
+        self._last_index = (list(processes), ranks, index)
+        return index
+
     @staticmethod
     def _locate(
         src: EngineSource,
         gpus: Sequence[GpuIdentity],
-        reports: Sequence[AllocatorReport],
+        ranks_of: dict[tuple[str, str], list[AllocatorReport]],
         on_gpus: _ProcessIndex,
         alone: bool,
     ) -> tuple[list[EngineGpu], bool]:
@@ -363,7 +380,7 @@ class PressureEvaluator:
             found = [EngineGpu(g, "config") for g in gpus if g.gpu in wanted or g.uuid in wanted]
             named = {g.gpu.gpu for g in found} | {g.gpu.uuid for g in found}
             return found, not wanted <= named
-        ranks = [r for r in reports if (r.target, r.engine) == (src.target, src.engine.engine)]
+        ranks = ranks_of.get((src.target, src.engine.engine))
         if ranks:
             uuids = {r.device_uuid for r in ranks}
             pids = {r.pid for r in ranks}
@@ -387,7 +404,7 @@ class PressureEvaluator:
         gpus: Sequence[GpuMemory],
         engines: Sequence[EngineSource],
         mapping: dict[EngineKey, list[EngineGpu]],
-        reports: Sequence[AllocatorReport],
+        ranks_of: dict[tuple[str, str], list[AllocatorReport]],
         on_gpus: _ProcessIndex,
     ) -> dict[GpuKey, _Plan]:
         memory = {g.identity.key: g for g in gpus}
@@ -405,7 +422,7 @@ class PressureEvaluator:
                 if gmu is None or not 0 < gmu <= 1:
                     plan.unknown = True
                     continue
-                own = self._engine_usage(src, key, reports, on_gpus)
+                own = self._engine_usage(src, key, ranks_of, on_gpus)
                 plan.planned += gmu * usable
                 if own is None:
                     plan.per_engine = False
@@ -423,11 +440,11 @@ class PressureEvaluator:
     def _engine_usage(
         src: EngineSource,
         key: GpuKey,
-        reports: Sequence[AllocatorReport],
+        ranks_of: dict[tuple[str, str], list[AllocatorReport]],
         on_gpus: _ProcessIndex,
     ) -> float | None:
         """Device memory the engine's own processes use on this GPU, when the driver lists them."""
-        pids = {r.pid for r in reports if (r.target, r.engine) == (src.target, src.engine.engine)}
+        pids = {r.pid for r in ranks_of.get((src.target, src.engine.engine), ())}
         used = [b for pid, b in on_gpus.on_gpu(key) if pid in pids]
         return sum(used) if used else None
 

@@ -90,6 +90,10 @@ class GpuReading(Reading):
 
     gpus: list[GpuMemory] = field(default_factory=list)
     processes: list[tuple[GpuIdentity, int, float]] = field(default_factory=list)  # pid, bytes
+    # The processes in runs of one GPU or MIG instance each, (its key, start, end) in order,
+    # when the source lists them device by device (NVML): what takes a device's processes
+    # whole takes a slice, not each process. None: not grouped.
+    process_runs: list[tuple[tuple[str, str], int, int]] | None = None
     pods: list[tuple[GpuIdentity, str, str, str, float]] = field(default_factory=list)
     last_xid: list[tuple[GpuIdentity, float]] = field(default_factory=list)
     xid_counts: list[tuple[GpuIdentity, int, float]] = field(default_factory=list)  # xid, count

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import re
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,17 @@ def _reason(exc: Exception) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
+_Entry = tuple[GpuIdentity, int, float]  # a process: its GPU or MIG instance, pid, bytes
+
+
+def _add_run(reading: GpuReading, identity: GpuIdentity, entries: list[_Entry]) -> None:
+    """A device's processes onto the reading, and their run (GpuReading.process_runs)."""
+    start = len(reading.processes)
+    reading.processes.extend(entries)
+    if entries and reading.process_runs is not None:
+        reading.process_runs.append((identity.key, start, len(reading.processes)))
+
+
 @dataclass
 class _Device:
     identity: GpuIdentity
@@ -90,6 +102,11 @@ class NvmlCollector:
         # object (the GPU twin) is called through its functions.
         self._direct = backend is None and _ROW is not None
         self._buffers: dict[int, Any] = {}  # ctypes array per array length, reused each poll
+        # Per GPU or MIG instance: its process list as the driver last gave it (the raw rows, or
+        # pynvml's (pid, bytes) pairs), the entries read from it and what it dropped. Most lists
+        # do not move between polls: an equal list (compared in C) reuses its entries, so that
+        # neither this read nor the render after it touches each process again.
+        self._listed: dict[GpuIdentity, tuple[Any, list[_Entry], Counter[str]]] = {}
 
     # -- NVML lifecycle ------------------------------------------------------------------------
     def _ensure_init(self) -> None:
@@ -121,13 +138,14 @@ class NvmlCollector:
     def _reset(self) -> None:
         self._identities.clear()
         self._mig_identities.clear()
+        self._listed.clear()
         self.close()
 
     # -- reading ---------------------------------------------------------------------------------
     def collect(self) -> GpuReading:
         self._ensure_init()
         nvml = self.nvml
-        reading = GpuReading()
+        reading = GpuReading(process_runs=[])
         try:
             count = nvml.nvmlDeviceGetCount()
         except nvml.NVMLError as exc:
@@ -185,8 +203,10 @@ class NvmlCollector:
             self._read_processes(device.identity, device.handle, reading)
         self._read_mig(device, reading)
 
-    def _process_rows(self, handle: Any) -> list[tuple[int, int | None]]:
-        """(pid, usedGpuMemory or None) of each compute process on the device."""
+    def _process_rows(self, handle: Any) -> tuple[Any, list[tuple[int, int | None]] | None]:
+        """The device's compute processes as the driver lists them: (a key equal between two
+        polls only if the list is, and the (pid, usedGpuMemory or None) rows, or None when the
+        key holds them itself and they are read from it only if needed: _rows)."""
         nvml = self.nvml
         if self._direct:
             try:
@@ -194,21 +214,22 @@ class NvmlCollector:
             except (nvml.NVMLError, AttributeError):
                 self._direct = False  # an NVML without it: pynvml's listing says why
             else:
-                return self._process_rows_direct(fn, handle)
-        return [
+                return self._process_rows_direct(fn, handle), None
+        rows = [
             (int(p.pid), getattr(p, "usedGpuMemory", None))
             for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
         ]
+        return rows, rows
 
-    def _process_rows_direct(self, fn: Any, handle: Any) -> list[tuple[int, int | None]]:
+    def _process_rows_direct(self, fn: Any, handle: Any) -> bytes:
         """pynvml's nvmlDeviceGetComputeRunningProcesses_v3 without its per-process objects: ask
         the count, fill an array (oversized, as pynvml does, for processes starting meanwhile),
-        unpack the rows in C."""
+        and return the filled rows' bytes (unpacked in C by _rows, when they changed)."""
         nvml = self.nvml
         count = ctypes.c_uint(0)
         ret = fn(handle, ctypes.byref(count), None)
         if ret == nvml.NVML_SUCCESS:
-            return []
+            return b""
         if ret != nvml.NVML_ERROR_INSUFFICIENT_SIZE:
             raise nvml.NVMLError(ret)
         size = 64
@@ -225,29 +246,50 @@ class NvmlCollector:
             raise nvml.NVMLError(ret)
         assert _ROW is not None  # _direct implies it
         n = min(count.value, size)
+        return bytes(memoryview(rows).cast("B")[: n * _ROW.size])
+
+    @staticmethod
+    def _rows(raw: bytes) -> list[tuple[int, int | None]]:
+        assert _ROW is not None
         return [
-            (pid, None if used == _NOT_AVAILABLE else used)
-            for pid, used in _ROW.iter_unpack(memoryview(rows).cast("B")[: n * _ROW.size])
+            (pid, None if used == _NOT_AVAILABLE else used) for pid, used in _ROW.iter_unpack(raw)
         ]
 
     def _read_processes(self, identity: GpuIdentity, handle: Any, reading: GpuReading) -> None:
         nvml = self.nvml
         try:
-            processes = self._process_rows(handle)
+            key, processes = self._process_rows(handle)
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission):
             return
+        last = self._listed.get(identity)
+        if last is not None and last[0] == key:
+            # the same list as the last poll: the same entries
+            _add_run(reading, identity, last[1])
+            if last[2]:
+                reading.invalid.update(last[2])
+            return
+        if processes is None:
+            processes = self._rows(key)
+        entries: list[_Entry] = []
+        dropped: Counter[str] = Counter()
         seen: set[int] = set()
-        keep, append = seen.add, reading.processes.append  # thousands a poll on a busy node
+        keep, append = seen.add, entries.append  # thousands a poll on a busy node
         for pid, used in processes:
             if used is None:
-                reading.invalid["not_available"] += 1
+                dropped["not_available"] += 1
                 continue
             if pid in seen:
                 # One series per (GPU, pid): a repeat would be a duplicate series on our page.
-                reading.invalid["duplicate_process"] += 1
+                dropped["duplicate_process"] += 1
                 continue
             keep(pid)
             append((identity, pid, float(used)))
+        if len(self._listed) > 4 * (_MAX_MIG_SLOTS + 1) * (len(self._identities) or 1):
+            self._listed.clear()  # devices come and go (MIG reconfigured): start over
+        self._listed[identity] = (key, entries, dropped)
+        _add_run(reading, identity, entries)
+        if dropped:
+            reading.invalid.update(dropped)
 
     def _read_mig(self, device: _Device, reading: GpuReading) -> None:
         nvml = self.nvml
