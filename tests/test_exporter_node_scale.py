@@ -351,3 +351,19 @@ def test_a_scraped_snapshot_is_made_before_it_is_published_and_never_stale() -> 
             assert body == render_openmetrics_reference(snapshot.families)
             assert body != previous
             previous = body
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from([0.0, -0.0, 1e6, 1234567.0, 12345678.9, 85899345920.0, 1e16, 1e-7]),
+        st.integers(-(2**60), 2**60).map(float),
+    )
+)
+def test_go_float_is_prometheus_clients(value: float) -> None:
+    from prometheus_client.utils import floatToGoString
+
+    from oomguard.exporter.render import go_float
+
+    assert go_float(value) == floatToGoString(value)

@@ -26,7 +26,6 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
-from prometheus_client.utils import floatToGoString
 
 from oomguard.catalog import MetricSpec, spec
 
@@ -334,10 +333,12 @@ class TextRenderer:
         parts: list[str] = []
         prefix = self._prefix
         fam_spec = family.spec
+        name = fam_spec.name
+        prefixes = self._prefixes
         append = parts.append
         zero = False
         for labels, value in family.samples:
-            append(prefix(fam_spec, labels))
+            append(prefixes.get((name, labels)) or prefix(fam_spec, labels))
             append(format_value(value))
             append("\n")
             if value == 0.0:
@@ -443,11 +444,20 @@ class OpenMetricsRenderer:
     def _body(self, family: Family) -> tuple[str, bool]:
         spec = family.spec
         counter = spec.type == "counter"
+        name = spec.name
+        prefixes = self._prefixes
         parts: list[str] = []
+        append = parts.append
         cacheable = True
         for labels, value in family.samples:
-            if not all(isinstance(v, str) for v in labels):
-                continue  # prometheus_client's path leaves these out; the text renderer counts them
+            try:
+                prefix = prefixes.get((name, labels))  # kept: its labels were all strings
+            except TypeError:  # a label that cannot be hashed: not a string either
+                prefix = None
+            if prefix is None:
+                if not all(isinstance(v, str) for v in labels):
+                    continue  # left out, as prometheus_client does (the text renderer counts them)
+                prefix = self._prefix(spec, labels)
             try:
                 number = float(value)
             except _BAD_SAMPLE as exc:
@@ -458,9 +468,9 @@ class OpenMetricsRenderer:
                 continue
             if number == 0.0:
                 cacheable = False  # 0.0 == -0.0, which prints differently
-            parts.append(self._prefix(spec, labels))
-            parts.append(floatToGoString(number))
-            parts.append("\n")
+            append(prefix)
+            append(go_float(number))
+            append("\n")
         return "".join(parts), cacheable
 
     def _prefix(self, spec: MetricSpec, labels: tuple[str, ...]) -> str:
@@ -477,6 +487,24 @@ class OpenMetricsRenderer:
             prefix = f"{sample}{{{pairs}}} " if pairs else f"{sample} "
             self._prefixes[key] = prefix
         return prefix
+
+
+def go_float(d: float) -> str:
+    """prometheus_client's floatToGoString of a float (OpenMetrics values as Go prints them),
+    without its float() of the argument (the caller's is one already)."""
+    if d != d:
+        return "NaN"
+    if d == _INF:
+        return "+Inf"
+    if d == _NINF:
+        return "-Inf"
+    s = repr(d)
+    if d > 0:
+        dot = s.find(".")
+        if dot > 6:  # Go switches to exponents sooner than Python
+            mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
+            return f"{mantissa}e+{dot - 1:02d}"
+    return s
 
 
 def _base_name(spec: MetricSpec) -> str:
