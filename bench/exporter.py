@@ -578,6 +578,48 @@ def poll_cycle_ms(poller: Poller, cycles: int) -> dict[str, float]:
     return cycle
 
 
+def fake_driver_ms(poller: Poller, cycles: int) -> dict[str, float]:
+    """The NVML collector's poll (CPU, one thread, median of `cycles`) and, within it, the fake
+    driver's own Python (tests/fake_nvml.py's functions, each call timed, the timer's cost
+    included): what the C calls of a real driver take the place of."""
+    spent = [0.0]
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                spent[0] += time.thread_time() - t0
+            return timed(out) if fn is lookup else out
+
+        return call
+
+    lookup = pynvml._nvmlGetFunctionPointer
+    fakes = {
+        name: fn
+        for name in dir(pynvml)
+        if (name.startswith("nvml") or name == "_nvmlGetFunctionPointer")
+        and callable(fn := getattr(pynvml, name))
+        and getattr(fn, "__module__", "") in ("tests.fake_nvml", __name__)
+    }
+    (state,) = [s for s in poller.states if s.collector.name == "nvml"]
+    total, driver = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        for name, fn in fakes.items():
+            mp.setattr(pynvml, name, timed(fn))
+        for _ in range(cycles):
+            spent[0] = 0.0
+            t0 = time.thread_time()
+            poller.poll(state)
+            total.append(time.thread_time() - t0)
+            driver.append(spent[0])
+    return {
+        "collector_ms": statistics.median(total) * 1e3,
+        "fake_driver_ms": statistics.median(driver) * 1e3,
+    }
+
+
 def driver_process_lists_ms(scenario: Scenario, reps: int) -> float:
     """CPU of pynvml's own process listing (every GPU and MIG instance), best of `reps`: what
     any exporter reading per-process memory through pynvml pays before its own work."""
@@ -683,6 +725,8 @@ def measure(scenario: Scenario, quick: bool, soak_polls: int) -> dict[str, Any]:
         )
         results["poll_cycle_cpu_ms"] = poll_cycle_ms(poller, 3 if quick else 20)
         results["pynvml_process_lists_ms"] = driver_process_lists_ms(scenario, 3 if quick else 20)
+        results["nvml_fake_driver"] = fake_driver_ms(poller, 3 if quick else 20)
+        print(f"  NVML poll and its fake driver: {fmt(results['nvml_fake_driver'])}", flush=True)
         print(f"  poll cycle CPU: {fmt(results['poll_cycle_cpu_ms'])}", flush=True)
         cpu: dict[str, float] = {}
         windows = [(1.0, 5.0 if quick else 30.0)]

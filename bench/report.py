@@ -309,11 +309,15 @@ def block_exporter_runs(r: Results) -> str:
             continue
         load = run.get("load_average") or {}
         start, end = load.get("at_start"), load.get("at_end")
+        commit = (
+            (data.get("provenance") or {}).get("commit") if run.get("this") else run.get("commit")
+        )
         rows.append(
             [
                 _utc(run["when"])
                 + (" (this record)" if run.get("this") else "")
                 + (", quick" if run.get("quick") else ""),
+                fmt(commit, "commit"),
                 f"{fmt(start[0], '.1f')} → {fmt(end[0], '.1f')}" if start and end else "–",
                 fmt(node["poll_cpu_percent_at_1s"], ".2f") + " %",
                 "–"
@@ -328,6 +332,7 @@ def block_exporter_runs(r: Results) -> str:
     return table(
         [
             "run (node scale)",
+            "commit",
             "load average",
             "polling CPU at 1 s",
             "scraped every second",
