@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -193,6 +195,59 @@ def test_per_process_memory_separates_a_neighbour_from_the_engine():
     # The engine may still grow by 12 GB: 13 GB free leaves 1 GB (1.25 %) at its peak.
     assert out.gpus[0].headroom_bytes == pytest.approx(1 * GB)
     assert (out.gpus[0].level.level, out.engines[0].level.level) == (2, 2)
+
+
+def frag(split: float, pid=1, uuid="GPU-a") -> AllocatorReport:
+    return dataclasses.replace(alloc(pid=pid, uuid=uuid), inactive_split_bytes=int(split))
+
+
+def test_the_engines_own_fragmentation_is_named_as_the_reason():
+    # The engine (plan 72 GB) holds 79.5 GB: 7 GB of it stranded in split blocks, which a
+    # restart of its process gives back. 0.5 GB free: critical, and the fragments are the cause.
+    total = 80 * GB
+    g = GpuMemory(ident(), total, 79.5 * GB, 0.5 * GB, 0)
+    processes = [(ident(), 1, 79.5 * GB)]
+    e = [EngineSource("t", engine(0.9))]
+    _, eng = levels(PressureEvaluator(), [g], e, [frag(7 * GB)], processes=processes)
+    assert eng[("t", "m", "0")] == (3, "allocator_fragmentation")
+    # the same without per-process figures (used counts against the plan)
+    _, eng = levels(PressureEvaluator(), [g], e, [frag(7 * GB)])
+    assert eng[("t", "m", "0")] == (3, "allocator_fragmentation")
+    # a rank that names no device (the twin's) is on the engine's only GPU
+    _, eng = levels(PressureEvaluator(), [g], e, [frag(7 * GB, uuid="")], processes=processes)
+    assert eng[("t", "m", "0")] == (3, "allocator_fragmentation")
+
+
+def test_fragments_that_would_not_relieve_the_gpu_are_not_the_reason():
+    total = 80 * GB
+    e = [EngineSource("t", engine(0.9))]
+    # a 6.5 GB neighbour and 1 GB of fragments: without them, 1.5 GB free (under 2 %)
+    g = GpuMemory(ident(), total, 79.5 * GB, 0.5 * GB, 0)
+    processes = [(ident(), 1, 73 * GB), (ident(), 99, 6.5 * GB)]
+    _, eng = levels(PressureEvaluator(), [g], e, [frag(1 * GB)], processes=processes)
+    assert eng[("t", "m", "0")] == (3, "headroom_exhausted")
+    # another engine's fragments are not this engine's to restart
+    processes = [(ident(), 1, 79.5 * GB)]
+    other = dataclasses.replace(frag(7 * GB, pid=2), target="u")
+    _, eng = levels(PressureEvaluator(), [g], e, [alloc(pid=1), other], processes=processes)
+    assert eng[("t", "m", "0")] == (3, "headroom_exhausted")
+    # no fragments: the level's own reason
+    _, eng = levels(PressureEvaluator(), [g], e, [frag(0)], processes=processes)
+    assert eng[("t", "m", "0")] == (3, "headroom_exhausted")
+
+
+def test_a_healthy_engine_with_fragments_stays_level_0():
+    total = 80 * GB
+    g = GpuMemory(ident(), total, 72 * GB, 8 * GB, 0)
+    processes = [(ident(), 1, 72 * GB)]
+    _, eng = levels(
+        PressureEvaluator(),
+        [g],
+        [EngineSource("t", engine(0.9))],
+        [frag(5 * GB)],
+        processes=processes,
+    )
+    assert eng[("t", "m", "0")] == (0, "ok")
 
 
 # -- several engines, tensor parallel, MIG ---------------------------------------------------

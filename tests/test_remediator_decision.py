@@ -250,3 +250,105 @@ FLEET2 = {
     "a": EngineView("llama", draining=False, reachable=True),
     "b": EngineView("llama", draining=False, reachable=True),
 }
+
+
+# -- allocator fragmentation: a restart at a quiet moment, not capping and waiting ------------
+FRAG = {"reason": "allocator_fragmentation"}
+VIEW = FlagView(Flags(0.9, 256), Flags(0.9, 256), 0.0)
+
+
+def _frag_ctx(tmp_path, history=(), **safety):
+    cfg = config(tmp_path, "a", "b", safety=safety)
+    now = 1_000_000.0
+    state = SafetyState(history={"a": tuple((now - age, kind) for age, kind in history)})
+    return Context(cfg.policy, cfg.safety, cfg.flags, state, now)
+
+
+def _frag_engine(alerts, state, restartable=True, restarted=frozenset()):
+    return EngineInput(
+        "a",
+        "llama",
+        tuple(alerts),
+        state,
+        restartable=restartable,
+        flags=VIEW if restartable else None,
+        restarted=restarted,
+    )
+
+
+SERVING = Observed(256, 256, False, 1e9, 0, 0, 0, running=60)
+DRAINED_IDLE = Observed(256, 256, True, 20.0, 0, 0, 0)
+DRAINED_BUSY = Observed(256, 256, True, 20.0, 0, 0, 0, running=12)
+
+
+def test_fragmentation_pressure_drains_for_a_restart_instead_of_capping(tmp_path):
+    ctx = _frag_ctx(tmp_path)
+    frag = parse(payload(alert("OomguardMemoryPressure", "a", **FRAG))).alerts
+    peer = _engine("b", [])
+    (verdict, _) = decide_fleet([_frag_engine(frag, SERVING), peer], ctx)
+    assert [s.describe() for s in verdict.steps] == ["drain"]
+    assert "fragmentation" in verdict.steps[0].reason
+    # pressure for another reason (a neighbour): capping, as before
+    other = parse(payload(alert("OomguardMemoryPressure", "a", reason="headroom_low"))).alerts
+    (verdict, _) = decide_fleet([_frag_engine(other, SERVING), peer], ctx)
+    assert [s.describe() for s in verdict.steps] == ["lower_cap 204"]
+    # no restart backend: nothing would answer the drain, so capping
+    (verdict, _) = decide_fleet([_frag_engine(frag, SERVING, restartable=False), peer], ctx)
+    assert [s.describe() for s in verdict.steps] == ["lower_cap 204"]
+    # the model's only engine: the restart's own limit (single replica) keeps it capped
+    (verdict,) = decide_fleet([_frag_engine(frag, SERVING)], ctx)
+    assert [s.describe() for s in verdict.steps] == ["lower_cap 204"]
+    # a peer already out of service: the disruption budget keeps it capped
+    peer_draining = EngineInput("b", "llama", (), Observed(256, 256, True, 1e9, 0, 0, 0))
+    (verdict, _) = decide_fleet([_frag_engine(frag, SERVING), peer_draining], ctx)
+    assert [s.describe() for s in verdict.steps] == ["lower_cap 204"]
+
+
+def test_fragmentation_restarts_at_once_when_drained_and_idle(tmp_path):
+    """Not restart_after_drain_seconds (600 s) later: waiting never gives fragments back."""
+    ctx = _frag_ctx(tmp_path, history=[(20.0, "drain")])
+    peer = _engine("b", [])
+    for name in ("OomguardMemoryPressure", "OomguardMemoryCritical"):
+        frag = parse(payload(alert(name, "a", **FRAG))).alerts
+        (verdict, _) = decide_fleet([_frag_engine(frag, DRAINED_IDLE), peer], ctx)
+        (step,) = verdict.steps
+        assert (step.kind, step.withheld, step.flags) == ("restart", None, Flags(0.9, 256))
+        assert step.covers == (frag[0].episode,)
+        # still serving its last requests: not yet (the quiet moment is idle)
+        (verdict, _) = decide_fleet([_frag_engine(frag, DRAINED_BUSY), peer], ctx)
+        assert verdict.steps == () and verdict.desired is not None
+        assert verdict.desired.draining
+    # a drain for another reason waits restart_after_drain_seconds, as before
+    critical = parse(payload(alert("OomguardMemoryCritical", "a", reason="headroom_exhausted")))
+    (verdict, _) = decide_fleet([_frag_engine(critical.alerts, DRAINED_IDLE), peer], ctx)
+    assert verdict.steps == ()
+
+
+def test_a_fragmentation_restart_answers_its_episode_once(tmp_path):
+    frag = parse(payload(alert("OomguardMemoryPressure", "a", **FRAG))).alerts
+    done = frozenset({frag[0].episode})
+    peer = _engine("b", [])
+    ctx = _frag_ctx(tmp_path, history=[(20.0, "drain"), (10.0, "restart")])
+    # back from the restart, capped at one, the alert still in its hysteresis: no second
+    # drain or restart for the same episode
+    back = Observed(256, 1, False, 5.0, 0, 0, 0)
+    (verdict, _) = decide_fleet([_frag_engine(frag, back, restarted=done), peer], ctx)
+    assert all(s.kind not in ("drain", "restart") for s in verdict.steps)
+    # drained and idle again (someone drained it): still no second restart for that episode
+    (verdict, _) = decide_fleet([_frag_engine(frag, DRAINED_IDLE, restarted=done), peer], ctx)
+    assert all(s.kind != "restart" for s in verdict.steps)
+
+
+def test_an_engine_drained_by_someone_else_is_theirs_to_restart(tmp_path):
+    frag = parse(payload(alert("OomguardMemoryPressure", "a", **FRAG))).alerts
+    (verdict, _) = decide_fleet(
+        [_frag_engine(frag, DRAINED_IDLE), _engine("b", [])], _frag_ctx(tmp_path)
+    )
+    assert all(s.kind != "restart" for s in verdict.steps)
+
+
+def test_fragmentation_never_acts_on_an_engine_without_alerts(tmp_path):
+    ctx = _frag_ctx(tmp_path, history=[(20.0, "drain")])
+    for state in (SERVING, DRAINED_IDLE):
+        (verdict, _) = decide_fleet([_frag_engine([], state), _engine("b", [])], ctx)
+        assert all(s.kind not in ("drain", "restart", "lower_cap") for s in verdict.steps)

@@ -178,3 +178,28 @@ def test_a_dead_standalone_watch_is_restarted_counted_and_degrades_healthz(
             assert client.get("/healthz").status_code == 200
     finally:
         r.stop()
+
+
+def test_an_alert_carries_the_reason_its_episode_began_with(local_server):
+    """As the rules' alerts carry the level series' `reason` (the remediator restarts an engine
+    whose reason is its own allocator fragmentation); fixed for the episode, so that the firing
+    and its resolved name the same alert."""
+
+    def page(level: int, reason: str) -> str:
+        return levels(a=level).replace('reason="gpu_free"', f'reason="{reason}"')
+
+    server = local_server(page(3, "allocator_fragmentation"))
+    now = [0.0]
+    watcher = PressureWatcher(
+        StandaloneConfig(exporters=[server.url], keep_firing_seconds=5), clock=lambda: now[0]
+    )
+    (first,) = [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
+    assert first.labels["reason"] == "allocator_fragmentation"
+    server.serve_text(page(3, "headroom_exhausted"))
+    now[0] += 1
+    (same,) = [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
+    assert (same.key, same.episode) == (first.key, first.episode)
+    server.serve_text(page(0, "ok"))
+    now[0] += 10
+    (resolved,) = [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
+    assert (resolved.status, resolved.key) == ("resolved", first.key)

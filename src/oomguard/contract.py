@@ -13,6 +13,12 @@ from typing import Literal
 Action = Literal["hold", "drain", "lower_cap", "restart"]
 ACTIONS: tuple[Action, ...] = ("hold", "drain", "lower_cap", "restart")
 ACTION_LABEL = "oomguard_action"
+# The pressure reason (the level series' and so the action alerts' `reason` label) that says the
+# engine's own allocator fragmentation is what takes the room: free blocks stranded inside its
+# segments (`inactive_split_bytes`), which only a restart of its process gives back. Without
+# them the GPU would be out of pressure. The remediator restarts such an engine at a quiet
+# moment (drained, nothing in flight) instead of capping it and waiting.
+FRAGMENTATION_REASON = "allocator_fragmentation"
 
 # The oomguard plugin's HTTP API inside vLLM's API server: state, ready, admission, drain, resume.
 API_PREFIX = "/oomguard/v1"

@@ -23,6 +23,11 @@ A neighbour process, a leak or fragmentation eats the headroom; a healthy engine
               the engine's step guard shrank a step      reason step_guard_shrink
   1 caution   headroom < headroom_caution_ratio          reason headroom_caution
 
+An engine at pressure or critical on its headroom whose own allocator fragmentation is what takes
+it (the GPU would be out of pressure if its ranks' `inactive_split_bytes` were free, as a restart
+of its process makes them) carries reason allocator_fragmentation instead: only a restart helps
+there, and the remediator restarts it at a quiet moment instead of capping it.
+
 A GPU with no engine, or whose engines' plan is unknown, keeps a plain free-memory floor and goes
 no further than caution (reason free_below_floor). An engine takes the worst level of the GPUs
 it runs on and of its own allocator events.
@@ -41,6 +46,7 @@ from itertools import compress
 from operator import itemgetter
 from typing import Any
 
+from oomguard.contract import FRAGMENTATION_REASON
 from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory
 from oomguard.exporter.collectors.vllm import EngineReading
 from oomguard.handoff import AllocatorReport
@@ -51,6 +57,7 @@ BLIND, OK, CAUTION, PRESSURE, CRITICAL = -1, 0, 1, 2, 3
 # that shrinks, so the level stays while memory stays short and falls soon after it returns.
 STEP_GUARD_HOLD_S = 15.0
 _STEP_REASONS = ("step_guard_shrink", "step_guard_stall")
+_HEADROOM_REASONS = ("headroom_low", "headroom_exhausted")
 
 # Engines known at once, at most: upstream /metrics is untrusted, and an endpoint inventing new
 # engine labels every poll must not grow the exporter's memory without bound.
@@ -152,6 +159,7 @@ class _Plan:
     planned: float = 0.0
     need: float = 0.0
     per_engine: bool = True  # every engine's usage on the GPU is known from its processes
+    own: dict[EngineKey, tuple[float, float]] = field(default_factory=dict)  # plan, used
 
 
 class PressureEvaluator:
@@ -302,6 +310,7 @@ class PressureEvaluator:
         plans = self._plans(readable, engines, mapping, ranks_of, on_gpus)
 
         gpu_out = [self._gpu_level(g, plans.get(g.identity.key), reports) for g in readable]
+        memory = {g.identity.key: g for g in readable}
         gpu_out.extend(GpuPressure(ident, level) for ident, level in unreadable.values())
         by_key = {gp.identity.key: gp for gp in gpu_out}
 
@@ -321,6 +330,17 @@ class PressureEvaluator:
                 level = Level(BLIND, gpu_problem or GPU_NOT_FOUND)
             elif blind:
                 level = blind[0]  # a GPU it may run on cannot be read: say so, do not guess
+            elif level.reason in _HEADROOM_REASONS + _STEP_REASONS and self._fragmented(
+                src,
+                # the GPUs whose headroom sets the level (a step guard shrink at the same level
+                # is the same shortage, seen by the engine)
+                [gp for gp in on if gp.level.level == level.level],
+                len(on) == 1,
+                memory,
+                plans,
+                reports,
+            ):
+                level = Level(level.level, FRAGMENTATION_REASON)
             engine_out.append(
                 EnginePressure(
                     src.key,
@@ -427,6 +447,7 @@ class PressureEvaluator:
                 if own is None:
                     plan.per_engine = False
                 else:
+                    plan.own[src.key] = (gmu * usable, own)
                     per_engine_need += max(0.0, gmu * usable - own)
             if plan.per_engine:
                 plan.need = per_engine_need
@@ -478,6 +499,53 @@ class PressureEvaluator:
         else:
             level = LEVEL_OK
         return GpuPressure(ident, level.worse(held), g.free, plan.planned, headroom)
+
+    def _fragmented(
+        self,
+        src: EngineSource,
+        worst: Sequence[GpuPressure],
+        one: bool,
+        memory: dict[GpuKey, GpuMemory],
+        plans: dict[GpuKey, _Plan],
+        reports: Sequence[AllocatorReport],
+    ) -> bool:
+        """Whether this engine's own allocator fragments are what holds it at its level: on every
+        GPU at that level, the headroom with its ranks' `inactive_split_bytes` given back (as a
+        restart of its process does: the device gets them back, and the engine may grow into
+        its plan again) is out of pressure. Whole GPUs only (a MIG rank's report names no GPU
+        series)."""
+        if not worst:
+            return False
+        ranks = [r for r in reports if (r.target, r.engine) == (src.target, src.engine.engine)]
+        for gp in worst:
+            g, plan = memory.get(gp.identity.key), plans.get(gp.identity.key)
+            if (
+                g is None
+                or plan is None
+                or plan.unknown
+                or gp.identity.gpu_instance_id
+                or gp.level.reason not in _HEADROOM_REASONS
+            ):
+                return False
+            assert g.free is not None
+            # a rank that names no device (the twin's) is on the engine's only GPU
+            frag = float(
+                sum(
+                    r.inactive_split_bytes
+                    for r in ranks
+                    if r.device_uuid == gp.identity.uuid or (one and not r.device_uuid)
+                )
+            )
+            if frag <= 0:
+                return False
+            if plan.per_engine:
+                planned, own = plan.own.get(src.key, (0.0, 0.0))
+                need = plan.need - max(0.0, planned - own) + max(0.0, planned - (own - frag))
+            else:
+                need = max(0.0, plan.planned - ((g.used or 0.0) - frag))
+            if g.free + frag - need < self.t.headroom_pressure_ratio * _usable(g):
+                return False
+        return True
 
     # -- bounded memory ----------------------------------------------------------------------
     def _expire(self, now: float) -> None:

@@ -10,11 +10,17 @@ their limits included. Per target, in this order:
 2. restart with lower memory flags (targets with a restart backend): when an alert asks for one,
    or when memory stays critical after a drain (the engine is drained and idle and the drain
    alert still fires `restart_after_drain_seconds` after the drain: only a restart with a lower
-   gpu_memory_utilization gives KV-pool memory back); once per alert episode. Or walk the
-   flags back after a quiet period. A restart held back by a safety limit falls through to
-   capping;
+   gpu_memory_utilization gives KV-pool memory back); once per alert episode. Or, when the
+   alert's reason is the engine's own allocator fragmentation (`FRAGMENTATION_REASON`: free
+   blocks stranded in its segments, which only a new process gives back, and capping does not
+   slow), restart it with the same flags at the first quiet moment: drained and idle, at once.
+   Or walk the flags back after a quiet period. A restart held back by a safety limit falls
+   through to capping;
 3. the policy's desired state, planned into steps; a drain refused by the disruption budget or
-   the last-ready rule caps instead; every step goes through the safety limits.
+   the last-ready rule caps instead; every step goes through the safety limits. An engine under
+   fragmentation pressure that a restart may answer (a restart backend, its episode not yet
+   answered, the restart's own limits clear now) is drained instead of capped: the drain is
+   what makes the quiet moment.
 
 Targets are decided in order, and each drain or restart decided counts against the next targets'
 disruption budget and its own cooldown, as the loop will have executed it.
@@ -25,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from oomguard.contract import FRAGMENTATION_REASON
 from oomguard.remediator.flags import FlagLimits, Flags
 from oomguard.remediator.policy import Desired, Observed, PolicyConfig, actions_for, decide
 from oomguard.remediator.restart import FlagView
@@ -135,6 +142,18 @@ def episodes(alerts: Iterable[Alert], action: str, policy: PolicyConfig) -> list
     return [a.episode for a in sorted(asking, key=lambda a: (a.starts_at, a.key))]
 
 
+def fragmentation(alerts: Iterable[Alert], policy: PolicyConfig) -> list[str]:
+    """The episodes of the action alerts (drain, lower_cap) whose reason is the engine's own
+    allocator fragmentation, newest last."""
+    asking = [
+        a
+        for a in alerts
+        if a.labels.get("reason") == FRAGMENTATION_REASON
+        and actions_for([a], policy) & {"drain", "lower_cap"}
+    ]
+    return [a.episode for a in sorted(asking, key=lambda a: (a.starts_at, a.key))]
+
+
 def needs_flags(engine: EngineInput, policy: PolicyConfig) -> bool:
     """Whether deciding this engine may need its restart backend's flags (read them only then:
     a backend call per engine per pass would be wasted)."""
@@ -146,7 +165,7 @@ def needs_flags(engine: EngineInput, policy: PolicyConfig) -> bool:
         return False
     if any(e not in done for e in episodes(engine.alerts, "restart", policy)):
         return True
-    critical = episodes(engine.alerts, "drain", policy)
+    critical = episodes(engine.alerts, "drain", policy) + fragmentation(engine.alerts, policy)
     if o.draining and o.idle and any(e not in done for e in critical):
         return True
     return not actions and not o.draining and o.admission_cap >= o.startup_max_num_seqs
@@ -159,7 +178,8 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
         return None
     asked = [e for e in episodes(engine.alerts, "restart", policy) if e not in done]
     critical = [e for e in episodes(engine.alerts, "drain", policy) if e not in done]
-    covers = tuple(asked + critical)
+    fragmented = [e for e in fragmentation(engine.alerts, policy) if e not in done]
+    covers = tuple(dict.fromkeys(asked + critical + fragmented))
     if asked:
         reason = "restart with lower memory flags"
         return Step(
@@ -172,6 +192,17 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
     drained_at = max(
         (t for t, kind in ctx.state.history.get(engine.name, ()) if kind == "drain"), default=None
     )
+    if fragmented and o.draining and o.idle and drained_at is not None:
+        # the engine's own allocator fragmentation: waiting does not give it back, and a lower
+        # gpu_memory_utilization is not needed (a new process starts with none). Drained and
+        # idle: the quiet moment, where a restart loses no request.
+        return Step(
+            "restart",
+            reason="allocator fragmentation, drained and idle: restart on a clean allocator",
+            flags=view.current,
+            episode=fragmented[-1],
+            covers=covers,
+        )
     if (
         critical
         and o.draining
@@ -269,7 +300,19 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
         if drains and all(ep in e.restarted for ep in drains):
             wanted.discard("drain")
             wanted.add("lower_cap")
+        quiet = (
+            e.restartable
+            and restart is None
+            and any(ep not in e.restarted for ep in fragmentation(e.alerts, ctx.policy))
+            and check(e.name, "restart") is None
+        )
+        if quiet:
+            wanted.add("drain")  # a quiet moment for the restart: capping does not help
         desired = decide(wanted, o, ctx.policy)
+        if quiet and desired.draining:
+            desired = replace(
+                desired, reason="allocator fragmentation: drain for a restart on a clean allocator"
+            )
         planned = plan(o, desired)
         if planned and planned[0][0] == "drain":
             why = check(e.name, "drain")

@@ -47,6 +47,7 @@ class _Rule:
     pending_since: float | None = None
     last_true: float | None = None
     started: datetime | None = None  # set while firing
+    reason: str = ""  # the level's reason when the episode began (kept until it resolves)
 
 
 class PressureWatcher:
@@ -65,7 +66,8 @@ class PressureWatcher:
         self._labels: dict[RuleKey, dict[str, str]] = {}
         self.errors: dict[str, str] = {}
 
-    def _levels(self, url: str) -> dict[tuple[str, str], float]:
+    def _levels(self, url: str) -> dict[tuple[str, str], tuple[float, str]]:
+        """Each engine's level and its reason (the worst series'), from one exporter page."""
         if self.client is not None:  # a client given (tests)
             r = self.client.get(url)
             r.raise_for_status()
@@ -75,13 +77,16 @@ class PressureWatcher:
             if scraper is None:
                 scraper = self._scrapers[url] = Scraper(url, self.timeout)
             text, _ = scraper.get()
-        levels: dict[tuple[str, str], float] = {}
+        levels: dict[tuple[str, str], tuple[float, str]] = {}
         for s in parse(text, wanted={LEVEL}).get(LEVEL):
             key = (s.labels.get("target", ""), s.labels.get("engine", "0"))
-            if s.value < 0 or levels.get(key, 0.0) < 0:
-                levels[key] = BLIND  # blind on any series: never act on it
-            else:
-                levels[key] = max(levels.get(key, 0.0), s.value)
+            reason = s.labels.get("reason", "")
+            level, _ = levels.get(key, (0.0, ""))
+            if s.value < 0 or level < 0:
+                if level >= 0:  # blind on any series: never act on it
+                    levels[key] = (BLIND, reason)
+            elif key not in levels or s.value > level:
+                levels[key] = (s.value, reason)
         return levels
 
     def poll(self) -> Webhook:
@@ -99,7 +104,7 @@ class PressureWatcher:
             self.errors.pop(url, None)
             instance = urlsplit(url).netloc
             seen: set[RuleKey] = set()
-            for (target, engine), level in levels.items():
+            for (target, engine), (level, reason) in levels.items():
                 for name, condition, action, severity in RULES:
                     key = (instance, target, engine, name)
                     seen.add(key)
@@ -111,13 +116,15 @@ class PressureWatcher:
                         "severity": severity,
                         "oomguard_action": action,
                     }
-                    alerts.extend(self._step(key, condition(level), name, now))
+                    alerts.extend(self._step(key, condition(level), name, now, reason))
             for key in [k for k in self._rules if k[0] == instance and k not in seen]:
                 # the engine's series went away (engine gone): its conditions are false
                 alerts.extend(self._step(key, False, key[3], now))
         return Webhook("standalone", "standalone", tuple(alerts), 0)
 
-    def _step(self, key: RuleKey, true: bool, name: str, now: float) -> list[Alert]:
+    def _step(
+        self, key: RuleKey, true: bool, name: str, now: float, reason: str = ""
+    ) -> list[Alert]:
         rule = self._rules.setdefault(key, _Rule())
         hold, keep = {
             "OomguardMemoryCritical": (self.config.critical_for_seconds, None),
@@ -130,6 +137,7 @@ class PressureWatcher:
                 rule.pending_since = now
             if rule.started is None and now - rule.pending_since >= hold:
                 rule.started = normalise(datetime.now(UTC))
+                rule.reason = reason
         else:
             rule.pending_since = None
             if (
@@ -138,14 +146,16 @@ class PressureWatcher:
                 and now - rule.last_true >= keep
             ):
                 started, rule.started = rule.started, None
-                return [self._alert(key, "resolved", started)]
+                return [self._alert(key, "resolved", started, rule.reason)]
         if rule.started is not None:
-            return [self._alert(key, "firing", rule.started)]
+            return [self._alert(key, "firing", rule.started, rule.reason)]
         return []
 
-    def _alert(self, key: RuleKey, status: str, started: datetime) -> Alert:
-        labels = self._labels[key]
-        digest = hashlib.sha256(repr(sorted(labels.items())).encode()).hexdigest()[:16]
+    def _alert(self, key: RuleKey, status: str, started: datetime, reason: str) -> Alert:
+        digest = hashlib.sha256(repr(sorted(self._labels[key].items())).encode()).hexdigest()[:16]
+        # the level's reason when the episode began, as the rules' alerts carry it (fixed for
+        # the episode: a firing and its resolved must name the same alert)
+        labels = {**self._labels[key], "reason": reason} if reason else self._labels[key]
         ends = datetime.now(UTC) if status == "resolved" else None
         return Alert(digest, status, labels, started, ends)
 
