@@ -47,8 +47,9 @@ import httpx
 
 from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, DRAIN_GRACE_ENV, DRAINING, TARGET_ENV
 from oomguard.engine_state import parse as parse_state
+from oomguard.exporter.config import ExporterConfig
 from oomguard.exporter.main import Exporter
-from oomguard.remediator.config import StandaloneConfig
+from oomguard.remediator.config import RemediatorConfig, StandaloneConfig
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
 from oomguard.twin.gpu import TwinGpu, TwinNvml
@@ -70,6 +71,7 @@ GUARD = "guard"  # the request guard alone (bench/guard.py)
 NO_STEP_GUARD = "oomguard-no-step-guard"
 WITH_OOMGUARD = ("oomguard", NO_STEP_GUARD)  # the configurations that run oomguard's loop
 STATIC_MAX_NUM_SEQS = 48
+EXPORTER_INTERVAL_S = ExporterConfig.model_fields["interval_seconds"].default  # shipped: 1 s
 TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
 RECOVERY_WATCH_S = 600.0  # trace seconds to keep watching for recovery after the trace
@@ -560,6 +562,7 @@ class Fleet:
             dict(zip(self.names, (e.url for e in self.engines), strict=True)),
             self.nvml,
             w / "allocator",
+            interval=poll_seconds(EXPORTER_INTERVAL_S, c, 0.5, floor=0.1),
             hostname=self.hostname,
         )
         if self.own_remediator:
@@ -846,12 +849,23 @@ class Fleet:
             t.join()
 
 
+def poll_seconds(shipped: float, compression: float, slowest: float, floor: float = 0.05) -> float:
+    """A polling interval (the exporter's, the standalone watcher's, the reconcile pass) at the
+    trace's clock: the shipped default divided by the compression, never slower than `slowest`
+    wall seconds (what the twin ran before at every compression; at x1 it stays so). At x20 the
+    shipped second is 0.05 wall s: 0.25 wall s was five trace seconds per reconcile pass, and
+    each step of a staged re-admission waits for one. Never under `floor` (the exporter's
+    own lower bound is 0.1 s)."""
+    return max(floor, min(slowest, shipped / compression))
+
+
 def remediator_timings(compression: float) -> dict[str, Any]:
     """The remediator's shipped policy and safety defaults, each clock scaled to the trace's:
     the remediator runs in wall time, so at x`compression` every trace-time default is divided
     by it. Derived from the config models, so the twin runs what an operator gets."""
     c = compression
     policy, safety = PolicyConfig(), SafetyConfig()
+    shipped_reconcile = RemediatorConfig.model_fields["reconcile_seconds"].default
     return {
         "policy": {
             "step_seconds": policy.step_seconds / c,
@@ -861,18 +875,18 @@ def remediator_timings(compression: float) -> dict[str, Any]:
             "cooldown_seconds": safety.cooldown_seconds / c,
             "window_seconds": safety.window_seconds / c,
         },
-        "reconcile_seconds": 0.25,
+        "reconcile_seconds": poll_seconds(shipped_reconcile, c, 0.25),
     }
 
 
 def standalone_timings(compression: float, exporters: list[str]) -> dict[str, Any]:
     """Standalone mode's alert timings (the rules' `for` and action `keep_firing_for`) at their
-    shipped defaults, scaled to the trace's clock; the exporters polled every 0.25 wall s."""
+    shipped defaults, scaled to the trace's clock, and the exporters polled at theirs."""
     c = compression
     d = StandaloneConfig(exporters=exporters)
     return {
         "exporters": exporters,
-        "interval_seconds": 0.25,
+        "interval_seconds": poll_seconds(d.interval_seconds, c, 0.25),
         "pressure_for_seconds": d.pressure_for_seconds / c,
         "critical_for_seconds": d.critical_for_seconds / c,
         "keep_firing_seconds": d.keep_firing_seconds / c,
