@@ -504,6 +504,32 @@ def test_a_restart_after_a_drain_stays_within_the_disruption_budget(tmp_path):
     c.close()
 
 
+def test_fragmentation_drains_then_restarts_at_once_into_full_admission(tmp_path):
+    """The engine's own allocator fragmentation (the alert's reason): drained instead of capped,
+    restarted with the same flags as soon as it is idle (not restart_after_drain_seconds, 600 s,
+    later), and back at full admission; once per episode, audited."""
+    from oomguard.remediator.flags import Flags
+
+    engines = Engines.of("a", "b", startup=64)
+    backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
+    c = restartable(tmp_path, engines, backend, "a")
+    frag = alert("OomguardMemoryPressure", "a", reason="allocator_fragmentation")
+    engines.engines["a"].running = 3
+    send(c, frag)
+    assert engines.engines["a"].draining and backend.restarts == []  # not yet idle
+    engines.engines["a"].running = 0
+    c.reconcile()
+    settle(c)
+    assert [(f, cap) for f, cap, _ in backend.restarts] == [(Flags(0.9, 64), None)]
+    assert not engines.engines["a"].draining and engines.engines["a"].cap == 64
+    intents = [e for e in events(c, "intent") if e["action"] == "restart"]
+    assert intents[-1]["after"]["admission"] == "full"
+    c.reconcile()  # the same episode still firing: no second restart, no drain
+    settle(c)
+    assert len(backend.restarts) == 1 and not engines.engines["a"].draining
+    c.close()
+
+
 def test_a_single_replica_is_drained_and_restarted_only_with_the_opt_in(tmp_path):
     from oomguard.remediator.flags import Flags
 

@@ -314,6 +314,7 @@ def test_fragmentation_restarts_at_once_when_drained_and_idle(tmp_path):
         (step,) = verdict.steps
         assert (step.kind, step.withheld, step.flags) == ("restart", None, Flags(0.9, 256))
         assert step.covers == (frag[0].episode,)
+        assert not step.staged  # a new process has none of the fragments: full admission
         # still serving its last requests: not yet (the quiet moment is idle)
         (verdict, _) = decide_fleet([_frag_engine(frag, DRAINED_BUSY), peer], ctx)
         assert verdict.steps == () and verdict.desired is not None

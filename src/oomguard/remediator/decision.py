@@ -13,7 +13,8 @@ their limits included. Per target, in this order:
    gpu_memory_utilization gives KV-pool memory back); once per alert episode. Or, when the
    alert's reason is the engine's own allocator fragmentation (`FRAGMENTATION_REASON`: free
    blocks stranded in its segments, which only a new process gives back, and capping does not
-   slow), restart it with the same flags at the first quiet moment: drained and idle, at once.
+   slow), restart it with the same flags at the first quiet moment: drained and idle, at once,
+   into full admission (the new process has none of the fragments).
    Or walk the flags back after a quiet period. A restart held back by a safety limit falls
    through to capping;
 3. the policy's desired state, planned into steps; a drain refused by the disruption budget or
@@ -91,6 +92,9 @@ class Step:
     flags: Flags | None = None  # restart: the flags to restart with
     episode: str | None = None  # restart: the episode it answers
     covers: tuple[str, ...] = ()  # restart: every drain/restart episode it answers
+    # restart: come back at the re-admission start (staged) or, False, at full admission (a
+    # restart that gives back what took the memory: the engine starts as it first did)
+    staged: bool = True
 
     def describe(self) -> str:
         what = self.kind
@@ -202,6 +206,11 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
             flags=view.current,
             episode=fragmented[-1],
             covers=covers,
+            # the new process has none of the fragments that took the headroom, and the rest
+            # of the GPU was out of pressure without them (the exporter's reason says so):
+            # it starts as it first did, at full admission; if pressure comes back, the
+            # alerts act again
+            staged=False,
         )
     if (
         critical

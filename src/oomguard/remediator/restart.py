@@ -103,7 +103,7 @@ class RestartSequence:
     audit: AuditLog
     drain_timeout: float = 120.0
     ready_timeout: float = 900.0
-    readmit_start: int = 1
+    readmit_start: int | None = 1  # the restarted engine's admission cap; None: full admission
     poll: float = 0.5
     clock: Callable[[], float] = time.monotonic
 
@@ -152,7 +152,12 @@ class RestartSequence:
             "restart",
             "ok",
             f"restarting with gpu_memory_utilization {flags.gpu_memory_utilization}, "
-            f"max_num_seqs {flags.max_num_seqs}, admission cap {self.readmit_start}",
+            f"max_num_seqs {flags.max_num_seqs}, "
+            + (
+                f"admission cap {self.readmit_start}"
+                if self.readmit_start is not None
+                else "full admission"
+            ),
             after={
                 "gpu_memory_utilization": flags.gpu_memory_utilization,
                 "max_num_seqs": flags.max_num_seqs,
@@ -170,7 +175,9 @@ class RestartSequence:
                     note(
                         "wait_ready",
                         "ok",
-                        "serving again; staged re-admission follows",
+                        "serving again; staged re-admission follows"
+                        if self.readmit_start is not None
+                        else "serving again at full admission",
                         after={"cap": state.admission_cap, "mode": state.mode},
                     )
                     return RestartResult(True, "done", "restarted")

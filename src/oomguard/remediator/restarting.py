@@ -159,6 +159,7 @@ class Restarts:
             "max_num_seqs": flags.max_num_seqs,
             "episode": step.episode,
             "episodes": sorted(covers),
+            "admission": "staged" if step.staged else "full",
         }
         key = new_intent()
         crashpoints.reach("before_intent")
@@ -190,7 +191,7 @@ class Restarts:
             self.audit,
             drain_timeout=cfg.drain_timeout_seconds,
             ready_timeout=cfg.ready_timeout_seconds,
-            readmit_start=self.config.policy.readmit_start,
+            readmit_start=self.config.policy.readmit_start if step.staged else None,
         )
         target = self.fleet.target(name)
 

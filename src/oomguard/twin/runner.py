@@ -562,7 +562,7 @@ class Fleet:
             dict(zip(self.names, (e.url for e in self.engines), strict=True)),
             self.nvml,
             w / "allocator",
-            interval=poll_seconds(EXPORTER_INTERVAL_S, c, 0.5, floor=0.1),
+            interval=poll_seconds(EXPORTER_INTERVAL_S, c, 0.5, floor=0.25),
             hostname=self.hostname,
         )
         if self.own_remediator:
@@ -849,13 +849,14 @@ class Fleet:
             t.join()
 
 
-def poll_seconds(shipped: float, compression: float, slowest: float, floor: float = 0.05) -> float:
-    """A polling interval (the exporter's, the standalone watcher's, the reconcile pass) at the
-    trace's clock: the shipped default divided by the compression, never slower than `slowest`
-    wall seconds (what the twin ran before at every compression; at x1 it stays so). At x20 the
-    shipped second is 0.05 wall s: 0.25 wall s was five trace seconds per reconcile pass, and
-    each step of a staged re-admission waits for one. Never under `floor` (the exporter's
-    own lower bound is 0.1 s)."""
+def poll_seconds(shipped: float, compression: float, slowest: float, floor: float = 0.1) -> float:
+    """A polling interval (the exporter's, the standalone watcher's, the reconcile pass) toward
+    the trace's clock: the shipped default divided by the compression, never slower than
+    `slowest` wall seconds (what the twin ran before at every compression; at x1 it stays so),
+    and never faster than `floor`: on the 2-CPU machine the engines' own steps need the CPU
+    (each poll is an HTTP request to vLLM's API server). At x20 the shipped second would be
+    0.05 wall s; 0.25 wall s was five trace seconds per reconcile pass, and each step of a
+    staged re-admission waits for one; 0.1 is two."""
     return max(floor, min(slowest, shipped / compression))
 
 
