@@ -445,6 +445,8 @@ def judge(
     }
     if trace.pressure_ends:
         checks["recovery_within_60s"] = o.recovery_s is not None and o.recovery_s <= 60
+        # issue 30: full admission within 45 s of the pressure's end on every trace
+        checks["recovery_within_45s"] = o.recovery_s is not None and o.recovery_s <= 45
         checks["no_retrigger_during_recovery"] = not extra["oomguard"].get("retriggered", False)
     if "default" not in outcomes or "static" not in outcomes:
         return checks  # a partial run (--config): the comparisons need all three

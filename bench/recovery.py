@@ -14,7 +14,8 @@ pressure ends (sustained), engines four times slower (the real twin on this load
 about x4 behind its clock), and an engine that reports no prefill counts (a plugin from before
 they were counted: the stage then waits for whole requests).
 
-Targets: recovery <= 60 s with no re-trigger on every trace, shipped defaults, both paths.
+Targets: recovery <= 45 s (issue 30; 60 s before) with no re-trigger on every trace, shipped
+defaults, both paths.
 The real check is bench/outcome.py on the real vLLM twin; this one runs in seconds.
 
 Usage: python bench/recovery.py   (writes bench/results/recovery.json)
@@ -46,6 +47,8 @@ from oomguard.twin.traces import Trace  # noqa: E402
 TRACES = ("neighbour-growth", "long-context-burst")
 SHIPPED = PolicyConfig()
 DOUBLING = SHIPPED.model_copy(update={"readmit_stages": "doubling"})
+
+TARGET_S = 45.0  # full admission this long after the pressure ends, at most (issue 30)
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,9 @@ def main() -> int:
                 row = {"trace": name, "variant": variant, **r.record()}
                 rows.append(row)
                 if variant.startswith("shipped"):
-                    met &= r.recovery_s is not None and r.recovery_s <= 60 and not r.retriggered
+                    met &= (
+                        r.recovery_s is not None and r.recovery_s <= TARGET_S and not r.retriggered
+                    )
                 print(
                     f"{name:19s} {path.name:24s} {variant:55s} level clear {r.level_clear_s} "
                     f"resolved {r.resolved_s} heard {r.delivered_s} stage 1 {r.resumed_s} "
@@ -121,7 +126,9 @@ def main() -> int:
                     flush=True,
                 )
     elapsed = time.perf_counter() - started
-    print(f"shipped defaults: recovery <= 60 s with no re-trigger on every trace: {met}")
+    print(
+        f"shipped defaults: recovery <= {TARGET_S:.0f} s with no re-trigger on every trace: {met}"
+    )
     record.write(
         args.out,
         "recovery",
