@@ -418,7 +418,7 @@ def test_a_stream_shed_by_a_drain_is_a_503_before_any_byte(engines):
     holds the 200 until the first chunk and answers the error's own status instead."""
     url = engines.urls[0]
 
-    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+    async def scenario() -> tuple[int, list[tuple[int, dict[str, str], bytes]]]:
         async with httpx.AsyncClient(timeout=120) as c:
             await c.put(f"{url}/oomguard/v1/admission", json={"cap": 1}, headers=AUTH)
             try:
@@ -431,13 +431,28 @@ def test_a_stream_shed_by_a_drain_is_a_503_before_any_byte(engines):
                 assert (s["running"], s["waiting"]) == (1, 2), s
                 r = await c.post(f"{url}/oomguard/v1/drain", headers=AUTH)
                 assert r.json()["shedding"], r.json()
-                return await asyncio.gather(*tasks)
+                results = await asyncio.gather(*tasks)
+                after = (await c.get(f"{url}/oomguard/v1/state")).json()
+                return after["shed_total"] - s["shed_total"], results
             finally:
+                await c.post(f"{url}/oomguard/v1/resume", headers=AUTH)
                 await c.put(f"{url}/oomguard/v1/admission", json={"cap": 2}, headers=AUTH)
 
-    results = asyncio.run(scenario())
-    statuses = sorted(status for status, _, _ in results)
-    assert statuses == [200, 503, 503], [(s, b[:200]) for s, _, b in results]
+    # A queued request that already holds KV blocks is not shed: vLLM runs it under the drain's
+    # PAUSED_NEW and it finishes here (engine.shed_waiting). Which of the two queued ones that is
+    # depends on vLLM's timing (seen in CI about once in five runs on 2 CPUs), so the statuses
+    # must match what the engine shed, and a try in which it shed nothing is made again.
+    for _ in range(3):
+        shed, results = asyncio.run(scenario())
+        statuses = sorted(status for status, _, _ in results)
+        assert statuses == sorted([200] * (3 - shed) + [503] * shed), (
+            shed,
+            [(s, b[:200]) for s, _, b in results],
+        )
+        if shed:
+            break
+    else:
+        pytest.fail("the drain found no queued request to shed in 3 tries")
     for status, headers, body in results:
         if status == 503:
             assert headers["content-type"] == "application/json"
