@@ -158,6 +158,10 @@ def fragmentation(alerts: Iterable[Alert], policy: PolicyConfig) -> list[str]:
     return [a.episode for a in sorted(asking, key=lambda a: (a.starts_at, a.key))]
 
 
+def _restarted_fragmentation(alert: Alert, restarted: frozenset[str]) -> bool:
+    return alert.labels.get("reason") == FRAGMENTATION_REASON and alert.episode in restarted
+
+
 def needs_flags(engine: EngineInput, policy: PolicyConfig) -> bool:
     """Whether deciding this engine may need its restart backend's flags (read them only then:
     a backend call per engine per pass would be wasted)."""
@@ -301,11 +305,15 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
                 continue
             steps.append(replace(restart, withheld=why))
         # A restart asked for but not possible here (none configured, done, or withheld) caps;
-        # an episode a restart already answered asks for no more than a cap.
-        wanted = set(actions) - {"restart"}
-        if "restart" in actions:
+        # an episode a restart already answered asks for no more than a cap, and a
+        # fragmentation episode a restart answered asks for nothing: the new process has none
+        # of the fragments, and its alert only lags the exporter (a new episode acts again).
+        acting = [a for a in e.alerts if not _restarted_fragmentation(a, e.restarted)]
+        acting_actions = actions_for(acting, ctx.policy)
+        wanted = set(acting_actions) - {"restart"}
+        if "restart" in acting_actions:
             wanted.add("lower_cap")
-        drains = episodes(e.alerts, "drain", ctx.policy)
+        drains = episodes(acting, "drain", ctx.policy)
         if drains and all(ep in e.restarted for ep in drains):
             wanted.discard("drain")
             wanted.add("lower_cap")
