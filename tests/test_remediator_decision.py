@@ -334,7 +334,11 @@ def test_a_fragmentation_restart_answers_its_episode_once(tmp_path):
     # drain or restart for the same episode
     back = Observed(256, 1, False, 5.0, 0, 0, 0)
     (verdict, _) = decide_fleet([_frag_engine(frag, back, restarted=done), peer], ctx)
-    assert all(s.kind not in ("drain", "restart") for s in verdict.steps)
+    assert all(s.kind not in ("drain", "restart", "lower_cap") for s in verdict.steps)
+    # nor a cap on the new process, which has none of the fragments (its alert only lags)
+    full = Observed(256, 256, False, 5.0, 0, 0, 0, running=60)
+    (verdict, _) = decide_fleet([_frag_engine(frag, full, restarted=done), peer], ctx)
+    assert verdict.steps == ()
     # drained and idle again (someone drained it): still no second restart for that episode
     (verdict, _) = decide_fleet([_frag_engine(frag, DRAINED_IDLE, restarted=done), peer], ctx)
     assert all(s.kind != "restart" for s in verdict.steps)
@@ -353,3 +357,20 @@ def test_fragmentation_never_acts_on_an_engine_without_alerts(tmp_path):
     for state in (SERVING, DRAINED_IDLE):
         (verdict, _) = decide_fleet([_frag_engine([], state), _engine("b", [])], ctx)
         assert all(s.kind not in ("drain", "restart", "lower_cap") for s in verdict.steps)
+
+
+def test_restart_on_fragmentation_false_answers_it_like_any_pressure(tmp_path):
+    cfg = config(tmp_path, "a", "b", policy={"restart_on_fragmentation": False})
+    now = 1_000_000.0
+    peer = _engine("b", [])
+    for history, state in (((), SERVING), (((now - 20.0, "drain"),), DRAINED_IDLE)):
+        ctx = Context(cfg.policy, cfg.safety, cfg.flags, SafetyState(history={"a": history}), now)
+        for name, expected in (
+            ("OomguardMemoryPressure", "lower_cap"),
+            ("OomguardMemoryCritical", "drain"),
+        ):
+            frag = parse(payload(alert(name, "a", **FRAG))).alerts
+            (verdict, _) = decide_fleet([_frag_engine(frag, state), peer], ctx)
+            assert all(s.kind != "restart" for s in verdict.steps), (name, verdict.steps)
+            if state is SERVING:
+                assert [s.kind for s in verdict.steps] == [expected]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from oomguard import manifests as k8s
 from oomguard.alerts.rules import Case, ExprCase
+from oomguard.contract import FRAGMENTATION_REASON
 from oomguard.thresholds import AlertThresholds
 
 GIB = 1024**3
@@ -201,6 +202,26 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardMemoryPressure", "7m", pressure, fired))  # dropped at 7m: still firing
     add(Case("OomguardMemoryPressure", "8m", pressure))  # resolved after action_keep_firing_for
     add(Case("OomguardMemoryPressure", "3m", level("blind", "-1x10")))
+    # the engine's own allocator fragmentation: the reason travels with the work order, since
+    # the remediator answers it with a restart at a quiet moment instead of a cap (decision.py)
+    fragmented = level(FRAGMENTATION_REASON, "0 2x5 0x10")
+    add(
+        Case(
+            "OomguardMemoryPressure",
+            "3m",
+            fragmented,
+            [
+                {
+                    **fired[0],
+                    "reason": FRAGMENTATION_REASON,
+                    "description": f"The pressure level of {ENG} is 2 (reason "
+                    f"{FRAGMENTATION_REASON}): the memory left on its GPU once every engine "
+                    "reaches its planned peak is low, or the allocator had to retry. oomguard "
+                    "lowers its admission cap.",
+                }
+            ],
+        )
+    )
 
     # critical: fires at once; the remediator drains, nobody is paged
     critical = level("headroom_exhausted", "0 3x3 0x10")

@@ -148,7 +148,10 @@ def episodes(alerts: Iterable[Alert], action: str, policy: PolicyConfig) -> list
 
 def fragmentation(alerts: Iterable[Alert], policy: PolicyConfig) -> list[str]:
     """The episodes of the action alerts (drain, lower_cap) whose reason is the engine's own
-    allocator fragmentation, newest last."""
+    allocator fragmentation, newest last; none when the policy answers fragmentation like any
+    other pressure (`restart_on_fragmentation: false`)."""
+    if not policy.restart_on_fragmentation:
+        return []
     asking = [
         a
         for a in alerts

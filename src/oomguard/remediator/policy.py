@@ -63,6 +63,13 @@ class PolicyConfig(BaseModel):
         "drain is restarted with lower memory flags (targets with a restart backend). About a "
         "model reload: memory critical that long is no longer cheaper to wait out.",
     )
+    restart_on_fragmentation: bool = Field(
+        True,
+        description="Answer pressure whose reason is the engine's own allocator fragmentation "
+        "with a drain and, once idle, a restart with the same flags (targets with a restart "
+        "backend). false: capped or drained like any other pressure (for engines whose reload "
+        "costs more than running capped until the fragments coalesce).",
+    )
     readmit_stall_seconds: float = Field(
         300.0,
         gt=0,
