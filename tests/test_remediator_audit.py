@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import pytest
@@ -139,3 +140,29 @@ def test_a_full_disk_takes_back_the_torn_line_and_loses_no_acknowledged_record(t
         assert reasons == [*acknowledged, "acknowledged after the disk had room again"]
         assert log.last_replay.skipped == {}  # no fragment was left behind to skip
         assert log.writable and log.write_errors == 1
+
+
+def test_a_full_disk_is_logged_once_per_outage_and_counted_every_time(tmp_path, caplog):
+    """Every pass may try a record while the disk is full: one ERROR line, not one a pass."""
+    with small_fs(tmp_path / "fs") as fs:
+        log = AuditLog(fs / "audit.jsonl")
+        filler = fill(fs)
+        caplog.set_level(logging.DEBUG, logger="oomguard.remediator.audit")
+        for i in range(20):
+            with pytest.raises(OSError):
+                log.record("received", reason=f"payload {i} " + "x" * 4096)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "cannot append" in errors[0].getMessage()
+        assert log.write_errors == 20 and not log.writable
+        free(filler)
+        caplog.clear()
+        log.record("unpaused", reason="room again")
+        (back,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "writable again (20 records failed)" in back.getMessage()
+        # the next outage is logged again
+        filler = fill(fs)
+        caplog.clear()
+        with pytest.raises(OSError):
+            log.record("received", reason="y" * 4096)
+        assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+        free(filler)

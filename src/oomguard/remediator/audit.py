@@ -144,6 +144,7 @@ class AuditLog:
         self._check_tail = True  # at the first append, and after a failed one
         self.writable = True
         self.write_errors = 0
+        self._errors_reported = 0  # write_errors as of the last "writable again"
         self.last_error: str | None = None
         self.torn_repaired = 0  # torn tails cut off before an append
         self.last_replay = Replay()
@@ -182,14 +183,26 @@ class AuditLog:
             try:
                 size = self._append(line)
             except OSError as exc:
+                # once per outage: a full disk fails every record of every pass, and the
+                # count (write_errors, the AuditFailing alert) says how many
+                log.log(
+                    logging.ERROR if self.writable else logging.DEBUG,
+                    "cannot append to the audit log %s: %s",
+                    self.path,
+                    exc,
+                )
                 self.writable = False
                 self.write_errors += 1
                 self.last_error = f"{exc.strerror or exc}"
                 self._check_tail = True
-                log.error("cannot append to the audit log %s: %s", self.path, exc)
                 raise
             if not self.writable:
-                log.warning("the audit log %s is writable again", self.path)
+                log.warning(
+                    "the audit log %s is writable again (%d records failed)",
+                    self.path,
+                    self.write_errors - self._errors_reported,
+                )
+                self._errors_reported = self.write_errors
             self.writable, self.last_error = True, None
             due = size >= self._rotate_at and not self._rotating.locked()
         if due:
