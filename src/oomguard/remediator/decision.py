@@ -140,10 +140,14 @@ def plan(observed: Observed, desired: Desired) -> list[tuple[str, int | None]]:
     return steps
 
 
+def _newest_last(alerts: Iterable[Alert]) -> list[str]:
+    """The alerts' episodes (fingerprint@startsAt), newest last."""
+    return [a.episode for a in sorted(alerts, key=lambda a: (a.starts_at, a.key))]
+
+
 def episodes(alerts: Iterable[Alert], action: str, policy: PolicyConfig) -> list[str]:
-    """The episodes (fingerprint@startsAt) of the alerts asking for `action`, newest last."""
-    asking = [a for a in alerts if action in actions_for([a], policy)]
-    return [a.episode for a in sorted(asking, key=lambda a: (a.starts_at, a.key))]
+    """The episodes of the alerts asking for `action`, newest last."""
+    return _newest_last(a for a in alerts if action in actions_for([a], policy))
 
 
 def fragmentation(alerts: Iterable[Alert], policy: PolicyConfig) -> list[str]:
@@ -152,13 +156,12 @@ def fragmentation(alerts: Iterable[Alert], policy: PolicyConfig) -> list[str]:
     other pressure (`restart_on_fragmentation: false`)."""
     if not policy.restart_on_fragmentation:
         return []
-    asking = [
+    return _newest_last(
         a
         for a in alerts
         if a.labels.get("reason") == FRAGMENTATION_REASON
         and actions_for([a], policy) & {"drain", "lower_cap"}
-    ]
-    return [a.episode for a in sorted(asking, key=lambda a: (a.starts_at, a.key))]
+    )
 
 
 def _restarted_fragmentation(alert: Alert, restarted: frozenset[str]) -> bool:
