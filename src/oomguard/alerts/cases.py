@@ -1080,6 +1080,25 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         )
     )
     add(Case("OomguardRemediationHeld", "16m", {held: "0x20"}))
+    # held because its engine is down (a 20-minute model load): EngineDown's ticket, not two
+    engine_up = sel("oomguard_vllm_up", {**L.exp, "target": L.target})
+    add(Case("OomguardRemediationHeld", "16m", {held: "1x20", engine_up: "0x20"}))
+    add(
+        Case(
+            "OomguardRemediationHeld",
+            "16m",
+            {held: "1x20", engine_up: "1x20"},  # the engine serves: the hold is the remediator's
+            [
+                {
+                    **L.rem_target,
+                    "mode": "held",
+                    "severity": "warning",
+                    "description": f"The remediator on {L.rem['instance']} has held target "
+                    f"{L.target} for 15m: it cannot read or change the engine, so it does nothing.",
+                }
+            ],
+        )
+    )
 
     unauth = sel("oomguard_remediator_webhook_requests_total", {**L.rem, "outcome": "unauthorized"})
     add(

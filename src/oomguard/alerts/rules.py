@@ -694,7 +694,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardRemediationHeld",
-            'oomguard_remediator_target_mode{mode="held"} == 1',
+            # an engine that is down (a long model load, a crash loop) is held because it
+            # cannot be read: OomguardEngineDown is that cause's one ticket
+            'oomguard_remediator_target_mode{mode="held"} == 1\n'
+            f"unless on ({c}, target) (oomguard_vllm_up{{{exp}}} == 0)",
             "warning",
             "The oomguard remediator holds a target it cannot read or converge.",
             "The remediator on {{ $labels.instance }} has held target {{ $labels.target }} for "
