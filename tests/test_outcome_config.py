@@ -53,6 +53,9 @@ def test_the_twins_remediator_is_the_shipped_one_at_the_traces_clock(tmp_path, c
     assert cfg.policy.restart_after_drain_seconds == pytest.approx(
         policy.restart_after_drain_seconds / c
     )
+    assert cfg.policy.fragmentation_settle_seconds == pytest.approx(
+        policy.fragmentation_settle_seconds / c
+    )
     assert cfg.policy.readmit_stages == policy.readmit_stages
     assert cfg.policy.readmit_successes == policy.readmit_successes
     assert cfg.safety.cooldown_seconds == pytest.approx(safety.cooldown_seconds / c)

@@ -512,12 +512,18 @@ def test_fragmentation_drains_then_restarts_at_once_into_full_admission(tmp_path
 
     engines = Engines.of("a", "b", startup=64)
     backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
-    c = restartable(tmp_path, engines, backend, "a")
+    now = [time.time()]
+    c = restartable(tmp_path, engines, backend, "a", clock=lambda: now[0])
     frag = alert("OomguardMemoryPressure", "a", reason="allocator_fragmentation")
     engines.engines["a"].running = 3
     send(c, frag)
     assert engines.engines["a"].draining and backend.restarts == []  # not yet idle
     engines.engines["a"].running = 0
+    c.reconcile()  # idle now: the fragments of its finished requests may yet coalesce
+    now[0] += 30
+    c.reconcile()
+    assert backend.restarts == []
+    now[0] += 16  # idle 46 s, past fragmentation_settle_seconds (45), and the alert still fires
     c.reconcile()
     settle(c)
     assert [(f, cap) for f, cap, _ in backend.restarts] == [(Flags(0.9, 64), None)]

@@ -264,7 +264,12 @@ def _frag_ctx(tmp_path, history=(), **safety):
     return Context(cfg.policy, cfg.safety, cfg.flags, state, now)
 
 
-def _frag_engine(alerts, state, restartable=True, restarted=frozenset()):
+SETTLED = 45.0  # PolicyConfig.fragmentation_settle_seconds
+
+
+def _frag_engine(alerts, state, restartable=True, restarted=frozenset(), idle_for=None):
+    if idle_for is None:  # drained and idle past the settle time, unless the test says
+        idle_for = SETTLED if isinstance(state, Observed) and state.idle else 0.0
     return EngineInput(
         "a",
         "llama",
@@ -273,6 +278,7 @@ def _frag_engine(alerts, state, restartable=True, restarted=frozenset()):
         restartable=restartable,
         flags=VIEW if restartable else None,
         restarted=restarted,
+        idle_for=idle_for,
     )
 
 
@@ -323,6 +329,27 @@ def test_fragmentation_restarts_at_once_when_drained_and_idle(tmp_path):
     critical = parse(payload(alert("OomguardMemoryCritical", "a", reason="headroom_exhausted")))
     (verdict, _) = decide_fleet([_frag_engine(critical.alerts, DRAINED_IDLE), peer], ctx)
     assert verdict.steps == ()
+
+
+def test_fragmentation_restarts_only_when_it_stays_while_idle(tmp_path):
+    """The fragments a burst's requests made coalesce once they finish: an engine that has just
+    gone idle waits fragmentation_settle_seconds (its alert resolves meanwhile if the fragments
+    went, and it resumes without a reload); what stays after that is restarted."""
+    ctx = _frag_ctx(tmp_path, history=[(120.0, "drain")])
+    assert ctx.policy.fragmentation_settle_seconds == SETTLED
+    peer = _engine("b", [])
+    frag = parse(payload(alert("OomguardMemoryCritical", "a", **FRAG))).alerts
+    for idle_for in (0.0, 10.0, SETTLED - 1):
+        (verdict, _) = decide_fleet(
+            [_frag_engine(frag, DRAINED_IDLE, idle_for=idle_for), peer], ctx
+        )
+        assert verdict.steps == () and verdict.desired is not None and verdict.desired.draining
+    (verdict, _) = decide_fleet([_frag_engine(frag, DRAINED_IDLE, idle_for=SETTLED), peer], ctx)
+    assert [s.kind for s in verdict.steps] == ["restart"]
+    # the alert resolved while it sat idle (the fragments coalesced): it resumes, no restart
+    (verdict, _) = decide_fleet([_frag_engine([], DRAINED_IDLE, idle_for=10.0), peer], ctx)
+    assert "resume" in [s.kind for s in verdict.steps]
+    assert "restart" not in [s.kind for s in verdict.steps]
 
 
 def test_a_fragmentation_restart_answers_its_episode_once(tmp_path):

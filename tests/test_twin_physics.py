@@ -183,3 +183,21 @@ def test_gpu_events_interpolate_linearly():
     assert t.gpu_at(300)[0] == int(4.3 * 2**30)
     assert t.gpu_at(600)[0] == int(8.6 * 2**30)
     assert t.gpu_at(900) == (0, 0)
+
+
+def test_a_restarted_process_carries_only_the_fragmentation_grown_since_its_start():
+    from oomguard.twin.runner import fragmentation_of_process
+
+    spike = Trace.load("fragmentation-spike")  # 8.6 GiB of fragments for about 80 s
+    top = max(spike.gpu_events, key=lambda e: e.fragmentation_gib).at_s
+    assert fragmentation_of_process(spike, top, 0.0) == spike.gpu_at(top)[1] > 0
+    # restarted inside the spike: the new process has none of it, then or after
+    for t in range(int(top), int(spike.duration_s) + 1):  # not the timeline from its start
+        assert fragmentation_of_process(spike, t, top) == 0, t
+    # restarted before it: it meets the spike like the first process did
+    assert fragmentation_of_process(spike, top, 1.0) == spike.gpu_at(top)[1]
+    # the slow creep grows again from zero after a restart, at the same rate
+    creep = Trace.load("fragmentation-creep")
+    grown = creep.gpu_at(6000)[1] - creep.gpu_at(5000)[1]
+    assert grown > 0
+    assert fragmentation_of_process(creep, 6000, 5000) == pytest.approx(grown, abs=2)

@@ -120,6 +120,7 @@ class Convergence:
         self.restarts = restarts
         self.dry_run = dry_run
         self.status = {t.name: TargetStatus(t.name, t.url, t.model) for t in config.targets}
+        self._idle_since: dict[str, float] = {}  # (safety clock) first read drained and idle
         self._noted: dict[tuple[str, str], Any] = {}  # (target, topic) -> last audited value
         self._pool = ThreadPoolExecutor(max_workers=min(16, max(1, len(fleet.targets))))
         # which engines each pass reads (attention.py); the rest keep their last state
@@ -135,6 +136,7 @@ class Convergence:
             else TargetStatus(t.name, t.url, t.model)
             for name, t in self.fleet.targets.items()
         }
+        self._idle_since = {n: t for n, t in self._idle_since.items() if n in self.fleet.targets}
         self.attention.track({t.name: t.model for t in self.fleet.targets.values()})
 
     def inputs(
@@ -147,21 +149,32 @@ class Convergence:
         backends' flags read only where a restart may be wanted)."""
         out = []
         restarts = self.restarts
+        now = self.safety.clock()
         for name in self.fleet.targets if names is None else names:
             cfg = self.fleet.targets[name]
+            state = observe(states[name])
             engine = EngineInput(
                 name,
                 cfg.model,
                 tuple(firing.get(name, ())),
-                observe(states[name]),
+                state,
                 restartable=name in restarts.backends and not self.dry_run,
                 restarted=restarts.answered(name),
                 restarting=name in restarts.running,
+                idle_for=self._idle_for(name, state, now),
             )
             if needs_flags(engine, self.config.policy):
                 engine = EngineInput(**{**engine.__dict__, "flags": restarts.flags(name)})
             out.append(engine)
         return out
+
+    def _idle_for(self, name: str, state: Observed | Unreadable, now: float) -> float:
+        """Seconds `name` has been read drained and idle without a break (0 otherwise). Kept in
+        memory only: a new leader starts counting again, which only waits longer."""
+        if isinstance(state, Observed) and state.draining and state.idle:
+            return now - self._idle_since.setdefault(name, now)
+        self._idle_since.pop(name, None)
+        return 0.0
 
     def context(self) -> Context:
         c = self.config

@@ -13,8 +13,10 @@ their limits included. Per target, in this order:
    gpu_memory_utilization gives KV-pool memory back); once per alert episode. Or, when the
    alert's reason is the engine's own allocator fragmentation (`FRAGMENTATION_REASON`: free
    blocks stranded in its segments, which only a new process gives back, and capping does not
-   slow), restart it with the same flags at the first quiet moment: drained and idle, at once,
-   into full admission (the new process has none of the fragments).
+   slow), restart it with the same flags at the first quiet moment: drained and idle for
+   `fragmentation_settle_seconds` (fragments that the finished requests made coalesce once the
+   engine is idle, and then the alert resolves and the engine resumes without a reload), into
+   full admission (the new process has none of the fragments).
    Or walk the flags back after a quiet period. A restart held back by a safety limit falls
    through to capping;
 3. the policy's desired state, planned into steps; a drain refused by the disruption budget or
@@ -71,6 +73,7 @@ class EngineInput:
     flags: FlagView | None = None  # the backend's flags, when a restart may be wanted
     restarted: frozenset[str] = frozenset()  # alert episodes a restart already answered
     restarting: bool = False  # a restart sequence owns the engine now
+    idle_for: float = 0.0  # seconds the engine has been seen drained and idle, without a break
 
 
 @dataclass(frozen=True)
@@ -206,13 +209,21 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
     drained_at = max(
         (t for t, kind in ctx.state.history.get(engine.name, ()) if kind == "drain"), default=None
     )
-    if fragmented and o.draining and o.idle and drained_at is not None:
-        # the engine's own allocator fragmentation: waiting does not give it back, and a lower
-        # gpu_memory_utilization is not needed (a new process starts with none). Drained and
-        # idle: the quiet moment, where a restart loses no request.
+    if (
+        fragmented
+        and o.draining
+        and o.idle
+        and drained_at is not None
+        and engine.idle_for >= policy.fragmentation_settle_seconds
+    ):
+        # the engine's own allocator fragmentation, still there after the engine sat idle
+        # long enough for the fragments of its finished requests to coalesce and the alert to
+        # resolve: only a new process gives it back, and a lower gpu_memory_utilization is not
+        # needed (a new process starts with none). Drained and idle: the quiet moment, where a
+        # restart loses no request.
         return Step(
             "restart",
-            reason="allocator fragmentation, drained and idle: restart on a clean allocator",
+            reason="allocator fragmentation that stays while idle: restart on a clean allocator",
             flags=view.current,
             episode=fragmented[-1],
             covers=covers,

@@ -70,6 +70,14 @@ class PolicyConfig(BaseModel):
         "backend). false: capped or drained like any other pressure (for engines whose reload "
         "costs more than running capped until the fragments coalesce).",
     )
+    fragmentation_settle_seconds: float = Field(
+        45.0,
+        ge=0,
+        description="A drained engine idle this long whose fragmentation alert still fires is "
+        "restarted. The fragments its finished requests made coalesce within seconds once it "
+        "is idle, and the alert resolves after its keep_firing_for (30 s): then it resumes "
+        "without a reload. What is still there after this only a new process gives back.",
+    )
     readmit_stall_seconds: float = Field(
         300.0,
         gt=0,

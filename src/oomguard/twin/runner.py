@@ -711,8 +711,7 @@ class Fleet:
                 neighbour, frag = 0, 0
                 if i == 0:  # the trace's GPU events hit engine 0's GPU only
                     neighbour = trace.gpu_at(t)[0]
-                    # fragmentation builds up in a process: a restart starts it from zero
-                    frag = trace.gpu_at(t - self._restarted_at[i])[1]
+                    frag = fragmentation_of_process(trace, t, self._restarted_at[i])
                 self.states[i].write_text(
                     json.dumps({"neighbour_bytes": neighbour, "fragmentation_bytes": frag})
                 )
@@ -860,6 +859,18 @@ def poll_seconds(shipped: float, compression: float, slowest: float, floor: floa
     return max(floor, min(slowest, shipped / compression))
 
 
+def fragmentation_of_process(trace: Trace, t: float, started_at: float) -> int:
+    """Engine 0's allocator fragmentation at trace time `t` in a process started at
+    `started_at` (0: the first one): what the trace's fragmentation grew by since then. A new
+    process has none of its predecessor's fragments, and the requests that made a spike died
+    with it: the trace's timeline is not replayed from its start (a spike met again by every
+    new process made each restart look necessary)."""
+    frag = trace.gpu_at(t)[1]
+    if started_at <= 0:
+        return frag
+    return max(0, frag - trace.gpu_at(started_at)[1])
+
+
 def remediator_timings(compression: float) -> dict[str, Any]:
     """The remediator's shipped policy and safety defaults, each clock scaled to the trace's:
     the remediator runs in wall time, so at x`compression` every trace-time default is divided
@@ -871,6 +882,7 @@ def remediator_timings(compression: float) -> dict[str, Any]:
         "policy": {
             "step_seconds": policy.step_seconds / c,
             "restart_after_drain_seconds": policy.restart_after_drain_seconds / c,
+            "fragmentation_settle_seconds": policy.fragmentation_settle_seconds / c,
         },
         "safety": {
             "cooldown_seconds": safety.cooldown_seconds / c,
