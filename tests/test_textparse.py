@@ -143,3 +143,64 @@ def test_wanted_names_are_found_under_type_lines_at_a_line_start_only():
     )
     assert [s.value for s in parse(text, ["m_total"]).get("m_total")] == [4.0]
     assert parse("# TYPE g gauge\ng 2", ["g"]).get("g")[0].value == 2.0  # at offset 0
+
+
+def _outcome(text: str, wanted: list[str] | None) -> object:
+    try:
+        p = parse(text, wanted)
+    except CollectorError as exc:
+        return exc.reason
+    return {k: [(s.labels, s.value) for s in v] for k, v in p.samples.items()}, p.dropped
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "7",
+        "7 1700000000000",
+        "7\t",
+        "\t7",
+        "7 ",
+        "7\xa0",
+        "\x0b7",
+        "7\x0c",
+        "",
+        "1_0",
+        "nan",
+        "+Inf",
+        "7 8 9",
+        "0x7",
+        "7e",
+        "-0",
+    ],
+)
+def test_a_known_series_reads_its_value_as_the_full_grammar_does(value):
+    """Known series are split at their last space and only the value read: every value, good or
+    bad, must come out as the full line grammar reads it on a cold cache."""
+    from oomguard.exporter import textparse
+
+    line = f'k_total{{a="1",b="x y"}} {value}\n'
+    textparse._SERIES.clear()
+    cold = _outcome(line, None)
+    parse('k_total{a="1",b="x y"} 1\n')  # the series is known now
+    assert 'k_total{a="1",b="x y"}' in textparse._SERIES
+    assert _outcome(line, None) == cold
+    assert _outcome("# TYPE k_total counter\n" + line, ["k_total"]) == cold
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(_EXPOSITION_ALPHABET, max_size=160))
+def test_a_warm_series_cache_never_changes_a_parse(text):
+    from oomguard.exporter import textparse
+
+    textparse._SERIES.clear()
+    cold = _outcome(text, None), _outcome(text, ["a", "a_total", "b"])
+    assert (_outcome(text, None), _outcome(text, ["a", "a_total", "b"])) == cold
+
+
+def test_type_blocks_at_the_edges_of_the_page():
+    # the first TYPE line of a family counts; a TYPE line that ends the page has no samples
+    text = "# TYPE g gauge\ng 1\n# TYPE g gauge\ng 2\n# TYPE h gauge"
+    assert [s.value for s in parse(text, ["g", "h"]).get("g")] == [1.0]
+    assert parse(text, ["h"]).samples == {}
+    assert [s.value for s in parse("x 1\n# TYPE g gauge\ng 3\n", ["g", "x"]).get("x")] == [1.0]

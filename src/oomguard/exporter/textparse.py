@@ -12,6 +12,7 @@ Prometheus keeps it, and each repeat is dropped and counted as `duplicate_series
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Iterable
@@ -71,29 +72,39 @@ def _labels(raw: str | None, line: str) -> dict[str, str]:
     return labels
 
 
-# Parsed label sets by their raw text: an engine's page repeats the same label sets poll after
-# poll (only values move), and parsing them is most of a page's parse. Bounded in entries and in
+# Parsed series by their text ("name{labels}", up to the space before the value): an engine's
+# page repeats the same series poll after poll (only values move), and parsing them is most of a
+# page's parse. A line whose series is known is split at its last space and only its value read
+# (a line that does not split that way cleanly takes the full grammar). Bounded in entries and in
 # the length of what is kept (pages are untrusted).
-_LABEL_CACHE: dict[str, tuple[dict[str, str], tuple[tuple[str, str], ...]]] = {}
-_LABEL_CACHE_ENTRIES = 2048
-_LABEL_CACHE_LONGEST = 2048  # vLLM's cache_config_info: 800 characters
+_Ident = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted label pairs): a series' identity
+_SERIES: dict[str, tuple[str, dict[str, str], _Ident]] = {}
+_SERIES_ENTRIES = 4096
+_SERIES_LONGEST = 2048  # vLLM's cache_config_info: 800 characters
 
 
-def _labels_and_key(
-    raw: str | None, line: str
-) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
-    """A sample's labels (a new dict: the caller's to keep) and its sorted (name, value) key."""
-    if not raw:
-        return {}, ()
-    hit = _LABEL_CACHE.get(raw)
-    if hit is None:
-        labels = _labels(raw, line)
-        hit = (labels, tuple(sorted(labels.items())))
-        if len(raw) <= _LABEL_CACHE_LONGEST:
-            if len(_LABEL_CACHE) >= _LABEL_CACHE_ENTRIES:
-                _LABEL_CACHE.clear()
-            _LABEL_CACHE[raw] = hit
-    return dict(hit[0]), hit[1]
+def _sample_line(line: str) -> tuple[str, dict[str, str], _Ident, float]:
+    """A sample line by the full grammar: (name, labels, identity, value); raises parse_error.
+    A line of the usual form (one space before the value, no timestamp) teaches _SERIES."""
+    m = _SAMPLE.match(line)
+    if m is None:
+        raise CollectorError("parse_error", f"not a sample line: {line[:120]!r}")
+    raw = m.group(3)
+    try:
+        if "_" in raw:  # Python's float() takes "1_000"; the exposition format does not
+            raise ValueError(raw)
+        value = float(raw)
+    except ValueError:
+        raise CollectorError("parse_error", f"bad value in line {line[:120]!r}") from None
+    name = m.group(1)
+    labels = _labels(m.group(2), line)
+    ident = (name, tuple(sorted(labels.items())))
+    series, _, last = line.rpartition(" ")
+    if last == raw and len(series) <= _SERIES_LONGEST and m.start(3) == len(series) + 1:
+        if len(_SERIES) >= _SERIES_ENTRIES:
+            _SERIES.clear()
+        _SERIES[series] = (name, labels, ident)
+    return name, dict(labels), ident, value
 
 
 def _line_filter(wanted: frozenset[str]) -> re.Pattern[str]:
@@ -117,44 +128,64 @@ def _family_candidates(name: str) -> tuple[str, ...]:
     return (name,)
 
 
-def _type_lines(text: str) -> dict[str, int]:
-    """Where each family's first `# TYPE` line starts: one pass of str.find over the page (a
-    find per wanted name was a pass each)."""
-    out: dict[str, int] = {}
-    i = text.find("# TYPE ")
-    while i >= 0:
-        if i == 0 or text[i - 1] == "\n":
-            end = text.find("\n", i)
-            name, sep, _ = text[i + 7 : end if end >= 0 else len(text)].partition(" ")
-            if sep and name not in out:
-                out[name] = i
-        i = text.find("# TYPE ", i + 7)
+# The sample names a caller wants, with each name's candidate families in order of preference
+_PLANS: dict[frozenset[str], dict[str, tuple[str, ...]]] = {}
+
+
+def _plan(wanted: frozenset[str]) -> dict[str, tuple[str, ...]]:
+    plan = _PLANS.get(wanted)
+    if plan is None:
+        if len(_PLANS) >= 64:  # callers use a few fixed sets; bounded all the same
+            _PLANS.clear()
+        plan = _PLANS[wanted] = {name: _family_candidates(name) for name in wanted}
+    return plan
+
+
+def _blocks(text: str, families: set[str]) -> dict[str, str]:
+    """The sample block (the lines after its first `# TYPE` line, up to the next line that
+    starts with "#") of each of `families` that has one: the page split once at its TYPE lines
+    (one pass in C), each piece's family name read from its head."""
+    pieces = text.split("\n# TYPE ")
+    if text.startswith("# TYPE "):
+        pieces[0] = pieces[0][7:]
+    else:
+        pieces[0] = ""  # what comes before the first TYPE line belongs to no family
+    out: dict[str, str] = {}
+    for piece in pieces:
+        space = piece.find(" ")
+        if space < 0:
+            continue
+        family = piece[:space]
+        if family in families and family not in out and "\n" not in family:
+            start = piece.find("\n") + 1
+            if start == 0:
+                out[family] = ""  # a TYPE line that ends the page
+                continue
+            end = piece.find("\n#", start)
+            out[family] = piece[start:] if end < 0 else piece[start:end]
     return out
 
 
 def _wanted_lines(text: str, wanted: frozenset[str]) -> list[str]:
     """Sample lines of the wanted names. Exposition text groups a family's samples under its
-    `# TYPE` line, so each wanted family is found with str.find and only its block is split;
-    names without a TYPE line fall back to one regex scan of the whole page."""
-    by_block: dict[int, tuple[int, set[str]]] = {}
+    `# TYPE` line, so only the wanted families' blocks are split into lines; names without a
+    TYPE line fall back to one regex scan of the whole page."""
+    plan = _plan(wanted)
+    blocks = _blocks(text, {f for candidates in plan.values() for f in candidates})
+    by_block: dict[str, set[str]] = {}
     untyped: set[str] = set()
-    types = _type_lines(text)
-    for name in wanted:
-        for family in _family_candidates(name):
-            i = types.get(family, -1)
-            if i >= 0:
-                start = text.find("\n", i) + 1
-                end = text.find("\n#", start)
-                _, names = by_block.setdefault(start, (end if end >= 0 else len(text), set()))
-                names.add(name)
+    for name, candidates in plan.items():
+        for family in candidates:
+            if family in blocks:
+                by_block.setdefault(family, set()).add(name)
                 break
         else:
             if name in text:  # absent names (the legacy KV gauge, say) cost one find
                 untyped.add(name)
     lines: list[str] = []
-    for start, (end, names) in sorted(by_block.items()):
+    for family, names in by_block.items():
         prefixes = tuple(n + c for n in names for c in ("{", " ", "\t"))
-        lines.extend(ln for ln in text[start:end].splitlines() if ln.startswith(prefixes))
+        lines.extend([ln for ln in blocks[family].splitlines() if ln.startswith(prefixes)])
     if untyped:
         lines.extend(_line_filter(frozenset(untyped)).findall(text))
     return lines
@@ -175,34 +206,36 @@ def parse(text: str, wanted: Iterable[str] | None = None, openmetrics: bool = Fa
         lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     else:
         lines = _wanted_lines(text, frozenset(wanted))
-    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    seen: set[_Ident] = set()
+    samples = out.samples
     for line in lines:
-        m = _SAMPLE.match(line)
-        if m is None:
-            raise CollectorError("parse_error", f"not a sample line: {line[:120]!r}")
-        raw = m.group(3)
-        try:
-            if "_" in raw:  # Python's float() takes "1_000"; the exposition format does not
-                raise ValueError(raw)
-            value = float(raw)
-        except ValueError:
-            raise CollectorError("parse_error", f"bad value in line {line[:120]!r}") from None
-        if math.isnan(value) or math.isinf(value):
+        series, _, raw = line.rpartition(" ")
+        known = _SERIES.get(series)
+        value = None
+        if known is not None and raw.strip() == raw and "_" not in raw:
+            # the series text is known good: the line is valid iff its value is one token
+            with contextlib.suppress(ValueError):  # else the full grammar says what is wrong
+                value = float(raw)
+        if value is None or known is None:
+            name, labels, ident, value = _sample_line(line)
+        else:
+            name, labels, ident = known[0], dict(known[1]), known[2]
+        if value != value or value in (math.inf, -math.inf):
             out.drop("nan")
             continue
-        name = m.group(1)
-        labels, key = _labels_and_key(m.group(2), line)
-        _keep(out, seen, Sample(name, labels, value), key)
+        if ident in seen:
+            out.drop("duplicate_series")
+            continue
+        seen.add(ident)
+        if name in samples:
+            samples[name].append(Sample(name, labels, value))
+        else:
+            samples[name] = [Sample(name, labels, value)]
     return out
 
 
-def _keep(
-    out: Parsed,
-    seen: set[tuple[str, tuple[tuple[str, str], ...]]],
-    s: Sample,
-    label_key: tuple[tuple[str, str], ...] | None = None,
-) -> None:
-    key = (s.name, tuple(sorted(s.labels.items())) if label_key is None else label_key)
+def _keep(out: Parsed, seen: set[_Ident], s: Sample) -> None:
+    key = (s.name, tuple(sorted(s.labels.items())))
     if key in seen:
         out.drop("duplicate_series")
         return
@@ -213,7 +246,7 @@ def _keep(
 def _parse_openmetrics(text: str, keep: set[str] | None, out: Parsed) -> Parsed:
     if not text.rstrip().endswith("# EOF"):
         raise CollectorError("parse_error", "OpenMetrics text without '# EOF' (truncated?)")
-    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    seen: set[_Ident] = set()
     try:
         for family in openmetrics_families(text):
             for s in family.samples:
