@@ -296,6 +296,11 @@ def _digits(text: str) -> int:
     return sum(c.isdigit() for c in text)
 
 
+def _over(token: str, max_digits: int) -> bool:
+    """Whether a number token has more than max_digits digits (a short one cannot: no count)."""
+    return len(token) > max_digits and _digits(token) > max_digits
+
+
 _CONTAINERS = (dict, list, tuple)
 
 
@@ -380,7 +385,7 @@ def parse_json(data: bytes | str, source: str, limits: Limits = DEFAULT) -> Any:
     text = decode(data, source) if isinstance(data, bytes) else data
 
     def parse_int(token: str) -> int:
-        if _digits(token) > limits.max_digits:
+        if _over(token, limits.max_digits):
             raise _Refused(
                 "number_too_long",
                 f"an integer has {_digits(token):,} digits, over {limits.max_digits}",
@@ -388,7 +393,7 @@ def parse_json(data: bytes | str, source: str, limits: Limits = DEFAULT) -> Any:
         return int(token)
 
     def parse_float(token: str) -> float:
-        if _digits(token) > limits.max_digits:
+        if _over(token, limits.max_digits):
             raise _Refused(
                 "number_too_long",
                 f"a number has {_digits(token):,} digits, over {limits.max_digits}",
