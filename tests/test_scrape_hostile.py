@@ -318,3 +318,22 @@ def test_the_request_names_the_host_and_path(raw):
     assert line == b"GET /m?x=1 HTTP/1.1"
     host = server.url.split("/")[2].encode()
     assert b"Host: " + host in headers and b"Accept-Encoding: identity" in headers
+
+
+def test_a_url_with_spaces_controls_or_non_ascii_is_sent_percent_encoded(raw):
+    seen: list[bytes] = []
+
+    def capture(conn: socket.socket, _n: int) -> None:
+        conn.sendall(GOOD)
+
+    server = raw(capture)
+    original = server._serve
+
+    def serve(conn: socket.socket) -> None:
+        seen.append(conn.recv(65536, socket.MSG_PEEK))
+        original(conn)
+
+    server._serve = serve  # type: ignore[method-assign]
+    url = server.url.replace("/metrics", "/m étrics?a=b c&x=\x01")
+    assert Scraper(url, timeout=1).get()[0] == "a 1\n"
+    assert seen[0].startswith(b"GET /m%20%C3%A9trics?a=b%20c&x=%01 HTTP/1.1\r\n")

@@ -28,7 +28,7 @@ import socket
 import ssl
 import time
 import zlib
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from oomguard.errors import CollectorError
 
@@ -39,6 +39,7 @@ RECV = 256 * 1024
 # identity: on loopback, compression only costs CPU at both ends
 HEADERS = {"Accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1", "Accept-Encoding": "identity"}
 
+_PATH_SAFE = "!#$%&'()*+,/:;=?@[]~"  # what a request target may hold as it is
 _STATUS = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
 _HEADER = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*(.*?)[ \t]*")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
@@ -81,7 +82,10 @@ class Scraper:
         self._host = parts.hostname
         self._port = parts.port or (443 if self._https else 80)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        path = quote(path, safe=_PATH_SAFE)  # spaces, controls, non-ASCII: percent-encoded
         host = parts.netloc.rpartition("@")[2]  # as given, with its port; never credentials
+        if not host.isascii():
+            host = host.encode("idna").decode("ascii")  # a UnicodeError is a ValueError
         head = [f"GET {path} HTTP/1.1", f"Host: {host}", "User-Agent: oomguard"]
         head += [f"{k}: {v}" for k, v in HEADERS.items()]
         self._request = ("\r\n".join(head) + "\r\n\r\n").encode("ascii")
