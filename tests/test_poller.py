@@ -271,14 +271,25 @@ def test_a_dead_collector_thread_is_restarted_counted_and_degrades_healthz():
 
     from oomguard.exporter.server import MetricsServer
 
-    dies = Scripted(name="nvml")
-    dies.error = Killed("injected")  # collect() raises what poll() does not catch
+    class DiesOnce(Scripted):
+        """collect() raises, once, what poll() does not catch: one death whatever the timing
+        (a test that stopped the failures itself raced the restart on a loaded machine)."""
+
+        died = False
+
+        def collect(self):
+            if not self.died:
+                self.died = True
+                raise Killed("injected")
+            return super().collect()
+
+    dies = DiesOnce(name="nvml")
     ok = Scripted(name="dcgm")
     poller = Poller([dies, ok], interval=0.05)
     server = MetricsServer(("127.0.0.1", 0), lambda: poller.latest, 30.0, problems=poller.problems)
     poller.start(first_results_within=0.5)
     for t in poller._threads:
-        t.settle = 2.0
+        t.settle = 5.0  # degraded this long after the death: the 503 below has time to be seen
     server.start()
     url = f"http://127.0.0.1:{server.port}"
     try:
@@ -287,7 +298,7 @@ def test_a_dead_collector_thread_is_restarted_counted_and_degrades_healthz():
             time.sleep(0.02)
         r = httpx.get(f"{url}/healthz")
         assert r.status_code == 503 and "collector-nvml-" in r.text
-        dies.error = None  # it runs again once restarted (after 1 s)
+        # it runs again once restarted (after 1 s)
         deadline = time.monotonic() + 10
         while dies_results(poller) is None and time.monotonic() < deadline:
             time.sleep(0.05)
