@@ -123,24 +123,30 @@ class Scraper:
         conn.buf += data
         return bool(data)
 
+    def _until(self, conn: _Connection, delim: bytes, limit: int, too_long: str, part: str) -> int:
+        """Where the next `delim` is in conn.buf, reading until it comes; what precedes it may
+        be at most `limit` bytes (else _Bad(too_long)). A close before it is a reset mid-`part`,
+        or _Closed when it comes before a byte of a head (a kept connection the server dropped)."""
+        start = 0
+        while (end := conn.buf.find(delim, start)) < 0:
+            if len(conn.buf) > limit:
+                raise _Bad(too_long)
+            start = max(0, len(conn.buf) - len(delim) + 1)  # a delimiter split across reads
+            if not self._recv(conn):
+                if part == "head" and not conn.buf:
+                    raise _Closed("the server closed the connection")
+                raise ConnectionResetError(f"the server closed the connection mid-{part}")
+        if end > limit:
+            raise _Bad(too_long)
+        return end
+
     # -- one answer ------------------------------------------------------------------------------
     def _head(self, conn: _Connection) -> tuple[int, bool, dict[bytes, bytes]]:
         """(status, HTTP/1.0, headers by lower-case name) of the next answer, its head consumed."""
         for _ in range(MAX_INTERIM + 1):
-            start = 0
-            while True:
-                end = conn.buf.find(b"\r\n\r\n", start)
-                if end >= 0:
-                    break
-                if len(conn.buf) > MAX_HEAD:
-                    raise _Bad(f"a response head over {MAX_HEAD} bytes")
-                start = max(0, len(conn.buf) - 3)
-                if not self._recv(conn):
-                    if conn.buf:
-                        raise ConnectionResetError("the server closed the connection mid-head")
-                    raise _Closed("the server closed the connection")
-            if end > MAX_HEAD:
-                raise _Bad(f"a response head over {MAX_HEAD} bytes")
+            end = self._until(
+                conn, b"\r\n\r\n", MAX_HEAD, f"a response head over {MAX_HEAD} bytes", "head"
+            )
             lines = bytes(conn.buf[:end]).split(b"\r\n")
             del conn.buf[: end + 4]
             m = _STATUS.fullmatch(lines[0])
@@ -186,18 +192,7 @@ class Scraper:
 
     def _line(self, conn: _Connection, limit: int = 4096) -> bytes:
         """The next CRLF-ended line (chunked framing), without its CRLF."""
-        start = 0
-        while True:
-            end = conn.buf.find(b"\r\n", start)
-            if end >= 0:
-                break
-            if len(conn.buf) > limit:
-                raise _Bad("a chunk-size or trailer line too long")
-            start = max(0, len(conn.buf) - 1)
-            if not self._recv(conn):
-                raise ConnectionResetError("the server closed the connection mid-body")
-        if end > limit:
-            raise _Bad("a chunk-size or trailer line too long")
+        end = self._until(conn, b"\r\n", limit, "a chunk-size or trailer line too long", "body")
         line = bytes(conn.buf[:end])
         del conn.buf[: end + 2]
         return line
