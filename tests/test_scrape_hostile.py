@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,6 +17,7 @@ import pytest
 
 from oomguard.errors import CollectorError
 from oomguard.exporter.scrape import MAX_HEAD, Scraper
+from tests.raw_server import RawServer
 
 OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
 GOOD = OK_HEAD + b"Content-Length: 4\r\n\r\na 1\n"
@@ -25,55 +25,33 @@ GOOD = OK_HEAD + b"Content-Length: 4\r\n\r\na 1\n"
 Script = Callable[[socket.socket, int], None]  # (connection, request number on it)
 
 
-class RawServer:
-    """Accepts connections; reads each request head and plays `script` for it."""
+class ScriptedServer(RawServer):
+    """Reads each request head on a connection and plays `script` for it."""
 
     def __init__(self, script: Script) -> None:
         self.script = script
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/metrics"
-        self.stop = threading.Event()
-        self.connections = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(self._requests)
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
 
-    def _accept(self) -> None:
+    def _requests(self, conn: socket.socket) -> None:
+        buf, n = b"", 0
         while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                buf, n = b"", 0
-                while not self.stop.is_set():
-                    while b"\r\n\r\n" not in buf:
-                        data = conn.recv(65536)
-                        if not data:
-                            return
-                        buf += data
-                    buf = buf.split(b"\r\n\r\n", 1)[1]
-                    n += 1
-                    self.script(conn, n)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
+            while b"\r\n\r\n" not in buf:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+            buf = buf.split(b"\r\n\r\n", 1)[1]
+            n += 1
+            self.script(conn, n)
 
 
 @pytest.fixture
-def raw() -> Iterator[Callable[[Script], RawServer]]:
-    made: list[RawServer] = []
+def raw() -> Iterator[Callable[[Script], ScriptedServer]]:
+    made: list[ScriptedServer] = []
 
-    def make(script: Script) -> RawServer:
-        made.append(RawServer(script))
+    def make(script: Script) -> ScriptedServer:
+        made.append(ScriptedServer(script))
         return made[-1]
 
     yield make
@@ -97,7 +75,7 @@ def send(data: bytes, then: str = "keep") -> Script:
 
 
 def fails(
-    server: RawServer, reason: str, timeout: float = 1.0, framed: bool = False, **kw: int
+    server: ScriptedServer, reason: str, timeout: float = 1.0, framed: bool = False, **kw: int
 ) -> str:
     """`framed`: a well-framed answer whose body is bad: its connection may be kept."""
     scraper = Scraper(server.url, timeout=timeout, **kw)
@@ -302,21 +280,19 @@ def test_nothing_listening_is_unreachable():
 def test_the_request_names_the_host_and_path(raw):
     seen: list[bytes] = []
 
-    class Capture(RawServer):
-        def _serve(self, conn: socket.socket) -> None:
-            with conn:
-                seen.append(conn.recv(65536))
-                conn.sendall(GOOD)
+    def capture(conn: socket.socket) -> None:
+        seen.append(conn.recv(65536))
+        conn.sendall(GOOD)
 
-    server = Capture(send(b""))
+    server = RawServer(capture)
     try:
-        url = server.url.replace("/metrics", "/m?x=1")
+        url = f"http://127.0.0.1:{server.port}/m?x=1"
         assert Scraper(url, timeout=1).get()[0] == "a 1\n"
     finally:
         server.close()
     line, *headers = seen[0].split(b"\r\n\r\n")[0].split(b"\r\n")
     assert line == b"GET /m?x=1 HTTP/1.1"
-    host = server.url.split("/")[2].encode()
+    host = f"127.0.0.1:{server.port}".encode()
     assert b"Host: " + host in headers and b"Accept-Encoding: identity" in headers
 
 
@@ -327,13 +303,13 @@ def test_a_url_with_spaces_controls_or_non_ascii_is_sent_percent_encoded(raw):
         conn.sendall(GOOD)
 
     server = raw(capture)
-    original = server._serve
+    original = server.handle
 
     def serve(conn: socket.socket) -> None:
         seen.append(conn.recv(65536, socket.MSG_PEEK))
         original(conn)
 
-    server._serve = serve  # type: ignore[method-assign]
+    server.handle = serve
     url = server.url.replace("/metrics", "/m étrics?a=b c&x=\x01")
     assert Scraper(url, timeout=1).get()[0] == "a 1\n"
     assert seen[0].startswith(b"GET /m%20%C3%A9trics?a=b%20c&x=%01 HTTP/1.1\r\n")

@@ -19,41 +19,21 @@ import pytest
 from oomguard.errors import CollectorError
 from oomguard.exporter.scrape import Scraper
 from oomguard.supervised import Supervised
+from tests.raw_server import RawServer
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nX-Pad: " + b"a" * 4000 + b"\r\n\r\n"
 
 
-class Peer:
-    """A TCP server on 127.0.0.1 that answers every request with `serve(connection)`."""
+class Peer(RawServer):
+    """Answers every request on a connection with `serve(connection)`."""
 
     def __init__(self, serve: Callable[[socket.socket], None]) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.stop = threading.Event()
-        self.serve = serve
-        threading.Thread(target=self._accept, daemon=True).start()
+        def handle(conn: socket.socket) -> None:
+            conn.recv(65536)
+            serve(conn)
 
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                self.serve(conn)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
+        super().__init__(handle, backlog=64)
+        self.url = f"http://127.0.0.1:{self.port}"
 
 
 @pytest.fixture
