@@ -207,7 +207,6 @@ def parse(text: str, wanted: Iterable[str] | None = None, openmetrics: bool = Fa
     else:
         lines = _wanted_lines(text, frozenset(wanted))
     seen: set[_Ident] = set()
-    samples = out.samples
     for line in lines:
         series, _, raw = line.rpartition(" ")
         known = _SERIES.get(series)
@@ -223,19 +222,14 @@ def parse(text: str, wanted: Iterable[str] | None = None, openmetrics: bool = Fa
         if value != value or value in (math.inf, -math.inf):
             out.drop("nan")
             continue
-        if ident in seen:
-            out.drop("duplicate_series")
-            continue
-        seen.add(ident)
-        if name in samples:
-            samples[name].append(Sample(name, labels, value))
-        else:
-            samples[name] = [Sample(name, labels, value)]
+        _keep(out, seen, Sample(name, labels, value), ident)
     return out
 
 
-def _keep(out: Parsed, seen: set[_Ident], s: Sample) -> None:
-    key = (s.name, tuple(sorted(s.labels.items())))
+def _keep(out: Parsed, seen: set[_Ident], s: Sample, key: _Ident | None = None) -> None:
+    """Keeps `s` unless its series (`key`, when the caller has it) was already kept."""
+    if key is None:
+        key = (s.name, tuple(sorted(s.labels.items())))
     if key in seen:
         out.drop("duplicate_series")
         return
