@@ -79,10 +79,8 @@ class FamilyBuilder:
         family = self._families.get(name)
         if family is None:
             family = self._families[name] = Family(name)
-        try:  # Family.add, inlined: a render pass makes some 1,300 of these calls
-            if len(labels) != len(family.spec.labels):
-                family.add(labels, value)  # raises, with its message
-            family.samples.append((labels, float(value)))
+        try:
+            family.add(labels, value)
         except _BAD_SAMPLE as exc:
             _count_drop(self.dropped, "unrenderable", name, exc)
 
