@@ -56,9 +56,7 @@ from oomguard.alerts.generate import RULES  # noqa: E402
 from oomguard.alerts.generate import outputs as alert_outputs  # noqa: E402
 from oomguard.exporter.config import ExporterConfig, VllmTarget  # noqa: E402
 from oomguard.exporter.main import Exporter  # noqa: E402
-from oomguard.thresholds import AlertThresholds, PressureThresholds  # noqa: E402
-from oomguard.twin.gpu import TwinGpu, TwinNvml  # noqa: E402
-from oomguard.twin.processes import (  # noqa: E402
+from oomguard.lab.processes import (  # noqa: E402
     Alertmanager,
     Prometheus,
     RemediatorProcess,
@@ -66,6 +64,8 @@ from oomguard.twin.processes import (  # noqa: E402
     free_port,
     start_all,
 )
+from oomguard.thresholds import AlertThresholds, PressureThresholds  # noqa: E402
+from oomguard.twin.gpu import TwinGpu, TwinNvml  # noqa: E402
 
 TOKEN = "detection-token"
 NEIGHBOUR = 424242

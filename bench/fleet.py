@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from oomguard.twin.processes import RemediatorProcess, free_port  # noqa: E402
+from oomguard.lab.processes import RemediatorProcess, free_port  # noqa: E402
 from tests.kube_standin import KubeStandIn  # noqa: E402
 from tests.remediator_helpers import alert, payload  # noqa: E402
 

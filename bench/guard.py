@@ -6,7 +6,7 @@ headroom of `engines` engines, and the Prometheus counter. Requests are a mix: p
 prompts (the common case, no extra transient), prompt_logprobs prompts up to 16K tokens, and n/top
 logprobs requests. Pure CPU in one process: what each request pays, whatever the GPU.
 
-With `--trace NAME --config default|guard` it runs one twin trace instead (twin/runner.py: two
+With `--trace NAME --config default|guard` it runs one twin trace instead (lab/runner.py: two
 real vLLM engines on twin GPUs serving the trace's model with its tokenizer) with vLLM's defaults
 (`default`, the guard off) or with the guard enforcing and nothing else of oomguard (`guard`: no
 exporter, no remediator), and merges the outcome into the same file under `traces`. Per trace,
@@ -152,7 +152,7 @@ def guard_decisions(url: str) -> dict[str, float]:
 def run_trace(name: str, config: str) -> dict[str, Any]:
     """One trace with one configuration on the twin fleet: the outcome, as recorded, and the
     guard's decisions on each engine (what it deferred and why)."""
-    from oomguard.twin.runner import Fleet
+    from oomguard.lab.runner import Fleet
     from oomguard.twin.traces import Trace
 
     trace = Trace.load(name)

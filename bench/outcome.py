@@ -1,7 +1,7 @@
 """Outcome benchmark: what a crash costs, and what oomguard saves, on the real vLLM scheduler.
 
 For each trace (twin/traces/*.json) three configurations run one after the other on the same
-two-engine twin fleet (twin/runner.py): vLLM's flags with no oomguard (`default`), a static
+two-engine twin fleet (lab/runner.py): vLLM's flags with no oomguard (`default`), a static
 conservative `max_num_seqs` 48 (`static`), and oomguard with its default policy (`oomguard`:
 the exporter, the remediator in standalone mode with its shipped defaults, restart backends
 on both engines, and the plugin's request guard enforcing: `--guard-mode`, recorded per run).
@@ -38,7 +38,7 @@ recorded (`inflight_decode_slowdown`: the in-flight requests' decode time agains
 roofline at that batch; 1.0 is keeping up).
 
 `--router vllm-router|nginx` puts a real router in front of the engines instead of the twin's
-gateway (twin/routers.py, configured as docs/vllm-plugin.md says; the remediator takes a drained
+gateway (lab/routers.py, configured as docs/vllm-plugin.md says; the remediator takes a drained
 engine out of vllm-router's rotation through its admin API); the clients then retry what OpenAI's
 clients retry, after Retry-After, and every non-200 answer they saw is counted (`answers`).
 Results behind a router are recorded as "<trace>@<router>".
@@ -64,10 +64,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from oomguard.handoff import AllocatorReport, InvalidReport  # noqa: E402
-from oomguard.twin.matrix import STEP_TRACES  # noqa: E402  (the same traces, simulated)
-from oomguard.twin.physics import Physics, Step  # noqa: E402
-from oomguard.twin.routers import ROUTERS  # noqa: E402
-from oomguard.twin.runner import (  # noqa: E402
+from oomguard.lab.matrix import STEP_TRACES  # noqa: E402  (the same traces, simulated)
+from oomguard.lab.routers import ROUTERS  # noqa: E402
+from oomguard.lab.runner import (  # noqa: E402
     CONFIGS,
     NO_STEP_GUARD,
     ClosedLoop,
@@ -76,10 +75,11 @@ from oomguard.twin.runner import (  # noqa: E402
     Outcome,
     _Sent,
 )
+from oomguard.twin.physics import Physics, Step  # noqa: E402
 from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
 
 QUICK = ("neighbour-growth", "do-no-harm")
-# STEP_TRACES (twin/matrix.py: memory taken within seconds under heavy prefill load, issue 27)
+# STEP_TRACES (lab/matrix.py: memory taken within seconds under heavy prefill load, issue 27)
 # run here at time compression 1 (each step takes its roofline time: the race is real) and in a
 # fourth configuration, oomguard with the plugin's step guard off.
 # The plugin's step guard in the `oomguard` configuration: enforcing, as an operator who deploys
@@ -405,7 +405,7 @@ def run(
     # oomguard: the fleet's remediator, shipped defaults + restarts, the request guard in
     # `guard_mode` and the step guard in `step_guard_mode` (off without the step guard);
     # default and static: vLLM alone (guards off). `router`: what is in front of the engines
-    # (the twin's gateway, vllm-router or nginx: twin/routers.py)
+    # (the twin's gateway, vllm-router or nginx: lab/routers.py)
     mode = guard_mode if config in ("oomguard", NO_STEP_GUARD) else None
     step_mode = step_guard_mode if config == "oomguard" else None
     fleet = Fleet(

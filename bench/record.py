@@ -54,6 +54,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "matrix": (
         "bench/matrix.py",
         "src/oomguard/twin",
+        "src/oomguard/lab",
         "src/oomguard/exporter",
         "src/oomguard/alerts",
         "src/oomguard/remediator",
@@ -64,12 +65,23 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "recovery": (
         "bench/recovery.py",
         "src/oomguard/twin",
+        "src/oomguard/lab",
         "src/oomguard/alerts",
         "src/oomguard/remediator",
         "src/oomguard/thresholds.py",
     ),
-    "guard": ("bench/guard.py", "src/oomguard/vllm_plugin", "src/oomguard/twin"),
-    "step_guard": ("bench/step_guard.py", "src/oomguard/vllm_plugin", "src/oomguard/twin"),
+    "guard": (
+        "bench/guard.py",
+        "src/oomguard/vllm_plugin",
+        "src/oomguard/twin",
+        "src/oomguard/lab",
+    ),
+    "step_guard": (
+        "bench/step_guard.py",
+        "src/oomguard/vllm_plugin",
+        "src/oomguard/twin",
+        "src/oomguard/lab",
+    ),
     "fleet": ("bench/fleet.py", "src/oomguard/remediator"),
     # scripts/gpu-check on a GPU machine: the code that reads a real GPU, and the checks
     "gpu-check": (
@@ -89,7 +101,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "bench/routers.py",
         "tests/test_routers.py",
         "src/oomguard/vllm_plugin",
-        "src/oomguard/twin/routers.py",
+        "src/oomguard/lab/routers.py",
         "src/oomguard/twin/executor.py",
     ),
 }

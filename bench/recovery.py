@@ -1,7 +1,7 @@
 """Recovery benchmark: where the time goes from the end of the pressure to full admission.
 
 For each trace whose pressure ends (and that takes GPU memory away: neighbour-growth,
-long-context-burst), in simulated time (twin/recovery.py: the exporter's own level on the twin
+long-context-burst), in simulated time (lab/recovery.py: the exporter's own level on the twin
 GPU, the action alerts' `for` and `keep_firing_for`, Alertmanager's group_interval, the
 remediator's own decision and safety limits, an engine fed by the trace's requests), the timeline
 link by link: the level falls below 2, the last action alert resolves at its rule, the remediator
@@ -34,14 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from bench.outcome import with_horizon  # noqa: E402
-from oomguard.remediator.policy import PolicyConfig  # noqa: E402
-from oomguard.twin.recovery import (  # noqa: E402
+from oomguard.lab.recovery import (  # noqa: E402
     AlertPath,
     alertmanager_path,
     simulate_recovery,
     standalone_path,
     trace_levels,
 )
+from oomguard.remediator.policy import PolicyConfig  # noqa: E402
 from oomguard.twin.traces import Trace  # noqa: E402
 
 TRACES = ("neighbour-growth", "long-context-burst")

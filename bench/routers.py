@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from oomguard.twin.processes import start_all  # noqa: E402
-from oomguard.twin.routers import (  # noqa: E402
+from oomguard.lab.processes import start_all  # noqa: E402
+from oomguard.lab.routers import (  # noqa: E402
     Nginx,
     NginxSettings,
     VllmRouter,

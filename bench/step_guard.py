@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
+from oomguard.lab.processes import MODELS, VllmProcess  # noqa: E402
 from oomguard.twin.physics import Physics  # noqa: E402
-from oomguard.twin.processes import MODELS, VllmProcess  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "step_guard.json"
 MODEL = MODELS / "llama-3-8b"

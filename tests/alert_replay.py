@@ -41,7 +41,7 @@ import httpx
 import yaml
 
 from oomguard.alerts.generate import ALERTMANAGER, RULES
-from oomguard.twin.processes import Process, free_port
+from oomguard.lab.processes import Process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STALE = "stale"

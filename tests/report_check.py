@@ -3,7 +3,7 @@
 A tiny client of the Chrome DevTools Protocol over `--remote-debugging-pipe` (commands as JSON
 terminated by a NUL byte on fd 3, answers on fd 4): no websocket library, no port. It opens the
 page, waits for the load to complete, and reports every image's natural size, every link and
-whether its target exists, and a screenshot. `python -m oomguard.twin.report_check report.html`
+whether its target exists, and a screenshot. `python -m tests.report_check report.html`
 prints the result and exits 1 on a broken image or link.
 """
 
@@ -198,7 +198,7 @@ class Browser:
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 1:
-        print("usage: python -m oomguard.twin.report_check REPORT.html", file=sys.stderr)
+        print("usage: python -m tests.report_check REPORT.html", file=sys.stderr)
         return 2
     page = Path(args[0])
     with Browser() as browser:

@@ -1,5 +1,5 @@
 """Live-test helpers: the exporter as a process, and a vLLM /metrics stand-in whose counters grow
-like a serving engine's. Prometheus and Alertmanager come from oomguard.twin.processes."""
+like a serving engine's. Prometheus and Alertmanager come from oomguard.lab.processes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from oomguard import children
-from oomguard.twin.processes import Prometheus
+from oomguard.lab.processes import Prometheus
 from tests.conftest import LocalServer, free_port
 
 __all__ = ["Prometheus", "growing_metrics", "start_exporter", "stop"]

@@ -174,7 +174,7 @@ def test_a_real_alertmanager_inhibits_tickets_but_never_hides_work_orders(tmp_pa
     (receiver remediator, inhibited=false, silenced=false)."""
     import httpx
 
-    from oomguard.twin.processes import Alertmanager
+    from oomguard.lab.processes import Alertmanager
     from tests.conftest import free_port
 
     (tmp_path / "token").write_text("t\n")

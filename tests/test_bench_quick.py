@@ -147,7 +147,7 @@ def test_step_guard_quick_lane(tmp_path: Path) -> None:
 # -- matrix and recovery: simulated time ----------------------------------------------------------
 def test_matrix_quick_lane() -> None:
     from bench import matrix
-    from oomguard.twin.matrix import run
+    from oomguard.lab.matrix import run
 
     rec = recorded("matrix")
     started = time.perf_counter()
@@ -168,7 +168,7 @@ def test_matrix_quick_lane() -> None:
 def test_recovery_quick_lane() -> None:
     from bench import recovery
     from bench.outcome import with_horizon
-    from oomguard.twin.recovery import alertmanager_path, simulate_recovery, trace_levels
+    from oomguard.lab.recovery import alertmanager_path, simulate_recovery, trace_levels
     from oomguard.twin.traces import Trace
 
     rec = {(r["trace"], r["variant"], r["path"]): r for r in recorded("recovery")["rows"]}
@@ -231,7 +231,7 @@ def test_plugin_quick_lane(engine: Any) -> None:
 @pytest.mark.slow
 def test_remediator_quick_lane(engine: Any, tmp_path: Path) -> None:
     from bench import remediator as bench_rem
-    from oomguard.twin.processes import RemediatorProcess
+    from oomguard.lab.processes import RemediatorProcess
     from tests.vllm_server import AUTH, TOKEN
 
     rec = recorded("remediator")["results"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from oomguard import children
-from oomguard.twin.processes import free_port
+from oomguard.lab.processes import free_port
 
 pytestmark = pytest.mark.skipif(not children.SUPPORTED, reason="Linux only (PR_SET_PDEATHSIG)")
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ PARENT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from oomguard.twin.processes import Process, start_all
+    from oomguard.lab.processes import Process, start_all
     work = Path(sys.argv[1])
     # started in parallel threads that end at once, as the demo starts its fleets
     started = start_all(

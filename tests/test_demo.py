@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from oomguard.twin.processes import have_prometheus_stack
-from oomguard.twin.report_check import Browser, find_browser
-from oomguard.twin.report_dashboards import fill, legend, load_dashboards, value_mappings
+from oomguard.lab.processes import have_prometheus_stack
+from oomguard.lab.report_dashboards import fill, legend, load_dashboards, value_mappings
+from tests.report_check import Browser, find_browser
 from tests.vllm_server import require_vllm
 from tests.wheel_env import borrow_vllm, run_oomguard, site_packages
 

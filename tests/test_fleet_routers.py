@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from oomguard.contract import API_PREFIX
-from oomguard.twin.runner import Fleet
+from oomguard.lab.runner import Fleet
 from oomguard.twin.traces import Trace
 from tests.vllm_server import require_vllm
 

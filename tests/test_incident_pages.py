@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from oomguard.twin.processes import have_prometheus_stack
+from oomguard.lab.processes import have_prometheus_stack
 from tests.alert_replay import (
     AlertmanagerProcess,
     Outcome,

@@ -819,7 +819,7 @@ def test_a_twin_engine_that_cannot_start_is_classified_as_a_startup_oom(tmp_path
     """The real vLLM server on a twin H100 where another process holds 10 GiB: at the default
     gpu_memory_utilization 0.92 vLLM refuses to start (its own free-memory check, which the twin
     runs against its neighbour). The supervisor's exit record is classified as type 1."""
-    from oomguard.twin.processes import TINY_MODEL, free_port, vllm_command, vllm_env
+    from oomguard.lab.processes import TINY_MODEL, free_port, vllm_command, vllm_env
     from tests.test_vllm_plugin_oom import require_vllm
 
     require_vllm()

@@ -61,7 +61,7 @@ class Engine:
     """A twin engine under the real supervisor; stopped whole, with its process group."""
 
     def __init__(self, tmp_path: Path, env: dict[str, str], cgroup: Path | None = None) -> None:
-        from oomguard.twin.processes import TINY_MODEL, free_port, vllm_command, vllm_env
+        from oomguard.lab.processes import TINY_MODEL, free_port, vllm_command, vllm_env
 
         require_vllm()
         self.port = free_port()

@@ -20,8 +20,8 @@ from oomguard.alerts.rules import all_alerts, all_recording_rules
 from oomguard.dashboards.definitions import DASHBOARDS
 from oomguard.dashboards.generate import dashboard_path
 from oomguard.handoff import AllocatorReport, write_report
+from oomguard.lab.processes import Alertmanager, RemediatorProcess
 from oomguard.thresholds import AlertThresholds
-from oomguard.twin.processes import Alertmanager, RemediatorProcess
 from tests.conftest import DCGM_K8S, VLLM_FIXTURE, LocalServer, free_port
 from tests.promql import metric_names, substitute_grafana
 from tests.stack import Prometheus, growing_metrics, start_exporter, stop

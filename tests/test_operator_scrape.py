@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from oomguard import manifests as k8s
+from oomguard.lab.processes import Process
 from oomguard.thresholds import AlertThresholds
-from oomguard.twin.processes import Process
 from tests.conftest import DCGM_K8S, VLLM_FIXTURE, free_port
 from tests.kube_semantics import pod_monitor_scrape_configs, pod_of, sd_targets, target_labels
 from tests.promql import metric_names

@@ -14,11 +14,11 @@ from bench.outcome import (
     trouble_starts_s,
     with_horizon,
 )
+from oomguard.lab.runner import Fleet, remediator_config
 from oomguard.remediator.config import RemediatorConfig, StandaloneConfig
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
 from oomguard.twin.physics import Physics, Step
-from oomguard.twin.runner import Fleet, remediator_config
 from oomguard.twin.traces import Trace
 
 

@@ -32,7 +32,7 @@ from bench.outcome import (
     with_horizon,
 )
 from oomguard.contract import DRAINING_MESSAGE
-from oomguard.twin.runner import ClosedLoop, Gateway, Outcome, _Sent
+from oomguard.lab.runner import ClosedLoop, Gateway, Outcome, _Sent
 from oomguard.twin.traces import Request, Trace
 from tests.conftest import free_port
 
@@ -227,7 +227,7 @@ def test_a_traces_configurations_can_be_recorded_in_separate_runs():
 
 
 def test_the_timeline_samples_what_each_engine_held():
-    from oomguard.twin.runner import EngineView
+    from oomguard.lab.runner import EngineView
 
     history = [
         [

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from bench.outcome import engine0, horizon_s, inflight_load, judge, with_horizon
-from oomguard.twin.runner import EngineView, Fleet, Outcome
+from oomguard.lab.runner import EngineView, Fleet, Outcome
 from oomguard.twin.traces import GpuPoint, Trace, names
 
 CREEP = "fragmentation-creep"

@@ -17,7 +17,7 @@ from bench.outcome import (
     step_summary,
 )
 from oomguard.handoff import AllocatorReport, write_report
-from oomguard.twin.runner import CONFIGS, NO_STEP_GUARD, Fleet, Outcome
+from oomguard.lab.runner import CONFIGS, NO_STEP_GUARD, Fleet, Outcome
 from oomguard.twin.traces import Trace, names
 
 

@@ -16,6 +16,7 @@ import pytest
 from oomguard.cli import main
 from oomguard.engine_state import EngineCoreState, EngineState, SinceCapChange
 from oomguard.handoff import read_reports
+from oomguard.lab.processes import VllmProcess
 from oomguard.preflight import (
     GIB,
     Load,
@@ -28,7 +29,6 @@ from oomguard.preflight import (
     render,
     run,
 )
-from oomguard.twin.processes import VllmProcess
 from tests.vllm_server import TOKEN, require_vllm
 
 # (twin GPU, --max-model-len = --max-num-batched-tokens): both long enough that a max_model_len
@@ -111,7 +111,7 @@ def twins(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[list[tuple[str, int, VllmProcess, Path]]]:
     require_vllm()
-    from oomguard.twin.processes import start_all
+    from oomguard.lab.processes import start_all
 
     root = tmp_path_factory.mktemp("preflight")
     made = []

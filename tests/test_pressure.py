@@ -13,9 +13,9 @@ from oomguard.exporter.collectors.nvml import NvmlCollector
 from oomguard.exporter.collectors.vllm import EngineReading
 from oomguard.exporter.pressure import MAX_REMEMBERED, EngineSource, PressureEvaluator
 from oomguard.handoff import AllocatorReport
+from oomguard.lab.matrix import GMUS, model_for, simulate
 from oomguard.thresholds import GIB, PressureThresholds
 from oomguard.twin.gpu import GPU_MODELS, MIB, TwinGpu, TwinNvml
-from oomguard.twin.matrix import GMUS, model_for, simulate
 from oomguard.twin.physics import Physics
 from oomguard.twin.traces import Trace
 
@@ -520,7 +520,7 @@ def test_matrix_memory_taken_within_seconds_only_the_step_guard_holds(gpu_name):
     """Memory taken within seconds under heavy prefill (issue 27): vLLM alone dies, the alerts'
     drain lands after the next full chunk, the step guard looking before each step holds; a
     steady GPU is never shrunk."""
-    from oomguard.twin.matrix import STEP_DT, STEP_TRACES
+    from oomguard.lab.matrix import STEP_DT, STEP_TRACES
 
     assert simulate(gpu_name, 0.92, duration_s=30).step_guard_shrinks == 0
     lost_race = 0
@@ -534,7 +534,7 @@ def test_matrix_memory_taken_within_seconds_only_the_step_guard_holds(gpu_name):
 
 def test_matrix_covers_every_trace_that_takes_memory_away():
     """A trace with GPU memory events is a pressure-model incident: the matrix must run it."""
-    from oomguard.twin.matrix import INCIDENT_TRACES, STEP_TRACES
+    from oomguard.lab.matrix import INCIDENT_TRACES, STEP_TRACES
     from oomguard.twin.traces import TRACES
 
     with_events = {p.stem for p in TRACES.glob("*.json") if Trace.load(p.stem).gpu_events}
@@ -543,7 +543,7 @@ def test_matrix_covers_every_trace_that_takes_memory_away():
 
 def test_the_real_twins_trace_has_the_simulations_load():
     """Every prefill step a full chunk in the real run too, so the two can agree or disagree."""
-    from oomguard.twin.matrix import scaled_trace
+    from oomguard.lab.matrix import scaled_trace
 
     base = Trace.load("fragmentation-creep")
     real = scaled_trace(base, "L40S", 0.92)
@@ -619,7 +619,7 @@ def test_a_trace_window_keeps_the_memory_curve_and_the_load():
 def test_the_real_twin_replays_the_incident_on_a_clock_that_leaves_a_lead_to_see():
     """A lead of 34 simulated seconds at x20 is 1.7 s on the wall: a loaded 2-core machine's
     own delays, not oomguard, decided such a cell. The real run slows the clock instead."""
-    from oomguard.twin.matrix import MIN_WALL_LEAD_S, MIN_WALL_TAIL_S, real_trace, scaled_trace
+    from oomguard.lab.matrix import MIN_WALL_LEAD_S, MIN_WALL_TAIL_S, real_trace, scaled_trace
 
     for name in ("neighbour-growth", "long-context-burst", "fragmentation-creep"):
         scaled = scaled_trace(Trace.load(name), "H100", 0.92)

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from oomguard.lab.processes import free_port
+from oomguard.lab.routers import NginxSettings, nginx_config
 from oomguard.remediator.actuator import ActuatorError, Target
 from oomguard.remediator.config import RemediatorConfig
 from oomguard.remediator.router import Route, RoutedActuator, RouterConfig, routes, with_routers
-from oomguard.twin.processes import free_port
-from oomguard.twin.routers import NginxSettings, nginx_config
 from oomguard.vllm_plugin.api import StatusFirst, stream_error
 from oomguard.vllm_plugin.refusals import Refusals
 
@@ -159,7 +159,7 @@ def test_the_docs_give_the_nginx_settings_the_tests_run(tmp_path):
 
 
 def test_the_docs_give_the_vllm_router_flags_the_fleet_runs():
-    from oomguard.twin.runner import ROUTER_SETTINGS
+    from oomguard.lab.runner import ROUTER_SETTINGS
 
     doc = (ROOT / "docs" / "vllm-plugin.md").read_text()
     s = ROUTER_SETTINGS

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from oomguard.twin.demo import Inbox
-from oomguard.twin.processes import free_port
+from oomguard.lab.demo import Inbox
+from oomguard.lab.processes import free_port
 from tests.test_docs import FENCE, RECORDER, ROOT, SHIMS, need
 
 pytestmark = pytest.mark.slow

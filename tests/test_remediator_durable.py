@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from oomguard.lab.processes import RemediatorProcess, free_port
 from oomguard.remediator.crashpoints import POINTS
-from oomguard.twin.processes import RemediatorProcess, free_port
 from tests.faults import fill, free, pad, small_fs
 from tests.remediator_helpers import alert, payload
 from tests.vllm_server import TOKEN, VllmServer, require_vllm

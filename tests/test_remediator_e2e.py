@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from oomguard.catalog import exported_names
-from oomguard.twin.processes import Alertmanager, RemediatorProcess, free_port
+from oomguard.lab.processes import Alertmanager, RemediatorProcess, free_port
 from tests.vllm_server import TOKEN, SteadyLoad, VllmServer, require_vllm
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from oomguard.twin.processes import RemediatorProcess, free_port
+from oomguard.lab.processes import RemediatorProcess, free_port
 
 
 @pytest.mark.slow  # waits out a restart backoff (seconds)

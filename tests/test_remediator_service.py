@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from oomguard.twin.processes import RemediatorProcess, free_port
+from oomguard.lab.processes import RemediatorProcess, free_port
 from tests.remediator_helpers import alert, payload
 
 TOKEN = "remediator-token-42"

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from oomguard.lab.processes import SupervisedVllm
 from oomguard.remediator.actuator import PluginActuator, Target
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig
@@ -20,7 +21,6 @@ from oomguard.remediator.flags import Flags
 from oomguard.remediator.main import restart_backends
 from oomguard.remediator.restart import RestartSequence, SupervisorBackend
 from oomguard.twin.physics import Physics, Step
-from oomguard.twin.processes import SupervisedVllm
 from tests.remediator_helpers import alert, payload
 from tests.vllm_server import MODEL, TOKEN, prompt, require_vllm
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from oomguard.lab.processes import RemediatorProcess, SupervisedVllm, free_port
 from oomguard.remediator.crashpoints import POINTS
-from oomguard.twin.processes import RemediatorProcess, SupervisedVllm, free_port
 from tests.remediator_helpers import alert, payload
 from tests.vllm_server import TOKEN, require_vllm
 

@@ -24,13 +24,13 @@ from typing import Any
 import httpx
 import pytest
 
-from oomguard.twin.processes import PACKAGE, VllmProcess, start_all
-from oomguard.twin.routers import Nginx, NginxSettings, VllmRouter, VllmRouterSettings
+from oomguard.lab.processes import MODELS, VllmProcess, start_all
+from oomguard.lab.routers import Nginx, NginxSettings, VllmRouter, VllmRouterSettings
 from tests.vllm_server import AUTH, TOKEN, require_vllm
 
 pytestmark = pytest.mark.slow
 
-MODEL = PACKAGE / "twin" / "models" / "llama-3-8b"
+MODEL = MODELS / "llama-3-8b"
 GIB = 2**30
 RETRIES = 10  # the client's retries per request (OpenAI's default is 2)
 DEFER_RETRY_AFTER = 1  # seconds: the engines' deferral Retry-After in these tests

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from oomguard.twin.processes import Process, RemediatorProcess, free_port
+from oomguard.lab.processes import Process, RemediatorProcess, free_port
 from tests.stack import start_exporter, stop
 
 pytestmark = pytest.mark.slow

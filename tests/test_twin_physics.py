@@ -186,7 +186,7 @@ def test_gpu_events_interpolate_linearly():
 
 
 def test_a_restarted_process_carries_only_the_fragmentation_grown_since_its_start():
-    from oomguard.twin.runner import fragmentation_of_process
+    from oomguard.lab.runner import fragmentation_of_process
 
     spike = Trace.load("fragmentation-spike")  # 8.6 GiB of fragments for about 80 s
     top = max(spike.gpu_events, key=lambda e: e.fragmentation_gib).at_s

@@ -6,15 +6,15 @@ from dataclasses import replace
 
 import pytest
 
-from oomguard.remediator.policy import PolicyConfig
-from oomguard.thresholds import AlertThresholds
-from oomguard.twin.recovery import (
+from oomguard.lab.recovery import (
     alertmanager_path,
     seconds,
     simulate_recovery,
     standalone_path,
     trace_levels,
 )
+from oomguard.remediator.policy import PolicyConfig
+from oomguard.thresholds import AlertThresholds
 from oomguard.twin.traces import Trace
 
 

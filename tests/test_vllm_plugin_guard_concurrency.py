@@ -22,13 +22,13 @@ import time
 import httpx
 import pytest
 
+from oomguard.lab.processes import MODELS, VllmProcess
 from oomguard.twin.physics import Physics, Step
-from oomguard.twin.processes import PACKAGE, VllmProcess
 from tests.vllm_server import TOKEN, require_vllm
 
 pytestmark = pytest.mark.slow
 
-MODEL = PACKAGE / "twin" / "models" / "llama-3-8b"
+MODEL = MODELS / "llama-3-8b"
 GIB = 2**30
 PHYSICS = Physics.for_model(
     "llama-3-8b", gpu="H100", gpu_memory_utilization=0.96, max_num_batched_tokens=8192

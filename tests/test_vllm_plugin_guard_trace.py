@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
+from oomguard.lab.runner import Fleet
 from oomguard.twin.physics import Physics, Step
-from oomguard.twin.runner import Fleet
 from oomguard.twin.traces import Trace, requests
 from tests.vllm_server import require_vllm
 

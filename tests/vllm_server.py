@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from oomguard.twin.processes import TINY_MODEL, VllmProcess
+from oomguard.lab.processes import TINY_MODEL, VllmProcess
 
 MODEL = TINY_MODEL
 TOKEN = "test-token-0123456789"

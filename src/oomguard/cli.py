@@ -1024,7 +1024,7 @@ def _add_demo(sub: Any) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     import shutil
 
-    from oomguard.twin.demo import Options, run
+    from oomguard.lab.demo import Options, run
 
     _check_dir("--report", args.report, create=True)  # before minutes of demo, not after
     if shutil.which("vllm", path=str(Path(sys.executable).parent)) is None:

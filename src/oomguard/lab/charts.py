@@ -1,6 +1,6 @@
 """The demo report's own charts: the incident side by side, and the do-no-harm segment.
 
-Inputs are plain series (see `twin/report.py`), so the charts never reach into running parts.
+Inputs are plain series (see `lab/report.py`), so the charts never reach into running parts.
 Time is trace time in minutes: both incident runs share one axis because they replay the same
 requests and GPU events on the same clock.
 """

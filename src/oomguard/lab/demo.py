@@ -45,16 +45,16 @@ import httpx
 from oomguard.alerts.generate import dump
 from oomguard.alerts.rules import rule_groups
 from oomguard.exporter.render import Family
-from oomguard.thresholds import AlertThresholds
-from oomguard.twin.gpu import GIB
-from oomguard.twin.processes import (
+from oomguard.lab.processes import (
     Alertmanager,
     Prometheus,
     RemediatorProcess,
     free_port,
     have_prometheus_stack,
 )
-from oomguard.twin.runner import RECOVERY_WATCH_S, Fleet, remediator_timings
+from oomguard.lab.runner import RECOVERY_WATCH_S, Fleet, remediator_timings
+from oomguard.thresholds import AlertThresholds
+from oomguard.twin.gpu import GIB
 from oomguard.twin.traces import TRACES, Trace
 
 INCIDENT = TRACES / "demo" / "neighbour-incident.json"
@@ -71,7 +71,7 @@ class Options:
     report_dir: Path = Path("demo-report")
     prometheus: bool = True
     quick: bool = False  # a shorter healthy segment; no waiting for the crashed engine's reload
-    router: str = "gateway"  # in front of each fleet's engines: twin/routers.py ROUTERS
+    router: str = "gateway"  # in front of each fleet's engines: lab/routers.py ROUTERS
 
 
 def demo_thresholds(compression: float) -> AlertThresholds:
@@ -324,7 +324,7 @@ class Demo:
         except BaseException:
             self.stop(fleets, remediator, prom, am, inbox)
             raise
-        from oomguard.twin.report import write_report
+        from oomguard.lab.report import write_report
 
         # everything but Prometheus stops first: the report needs only its data and the CPU
         self.say("\nstopping the engines; writing the report (Prometheus, dashboards)...")

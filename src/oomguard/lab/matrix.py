@@ -82,7 +82,7 @@ class Cell:
     oom_with_s: float | None = None  # ... and with oomguard acting on the level
     actions: int = 0  # remediator actions (cap lowered at level 2 after pressure_for, drains)
     # the end of the pressure -> full admission, through the shipped alerting path and the
-    # remediator's own decision (twin/recovery.py); None where the trace has no end
+    # remediator's own decision (lab/recovery.py); None where the trace has no end
     recovery_s: float | None = None
     retriggered: bool | None = None  # drained or capped again after full admission
     # the plugin's step guard on top of the remediation (vllm_plugin/step_guard.py: the same
@@ -199,7 +199,7 @@ def simulate(
         t += dt
     cell.step_guard_shrinks = guard.shrinks
     if trace is not None and trace.pressure_ends_s is not None:
-        from oomguard.twin.recovery import on_gpu, simulate_recovery
+        from oomguard.lab.recovery import on_gpu, simulate_recovery
 
         r = simulate_recovery(on_gpu(trace, gpu_name, gmu, model), ticks, dt)
         cell.recovery_s, cell.retriggered = r.recovery_s, r.retriggered
@@ -291,7 +291,7 @@ def _scale(trace: Trace, slack: float, overshoot: float) -> float:
 
 def scaled_trace(trace: Trace, gpu_name: str, gmu: float, overshoot: float = 1.1) -> Trace:
     """The trace on another GPU and gmu as `simulate` sees it: the same cell, for the real vLLM
-    twin (src/oomguard/twin/runner.py).
+    twin (src/oomguard/lab/runner.py).
 
     Its memory events are scaled as `simulate` scales them, and its load is the simulation's:
     every prompt one full prefill chunk, so that each prefill step allocates the activation peak

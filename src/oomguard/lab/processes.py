@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,11 +29,17 @@ from oomguard import children
 from oomguard.contract import PLUGIN_TOKEN_ENV
 from oomguard.paths import deploy_dir
 
-PACKAGE = Path(__file__).resolve().parent.parent
-MODELS = Path(__file__).resolve().parent / "models"  # twin model folders: config, tokenizer
+
+def package_dir(package: str) -> Path:
+    """A component's folder, found by import (its data sits inside it), never beside this file:
+    the lab, the twin and the alerts are different import roots in a checkout."""
+    return Path(str(resources.files(package)))
+
+
+MODELS = package_dir("oomguard.twin") / "models"  # twin model folders: config, tokenizer
 TINY_MODEL = MODELS / "tiny-llama"
 EXECUTOR = "oomguard.twin.executor.ModelFreeExecutor"
-RULES = PACKAGE / "alerts" / "generated" / "oomguard.rules.yaml"
+RULES = package_dir("oomguard.alerts") / "generated" / "oomguard.rules.yaml"
 PROMETHEUS_CONFIG = deploy_dir() / "prometheus" / "prometheus.yml"
 ALERTMANAGER_CONFIG = deploy_dir() / "alertmanager" / "alertmanager.yml"
 

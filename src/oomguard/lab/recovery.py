@@ -3,7 +3,7 @@
 The chain a node runs once its memory comes back, each link at its shipped setting:
 
 1. the exporter's level drops (the caller computes the level per tick from the twin GPU through
-   the exporter's own evaluator: twin/matrix.py);
+   the exporter's own evaluator: lab/matrix.py);
 2. the action alerts see it: OomguardMemoryPressure (level >= 2 held `pressure_for`, lower_cap)
    and OomguardMemoryCritical (level >= 3 held `critical_for`, drain) each resolve once their
    condition has been false for `keep_firing_for`, checked at each rule evaluation on a level as
@@ -331,8 +331,8 @@ def _pass(
 
 def trace_levels(trace: Trace, dt: float = 1.0) -> list[int]:
     """Engine 0's pressure level per `dt` over the trace, on its own GPU and gmu, with its GPU
-    events as they are (not scaled): the exporter's evaluator on the twin GPU (twin/matrix.py)."""
-    from oomguard.twin.matrix import model_for, simulate
+    events as they are (not scaled): the exporter's evaluator on the twin GPU (lab/matrix.py)."""
+    from oomguard.lab.matrix import model_for, simulate
 
     gmu = trace.engine.gpu_memory_utilization
     p = Physics.for_model(model_for(trace.gpu), gpu=trace.gpu, gpu_memory_utilization=gmu)

@@ -23,14 +23,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oomguard.lab import charts
 from oomguard.paths import runbooks_dir
-from oomguard.twin import charts
 from oomguard.twin.gpu import GIB
 
 if TYPE_CHECKING:
-    from oomguard.twin.demo import Demo, Inbox
-    from oomguard.twin.processes import Prometheus
-    from oomguard.twin.runner import Fleet
+    from oomguard.lab.demo import Demo, Inbox
+    from oomguard.lab.processes import Prometheus
+    from oomguard.lab.runner import Fleet
 
 RUNBOOKS = runbooks_dir()
 RUN_LABELS = {"alone": "vLLM alone", "oomguard": "vLLM + oomguard"}
@@ -208,7 +208,7 @@ def write_report(
     start, end = demo.t0_wall, demo.t_end or time.time()
     alone, guarded, healthy = fleets["alone"], fleets["oomguard"], fleets["healthy"]
     audit_path = demo.workdir / "remediator-audit.jsonl"
-    from oomguard.twin.demo import describe, read_audit
+    from oomguard.lab.demo import describe, read_audit
 
     audit = read_audit(audit_path)
     if audit_path.exists():
@@ -269,7 +269,7 @@ def write_report(
     )
     panels: dict[str, list[dict[str, Any]]] = {}
     if prom is not None:
-        from oomguard.twin.report_dashboards import draw, load_dashboards
+        from oomguard.lab.report_dashboards import draw, load_dashboards
 
         for name, board in load_dashboards().items():
             panels[name] = draw(board, prom.query_range, start, end, out / f"dashboard-{name}.png")

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-GENERATED = Path(__file__).resolve().parent.parent / "dashboards" / "generated"
+from oomguard.lab.processes import package_dir
+
+GENERATED = package_dir("oomguard.dashboards") / "generated"
 NAMES = ("fleet", "node", "remediation")
 STATE_COLOURS = ["#73bf69", "#fade2a", "#ff9830", "#f2495c"]  # Grafana's green ... red
 # Grafana's named colours, for the value mappings dashboards carry

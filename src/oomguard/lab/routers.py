@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from oomguard.contract import API_PREFIX
-from oomguard.twin.processes import Process, free_port
+from oomguard.lab.processes import Process, free_port
 
 ROUTERS = ("gateway", "vllm-router", "nginx")  # "gateway": the twin's own (runner.Gateway)
 VLLM_ROUTER_VERSION = "0.1.17"  # pinned in requirements/lock.txt (dev extra)

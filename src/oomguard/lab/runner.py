@@ -49,11 +49,7 @@ from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX, DRAIN_GRACE_ENV, DR
 from oomguard.engine_state import parse as parse_state
 from oomguard.exporter.config import ExporterConfig
 from oomguard.exporter.main import Exporter
-from oomguard.remediator.config import RemediatorConfig, StandaloneConfig
-from oomguard.remediator.policy import PolicyConfig
-from oomguard.remediator.safety import SafetyConfig
-from oomguard.twin.gpu import TwinGpu, TwinNvml
-from oomguard.twin.processes import (
+from oomguard.lab.processes import (
     MODELS,
     TINY_MODEL,
     RemediatorProcess,
@@ -61,7 +57,11 @@ from oomguard.twin.processes import (
     start_all,
     twin_exporter,
 )
-from oomguard.twin.routers import ROUTERS, Nginx, VllmRouter, VllmRouterSettings
+from oomguard.lab.routers import ROUTERS, Nginx, VllmRouter, VllmRouterSettings
+from oomguard.remediator.config import RemediatorConfig, StandaloneConfig
+from oomguard.remediator.policy import PolicyConfig
+from oomguard.remediator.safety import SafetyConfig
+from oomguard.twin.gpu import TwinGpu, TwinNvml
 from oomguard.twin.traces import Request, Trace, requests
 
 CONFIGS = ("default", "static", "oomguard")  # the outcome benchmark's three
@@ -104,7 +104,7 @@ class Outcome:
     # trace whose pressure ends only with a restart: the restarted engine 0 up -> full admission)
     actions: list[str] = field(default_factory=list)
     lost_why: dict[str, int] = field(default_factory=dict)  # why requests were lost, counted
-    router: str = "gateway"  # what was in front of the engines (twin/routers.py)
+    router: str = "gateway"  # what was in front of the engines (lab/routers.py)
     answers: dict[str, int] = field(default_factory=dict)  # non-200 answers clients saw, by status
     refusals: list[str] = field(default_factory=list)  # each HTTP 400's "param: message"
     wall_s: float = 0.0
@@ -160,7 +160,7 @@ class Gateway:
     engine (a closed-loop user's request stays on its own engine while the load runs, unless
     the engine answers that it drains).
 
-    With `front` (a real router's URL: twin/routers.py), it is the clients behind that router
+    With `front` (a real router's URL: lab/routers.py), it is the clients behind that router
     instead: every request goes to the router, which chooses the engine, and an answer OpenAI's
     clients retry (408, 409, 429, 5xx: a deferral, a drain's 503, a tripped breaker, nginx's 502)
     is retried after its Retry-After until the client's patience ends; an error event inside a
@@ -441,7 +441,7 @@ class Fleet:
         trace (a crashed engine reloads for the trace's `reload_s`); `start_timeout`: wall
         seconds each vLLM may take to load; `load`: closed-loop users on top of the trace;
         `guard_mode`, `step_guard_mode`: the request and step guards' modes (default: see
-        `start`); `router`: what is in front of the engines (twin/routers.py): the twin's own
+        `start`); `router`: what is in front of the engines (lab/routers.py): the twin's own
         gateway, or vllm-router or nginx set up as docs/vllm-plugin.md says (vllm-router:
         readiness health checks, and the fleet's remediator takes an engine out of its rotation
         before a drain)."""
