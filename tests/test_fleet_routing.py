@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomguard.remediator.config import TargetConfig
 from oomguard.remediator.fleet import Fleet
 from oomguard.remediator.intake import select
+from oomguard.remediator.targets import TargetConfig
 from oomguard.remediator.webhook import Alert
 
 KEYS = ["target", "instance", "engine", "pod"]  # "target" also names t0, t1, ... by default

@@ -17,13 +17,14 @@ from kubernetes import client
 from oomguard.engine_env import INITIAL_CAP_ENV
 from oomguard.manifests import DISCOVERY_NAMESPACES
 from oomguard.remediator.audit import AuditLog
-from oomguard.remediator.config import KubernetesRef, RemediatorConfig
+from oomguard.remediator.config import RemediatorConfig
 from oomguard.remediator.controller import Controller
 from oomguard.remediator.discovery import DiscoveryConfig, PodDiscovery
 from oomguard.remediator.flags import Flags
 from oomguard.remediator.kubernetes import ORIGINAL, KubernetesBackend
 from oomguard.remediator.leader import LeaseElector
 from oomguard.remediator.restart import RestartError
+from oomguard.remediator.targets import KubernetesRef
 from oomguard.remediator.webhook import parse
 from tests.kube_standin import K8S_VERSION, KubeStandIn
 from tests.remediator_helpers import Engines, alert, payload

@@ -397,7 +397,7 @@ def test_flags_walk_back_after_a_quiet_period_and_not_under_pressure(tmp_path):
         "b",
         flags={"walk_back_after_seconds": 3600},
     )
-    from oomguard.remediator.config import RestartConfig, SupervisorRef
+    from oomguard.remediator.targets import RestartConfig, SupervisorRef
 
     cfg.targets[0] = cfg.targets[0].model_copy(  # the backend itself is the fake below
         update={
@@ -430,7 +430,7 @@ def test_flags_walk_back_after_a_quiet_period_and_not_under_pressure(tmp_path):
 def restartable(
     tmp_path, engines: Engines, backend, *names: str, clock=None, **overrides
 ) -> Controller:
-    from oomguard.remediator.config import RestartConfig, SupervisorRef
+    from oomguard.remediator.targets import RestartConfig, SupervisorRef
 
     cfg = config(tmp_path, *engines.engines, **overrides)
     restart = RestartConfig(

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oomguard.remediator.audit import AuditLog
-from oomguard.remediator.config import RestartConfig, SupervisorRef
 from oomguard.remediator.controller import Controller
 from oomguard.remediator.decision import Context, EngineInput, decide_fleet
 from oomguard.remediator.flags import Flags
@@ -22,6 +21,7 @@ from oomguard.remediator.main import explain
 from oomguard.remediator.policy import Observed
 from oomguard.remediator.restart import FlagView
 from oomguard.remediator.safety import EngineView, SafetyState, limit
+from oomguard.remediator.targets import RestartConfig, SupervisorRef
 from oomguard.remediator.webhook import parse
 from tests.remediator_helpers import Engine, Engines, alert, config, payload
 

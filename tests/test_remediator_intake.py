@@ -181,8 +181,8 @@ def test_truncated_alerts_are_audited_and_answered_by_an_immediate_resync(tmp_pa
 def test_one_episode_one_identity_whichever_way_it_arrived(tmp_path, local_server):
     # found: webhooks carry nanoseconds, /api/v2/alerts milliseconds; the rebuilt episode key
     # differed and a restarted remediator restarted the same engine again for the same alert
-    from oomguard.remediator.config import RestartConfig, SupervisorRef
     from oomguard.remediator.flags import Flags
+    from oomguard.remediator.targets import RestartConfig, SupervisorRef
     from tests.test_remediator_controller import FakeBackend
 
     oom = alert("OomguardCudaOomObserved", "a", oomguard_action="restart")

@@ -27,7 +27,7 @@ from oomguard.remediator.actuator import Actuator, DryRunActuator, Target
 from oomguard.remediator.alertbook import AlertBook
 from oomguard.remediator.attention import Attention
 from oomguard.remediator.audit import AuditLog
-from oomguard.remediator.config import RemediatorConfig, TargetConfig
+from oomguard.remediator.config import RemediatorConfig
 from oomguard.remediator.convergence import Convergence, TargetStatus, observe
 from oomguard.remediator.decision import plan
 from oomguard.remediator.fleet import Fleet, make_target
@@ -36,6 +36,7 @@ from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.restart import RestartBackend
 from oomguard.remediator.restarting import Restarts, restarted_from
 from oomguard.remediator.safety import Safety
+from oomguard.remediator.targets import TargetConfig
 from oomguard.remediator.webhook import Alert, Webhook
 
 log = logging.getLogger("oomguard.remediator")

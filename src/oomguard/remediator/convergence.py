@@ -28,7 +28,7 @@ from oomguard.remediator import crashpoints
 from oomguard.remediator.actuator import Actuator, ActuatorError, Target, read_states
 from oomguard.remediator.attention import Attention
 from oomguard.remediator.audit import AuditLog, new_intent
-from oomguard.remediator.config import RemediatorConfig, TargetConfig
+from oomguard.remediator.config import RemediatorConfig
 from oomguard.remediator.decision import (
     Context,
     EngineInput,
@@ -43,6 +43,7 @@ from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.policy import Desired, Observed
 from oomguard.remediator.restarting import Restarts
 from oomguard.remediator.safety import DISRUPTIVE, Safety
+from oomguard.remediator.targets import TargetConfig
 from oomguard.remediator.webhook import Alert
 
 log = logging.getLogger("oomguard.remediator")

@@ -48,12 +48,11 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field
 
 from oomguard.digits import decimal
+from oomguard.remediator.targets import TargetConfig
 from oomguard.supervised import Supervised
 
-if TYPE_CHECKING:  # config.py imports this module's DiscoveryConfig
+if TYPE_CHECKING:
     from urllib3 import BaseHTTPResponse
-
-    from oomguard.remediator.config import TargetConfig
 
 log = logging.getLogger("oomguard.remediator.discovery")
 
@@ -132,8 +131,6 @@ def _target_name(
 
 def pod_target(pod: Mapping[str, Any], config: DiscoveryConfig) -> TargetConfig | None:
     """The target a pod is, or None (not running, no IP, bad annotations, or deleted)."""
-    from oomguard.remediator.config import TargetConfig
-
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     namespace, name = meta.get("namespace"), meta.get("name")
     if not isinstance(namespace, str) or not isinstance(name, str):

@@ -8,7 +8,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from oomguard.remediator.actuator import Target
-from oomguard.remediator.config import SecretFile, TargetConfig
+from oomguard.remediator.config import SecretFile
+from oomguard.remediator.targets import TargetConfig
 
 
 def make_target(cfg: TargetConfig, secret: SecretFile | None) -> Target:

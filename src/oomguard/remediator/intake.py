@@ -25,8 +25,9 @@ import httpx
 
 from oomguard.remediator.alertbook import AlertBook
 from oomguard.remediator.audit import AuditLog
-from oomguard.remediator.config import AlertmanagerSource, TargetConfig
+from oomguard.remediator.config import AlertmanagerSource
 from oomguard.remediator.fleet import Fleet
+from oomguard.remediator.targets import TargetConfig
 from oomguard.remediator.webhook import (
     Alert,
     PayloadError,

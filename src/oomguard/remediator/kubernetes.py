@@ -15,9 +15,9 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from oomguard.engine_env import INITIAL_CAP_ENV
-from oomguard.remediator.config import KubernetesRef
 from oomguard.remediator.flags import Flags, apply, read
 from oomguard.remediator.restart import FlagView, RestartError
+from oomguard.remediator.targets import KubernetesRef
 
 if TYPE_CHECKING:
     from urllib3 import BaseHTTPResponse
