@@ -34,12 +34,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from bench.outcome import with_horizon  # noqa: E402
+from oomguard.lab.matrix import trace_levels  # noqa: E402
 from oomguard.lab.recovery import (  # noqa: E402
     AlertPath,
     alertmanager_path,
     simulate_recovery,
     standalone_path,
-    trace_levels,
 )
 from oomguard.remediator.policy import PolicyConfig  # noqa: E402
 from oomguard.twin.traces import Trace  # noqa: E402

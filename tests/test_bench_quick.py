@@ -168,7 +168,8 @@ def test_matrix_quick_lane() -> None:
 def test_recovery_quick_lane() -> None:
     from bench import recovery
     from bench.outcome import with_horizon
-    from oomguard.lab.recovery import alertmanager_path, simulate_recovery, trace_levels
+    from oomguard.lab.matrix import trace_levels
+    from oomguard.lab.recovery import alertmanager_path, simulate_recovery
     from oomguard.twin.traces import Trace
 
     rec = {(r["trace"], r["variant"], r["path"]): r for r in recorded("recovery")["rows"]}

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
+from oomguard.lab.matrix import trace_levels
 from oomguard.lab.recovery import (
     alertmanager_path,
     seconds,
     simulate_recovery,
     standalone_path,
-    trace_levels,
 )
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.thresholds import AlertThresholds

@@ -24,6 +24,7 @@ from oomguard.exporter.collectors.nvml import NvmlCollector
 from oomguard.exporter.collectors.vllm import EngineReading
 from oomguard.exporter.pressure import EngineSource, PressureEvaluator
 from oomguard.handoff import AllocatorReport
+from oomguard.lab.recovery import on_gpu, simulate_recovery
 from oomguard.thresholds import PressureThresholds
 from oomguard.twin.gpu import GPU_MODELS, TwinGpu, TwinNvml
 from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
@@ -199,11 +200,25 @@ def simulate(
         t += dt
     cell.step_guard_shrinks = guard.shrinks
     if trace is not None and trace.pressure_ends_s is not None:
-        from oomguard.lab.recovery import on_gpu, simulate_recovery
-
         r = simulate_recovery(on_gpu(trace, gpu_name, gmu, model), ticks, dt)
         cell.recovery_s, cell.retriggered = r.recovery_s, r.retriggered
     return cell
+
+
+def trace_levels(trace: Trace, dt: float = 1.0) -> list[int]:
+    """Engine 0's pressure level per `dt` over the trace, on its own GPU and gmu, with its GPU
+    events as they are (not scaled): the exporter's evaluator on the twin GPU (`simulate` above)."""
+    gmu = trace.engine.gpu_memory_utilization
+    p = Physics.for_model(model_for(trace.gpu), gpu=trace.gpu, gpu_memory_utilization=gmu)
+    worst = max(sum(trace.gpu_at(t)) for t in range(int(trace.duration_s) + 1))
+    if not worst:
+        return [0] * (int(trace.duration_s / dt) + 1)
+    levels: list[int] = []
+    # simulate scales the events to peak at overshoot x the plan's slack: this overshoot is 1:1
+    overshoot = worst / ((1 - gmu) * p.usable)
+    levels_only = trace.model_copy(update={"pressure_ends_s": None})  # no recovery inside
+    simulate(trace.gpu, gmu, levels_only, dt=dt, overshoot=overshoot, levels=levels)
+    return levels
 
 
 class _StepGuardSim:

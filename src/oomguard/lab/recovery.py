@@ -329,24 +329,6 @@ def _pass(
     return state
 
 
-def trace_levels(trace: Trace, dt: float = 1.0) -> list[int]:
-    """Engine 0's pressure level per `dt` over the trace, on its own GPU and gmu, with its GPU
-    events as they are (not scaled): the exporter's evaluator on the twin GPU (lab/matrix.py)."""
-    from oomguard.lab.matrix import model_for, simulate
-
-    gmu = trace.engine.gpu_memory_utilization
-    p = Physics.for_model(model_for(trace.gpu), gpu=trace.gpu, gpu_memory_utilization=gmu)
-    worst = max(sum(trace.gpu_at(t)) for t in range(int(trace.duration_s) + 1))
-    if not worst:
-        return [0] * (int(trace.duration_s / dt) + 1)
-    levels: list[int] = []
-    # simulate scales the events to peak at overshoot x the plan's slack: this overshoot is 1:1
-    overshoot = worst / ((1 - gmu) * p.usable)
-    levels_only = trace.model_copy(update={"pressure_ends_s": None})  # no recovery inside
-    simulate(trace.gpu, gmu, levels_only, dt=dt, overshoot=overshoot, levels=levels)
-    return levels
-
-
 def on_gpu(trace: Trace, gpu: str, gmu: float, model: str) -> Trace:
     """The trace's engine on another GPU, model and gmu (a matrix cell), its load unchanged."""
     engine = trace.engine.model_copy(update={"gpu_memory_utilization": gmu})
