@@ -27,8 +27,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.lab.demo import Inbox
-from oomguard.lab.processes import free_port
+from oomguard.lab.processes import Inbox, free_port
 from tests.test_docs import FENCE, RECORDER, ROOT, SHIMS, need
 
 pytestmark = pytest.mark.slow

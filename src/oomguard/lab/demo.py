@@ -26,7 +26,6 @@ watches the exporters itself (standalone mode) and the report has no dashboards.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 import signal
@@ -35,7 +34,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -47,11 +45,13 @@ from oomguard.alerts.rules import rule_groups
 from oomguard.exporter.render import Family
 from oomguard.lab.processes import (
     Alertmanager,
+    Inbox,
     Prometheus,
     RemediatorProcess,
     free_port,
     have_prometheus_stack,
 )
+from oomguard.lab.report import describe, read_audit, write_report
 from oomguard.lab.runner import RECOVERY_WATCH_S, Fleet, remediator_timings
 from oomguard.thresholds import AlertThresholds
 from oomguard.twin.gpu import GIB
@@ -91,78 +91,11 @@ def demo_thresholds(compression: float) -> AlertThresholds:
     return AlertThresholds(**{k: v for k, v in wanted.items() if k in fields})
 
 
-class Inbox:
-    """Receives the on-call receivers' webhooks (what the pager and the ticket queue would get)."""
-
-    def __init__(self) -> None:
-        self.received: list[dict[str, Any]] = []
-        inbox = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                length = min(int(self.headers.get("Content-Length", 0) or 0), 1 << 20)
-                body = self.rfile.read(length)
-                try:
-                    payload = json.loads(body)
-                except json.JSONDecodeError:
-                    payload = {}
-                inbox.received.append(
-                    {"at": time.time(), "receiver": self.path.strip("/"), "payload": payload}
-                )
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def _samples(families: list[Family], name: str) -> list[tuple[dict[str, str], float]]:
     for f in families:
         if f.spec.name == name:
             return [(dict(zip(f.spec.labels, labels, strict=True)), v) for labels, v in f.samples]
     return []
-
-
-def read_audit(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            entry = json.loads(line)
-            if isinstance(entry, dict):
-                out.append(entry)
-    return out
-
-
-def describe(entry: dict[str, Any]) -> str:
-    """One audit entry as a sentence."""
-    after = entry.get("after")
-    after = after if isinstance(after, dict) else {}
-    target = entry.get("target", "?")
-    what = {
-        "lower_cap": f"lowered {target}'s cap to {after.get('cap')}",
-        "raise_cap": f"raised {target}'s cap to {after.get('cap')}",
-        "readmit": f"set {target}'s cap to {after.get('cap')} to re-admit",
-        "drain": f"drained {target}",
-        "resume": f"resumed {target}",
-        "restart": f"restarted {target}",
-    }.get(entry.get("action", ""), f"{entry.get('event')} {entry.get('action', '')} {target}")
-    event = entry.get("event")
-    if event == "decided":
-        return f"decided for {target}: {entry.get('reason', '')}"
-    if event != "acted":
-        what = f"{event} {entry.get('action', '')} on {target}: {entry.get('result')}"
-    return f"{what} ({entry.get('reason', '')})"
 
 
 @dataclass
@@ -324,8 +257,6 @@ class Demo:
         except BaseException:
             self.stop(fleets, remediator, prom, am, inbox)
             raise
-        from oomguard.lab.report import write_report
-
         # everything but Prometheus stops first: the report needs only its data and the CPU
         self.say("\nstopping the engines; writing the report (Prometheus, dashboards)...")
         self.stop(fleets, remediator, am)

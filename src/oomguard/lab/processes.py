@@ -9,6 +9,7 @@ test killed with SIGKILL leaves nothing running.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -437,3 +439,37 @@ def have_prometheus_stack() -> bool:
         shutil.which("prometheus")
         and (shutil.which("prometheus-alertmanager") or shutil.which("alertmanager"))
     )
+
+
+class Inbox:
+    """Receives the on-call receivers' webhooks (what the pager and the ticket queue would get)."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        inbox = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                length = min(int(self.headers.get("Content-Length", 0) or 0), 1 << 20)
+                body = self.rfile.read(length)
+                try:
+                    payload = json.loads(body)
+                except json.JSONDecodeError:
+                    payload = {}
+                inbox.received.append(
+                    {"at": time.time(), "receiver": self.path.strip("/"), "payload": payload}
+                )
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -15,26 +15,72 @@ can be mailed or attached to a ticket as one file.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import itertools
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from oomguard.lab import charts
 from oomguard.paths import runbooks_dir
 from oomguard.twin.gpu import GIB
 
 if TYPE_CHECKING:
-    from oomguard.lab.demo import Demo, Inbox
-    from oomguard.lab.processes import Prometheus
+    from oomguard.lab.processes import Inbox, Prometheus
     from oomguard.lab.runner import Fleet
 
 RUNBOOKS = runbooks_dir()
 RUN_LABELS = {"alone": "vLLM alone", "oomguard": "vLLM + oomguard"}
 INTAKE = frozenset({"received", "resynced"})  # audit records of input, not of decisions
+
+
+class DemoRun(Protocol):
+    """What the report reads of the demo's run (lab/demo.py's `Demo`): its clock, its working
+    folder (the remediator's audit log) and the healthy GPU's rows."""
+
+    t0_wall: float
+    t_end: float
+    workdir: Path
+    healthy_rows: list[dict[str, Any]]
+
+
+# -- the remediator's audit log, read and told ---------------------------------------------------
+
+
+def read_audit(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            entry = json.loads(line)
+            if isinstance(entry, dict):
+                out.append(entry)
+    return out
+
+
+def describe(entry: dict[str, Any]) -> str:
+    """One audit entry as a sentence."""
+    after = entry.get("after")
+    after = after if isinstance(after, dict) else {}
+    target = entry.get("target", "?")
+    what = {
+        "lower_cap": f"lowered {target}'s cap to {after.get('cap')}",
+        "raise_cap": f"raised {target}'s cap to {after.get('cap')}",
+        "readmit": f"set {target}'s cap to {after.get('cap')} to re-admit",
+        "drain": f"drained {target}",
+        "resume": f"resumed {target}",
+        "restart": f"restarted {target}",
+    }.get(entry.get("action", ""), f"{entry.get('event')} {entry.get('action', '')} {target}")
+    event = entry.get("event")
+    if event == "decided":
+        return f"decided for {target}: {entry.get('reason', '')}"
+    if event != "acted":
+        what = f"{event} {entry.get('action', '')} on {target}: {entry.get('result')}"
+    return f"{what} ({entry.get('reason', '')})"
 
 
 def _seconds(at: Any, t0: float) -> str:
@@ -202,14 +248,12 @@ nav a{margin-right:1em}code{font-size:.9em}
 
 
 def write_report(
-    demo: Demo, fleets: dict[str, Fleet], prom: Prometheus | None, inbox: Inbox | None, out: Path
+    demo: DemoRun, fleets: dict[str, Fleet], prom: Prometheus | None, inbox: Inbox | None, out: Path
 ) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     start, end = demo.t0_wall, demo.t_end or time.time()
     alone, guarded, healthy = fleets["alone"], fleets["oomguard"], fleets["healthy"]
     audit_path = demo.workdir / "remediator-audit.jsonl"
-    from oomguard.lab.demo import describe, read_audit
-
     audit = read_audit(audit_path)
     if audit_path.exists():
         (out / "remediator-audit.jsonl").write_text(audit_path.read_text())
@@ -275,8 +319,8 @@ def write_report(
             panels[name] = draw(board, prom.query_range, start, end, out / f"dashboard-{name}.png")
     summary["dashboards"] = panels
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out / "summary.md").write_text(markdown(summary, demo, describe, audit))
-    (out / "report.html").write_text(page(summary, demo, describe, audit, out))
+    (out / "summary.md").write_text(markdown(summary, demo, audit))
+    (out / "report.html").write_text(page(summary, demo, audit, out))
     return summary
 
 
@@ -317,9 +361,7 @@ def _verdict(sides: dict[str, Any]) -> list[list[str]]:
     ]  # fmt: skip
 
 
-def page(
-    summary: dict[str, Any], demo: Demo, describe: Any, audit: list[dict[str, Any]], out: Path
-) -> str:
+def page(summary: dict[str, Any], demo: DemoRun, audit: list[dict[str, Any]], out: Path) -> str:
     sides, dnh = summary["side_by_side"], summary["do_no_harm"]
     parts = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
@@ -450,9 +492,7 @@ def page(
     return "\n".join(parts)
 
 
-def markdown(
-    summary: dict[str, Any], demo: Demo, describe: Any, audit: list[dict[str, Any]]
-) -> str:
+def markdown(summary: dict[str, Any], demo: DemoRun, audit: list[dict[str, Any]]) -> str:
     a, g = summary["side_by_side"]["alone"], summary["side_by_side"]["oomguard"]
     d = summary["do_no_harm"]
     lines = [
