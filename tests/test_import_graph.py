@@ -1,4 +1,4 @@
-"""The import graph of src/oomguard: no circle anywhere, and the layers point one way.
+"""The import graph of oomguard (every module of the checkout): no circle, layers one way.
 
 The graph is built from the AST of every module, so it sees every import a run can make, not only
 the ones executed at import time: module-level imports, imports inside functions and methods
@@ -20,7 +20,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+import oomguard
+
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "oomguard"
 
 # core module -> the components it may import, and why (keep this short)
@@ -45,15 +47,23 @@ CORE_ALLOWED: dict[str, tuple[set[str], str]] = {
 LAB_USERS = {"oomguard.cli"}  # outside the lab, only these may import it
 
 
-def modules(src: Path = SRC) -> dict[str, tuple[Path, bool]]:
-    """Every module under src/oomguard: import name -> (file, is a package's __init__)."""
+def roots() -> list[Path]:
+    """The checkout's folders that hold `oomguard`: src/oomguard today; one per import root
+    (core/oomguard, exporter/oomguard, ...) once `oomguard` is a namespace package over them."""
+    found = sorted({Path(p).resolve() for p in oomguard.__path__})
+    return [p for p in found if p.is_relative_to(ROOT)]
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of the checkout: import name -> (file, is a package's __init__)."""
     out: dict[str, tuple[Path, bool]] = {}
-    for path in sorted((src / PACKAGE).rglob("*.py")):
-        parts = list(path.relative_to(src).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        if is_package:
-            parts = parts[:-1]
-        out[".".join(parts)] = (path, is_package)
+    for root in roots():
+        for path in sorted(root.rglob("*.py")):
+            parts = [PACKAGE, *path.relative_to(root).with_suffix("").parts]
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            out[".".join(parts)] = (path, is_package)
     return out
 
 
@@ -82,12 +92,14 @@ def _imported(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> se
     return resolved
 
 
-def import_graph(src: Path = SRC) -> dict[str, set[str]]:
-    found = modules(src)
-    known = set(found)
+MODULES = modules()
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = set(MODULES)
     return {
         name: _imported(ast.parse(path.read_text(), str(path)), name, is_package, known)
-        for name, (path, is_package) in found.items()
+        for name, (path, is_package) in MODULES.items()
     }
 
 
@@ -159,11 +171,8 @@ def _circle(graph: dict[str, set[str]], members: list[str]) -> list[str]:
 def _component(name: str) -> str | None:
     """`exporter` for oomguard.exporter.x; None for a core module (src/oomguard/*.py)."""
     parts = name.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and _is_package(name)) else None
-
-
-def _is_package(name: str) -> bool:
-    return (SRC / Path(*name.split(".")) / "__init__.py").is_file()
+    is_package = name in MODULES and MODULES[name][1]
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and is_package) else None
 
 
 GRAPH = import_graph()
@@ -186,6 +195,7 @@ def test_the_graph_sees_function_level_and_type_checking_imports():
 
 
 def test_the_graph_covers_the_package():
+    assert roots(), f"no folder of oomguard under {ROOT}"
     assert len(GRAPH) > 100
     assert "oomguard.lab.demo" in GRAPH["oomguard.cli"]
 
