@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from oomguard import incidents as inc
+from oomguard.forensics import incidents as inc
 from oomguard.remediator.supervisor import EXIT_SCHEMA, Supervisor
 from oomguard.vllm_plugin import oom
 from tests.conftest import DCGM_MIG

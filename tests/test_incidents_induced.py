@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import pytest
 
-from oomguard import incidents as inc
+from oomguard.forensics import incidents as inc
 from oomguard.remediator.supervisor import Supervisor
 from oomguard.twin.physics import Physics, Step
 from tests.conftest import DCGM_MIG

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from oomguard import manifests as k8s
+from oomguard.manifests import kubernetes as k8s
 from oomguard.thresholds import AlertThresholds
 from oomguard.twin.processes import Process
 from tests.conftest import DCGM_K8S, VLLM_FIXTURE, free_port

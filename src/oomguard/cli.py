@@ -745,7 +745,7 @@ def _add_preflight(sub: Any) -> None:
 
 def _run_preflight(args: argparse.Namespace) -> int:
     from oomguard.gpus import GPUS
-    from oomguard.preflight import PreflightError, Settings, render, run
+    from oomguard.sizing.preflight import PreflightError, Settings, render, run
     from oomguard.units import parse_size
 
     try:
@@ -844,8 +844,14 @@ def _add_incidents(sub: Any) -> None:
 def _run_incidents(args: argparse.Namespace) -> int:
     import os
 
-    from oomguard.incidents import IncidentDirError, incidents, load, parse_since, render_text
-    from oomguard.incidents import to_json as incidents_json
+    from oomguard.forensics.incidents import (
+        IncidentDirError,
+        incidents,
+        load,
+        parse_since,
+        render_text,
+    )
+    from oomguard.forensics.incidents import to_json as incidents_json
 
     try:
         since = parse_since(args.since) if args.since else None
@@ -929,7 +935,7 @@ def generated_files(thresholds: Any = None) -> dict[Path, str]:
     from oomguard.alerts.generate import outputs as alert_outputs
     from oomguard.dashboards.generate import GENERATED
     from oomguard.dashboards.generate import outputs as dashboard_outputs
-    from oomguard.manifests import outputs as manifest_outputs
+    from oomguard.manifests.kubernetes import outputs as manifest_outputs
 
     alerts, dashboards = alert_outputs(thresholds), dashboard_outputs(thresholds)
     manifests = manifest_outputs(

@@ -13,7 +13,7 @@ writes, before returning:
    the allocation that failed, the allocator summary (allocated, reserved, inactive split,
    segments, largest free block), the step's batch (requests, prompt and computed tokens,
    sampling parameters that set transient memory), the engine's memory flags, and what the
-   classifier (src/oomguard/incidents.py) needs to name the type: the process's uptime, how many
+   classifier (src/oomguard/forensics/) needs to name the type: the process's uptime, how many
    steps it ran (0: it never served, so the OOM was at start-up), and a short history of the
    allocator's allocated/reserved bytes (a leak grows the first, fragmentation the gap).
 

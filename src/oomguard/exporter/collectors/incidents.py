@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
-from oomguard.incidents import (
+from oomguard.forensics.incidents import (
     IncidentDirError,
     OomRecord,
     ParseCache,
