@@ -93,7 +93,7 @@ def main() -> None:
 
     for name in (
         "oomguard.cli",
-        "oomguard.budget",
+        "oomguard.sizing.budget",
         "oomguard.config",
         "oomguard.forensics.incidents",
         "oomguard.sizing.preflight",

@@ -558,7 +558,8 @@ def _model_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, A
 
 
 def _budget_inputs(args: argparse.Namespace, memory: int, gpu: str, serve: dict[str, Any]) -> Any:
-    from oomguard.budget import BudgetInputs, parse_size
+    from oomguard.sizing.budget import BudgetInputs
+    from oomguard.units import parse_size
 
     try:
         size = lambda v: parse_size(v) if v else None  # noqa: E731
@@ -579,9 +580,9 @@ def _sized(
     args: argparse.Namespace, config: dict[str, Any], quant: dict[str, Any] | None, inputs: Any
 ) -> Any:
     """The budget, by vLLM's own code where it is wanted and importable."""
-    from oomguard.budget import compute, shape_from_hf_config
     from oomguard.sizing import vllm_path
-    from oomguard.sizing.model import with_hf_quant_config
+    from oomguard.sizing.budget import compute
+    from oomguard.sizing.model import shape_from_hf_config, with_hf_quant_config
 
     shape = shape_from_hf_config(with_hf_quant_config(config, quant))
     budget = compute(shape, inputs)
@@ -594,7 +595,8 @@ def _sized(
 
 
 def _run_budget(args: argparse.Namespace) -> int:
-    from oomguard.budget import cuda_total_bytes, parse_size
+    from oomguard.gpus import GPUS
+    from oomguard.units import parse_size
 
     serve = {
         k: getattr(args, k) for k in SERVE_FLAG_DEFAULTS if getattr(args, k) not in (None, False)
@@ -607,7 +609,7 @@ def _run_budget(args: argparse.Namespace) -> int:
         raise BudgetError("give the GPU: --gpu NAME or --gpu-memory SIZE")
     config, quant = _model_config(args)
     try:
-        memory = cuda_total_bytes(args.gpu) if args.gpu else parse_size(args.gpu_memory)
+        memory = GPUS[args.gpu].cuda_total_bytes if args.gpu else parse_size(args.gpu_memory)
     except ValueError as exc:
         raise BudgetError(str(exc)) from exc
     inputs = _budget_inputs(args, memory, args.gpu or "", serve)

@@ -60,10 +60,11 @@ class GateResult:
 
 def _gpus(args: argparse.Namespace, work: Workload) -> list[tuple[str, int]]:
     """(GPU key, CUDA total) for every GPU the workload may run on."""
-    from oomguard.budget import cuda_total_bytes, parse_size
+    from oomguard.gpus import GPUS
+    from oomguard.units import parse_size
 
     if args.gpu:
-        return [(args.gpu, cuda_total_bytes(args.gpu))]
+        return [(args.gpu, GPUS[args.gpu].cuda_total_bytes)]
     if args.gpu_memory:
         try:
             return [("", parse_size(args.gpu_memory))]
