@@ -21,7 +21,7 @@ from typing import Any
 from oomguard.errors import BudgetError
 from oomguard.gpus import lookup
 from oomguard.sizing.capacity import kv_capacity
-from oomguard.sizing.deploy import GKE_ACCELERATORS, Workload, from_command_line, from_manifest
+from oomguard.sizing.deploy import Workload, from_command_line, from_manifest
 
 
 @dataclass
@@ -77,7 +77,7 @@ def _gpus(args: argparse.Namespace, work: Workload) -> list[tuple[str, int]]:
         )
     out = []
     for label in dict.fromkeys(work.gpu_labels):
-        spec = lookup(GKE_ACCELERATORS.get(label, label))
+        spec = lookup(label)
         if spec is None:
             raise BudgetError(
                 f"{work.source}: GPU label {label[:60]!r} is not in the GPU table: pass --gpu "
