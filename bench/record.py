@@ -91,7 +91,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "src/oomguard/exporter/collectors/allocator.py",
         "src/oomguard/exporter/pressure.py",
         "src/oomguard/handoff.py",
-        "src/oomguard/incidents.py",
+        "src/oomguard/forensics",
         "src/oomguard/vllm_plugin/allocator.py",
         "src/oomguard/vllm_plugin/oom.py",
         "src/oomguard/vllm_plugin/engine.py",

@@ -93,10 +93,10 @@ def main() -> None:
 
     for name in (
         "oomguard.cli",
-        "oomguard.budget",
+        "oomguard.sizing.budget",
         "oomguard.config",
-        "oomguard.incidents",
-        "oomguard.preflight",
+        "oomguard.forensics.incidents",
+        "oomguard.sizing.preflight",
         "oomguard.exporter.main",
         "oomguard.remediator.config",
         "oomguard.remediator.main",

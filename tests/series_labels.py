@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 from functools import cache
 
-from oomguard import manifests as k8s
 from oomguard.alerts.rules import all_recording_rules
 from oomguard.catalog import CATALOG
+from oomguard.manifests import kubernetes as k8s
 from oomguard.thresholds import AlertThresholds
 from tests.conftest import VLLM_FIXTURE
 

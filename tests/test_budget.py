@@ -14,18 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomguard.budget import (
-    GIB,
-    BudgetInputs,
-    compute,
-    kv_capacity,
-    overhead_per_gpu,
-    parse_size,
-    request_kv_bytes,
-    shape_from_hf_config,
-)
 from oomguard.cli import main
 from oomguard.errors import BudgetError
+from oomguard.sizing.budget import BudgetInputs, compute, overhead_per_gpu
+from oomguard.sizing.capacity import kv_capacity, request_kv_bytes
+from oomguard.sizing.model import GIB, shape_from_hf_config
+from oomguard.units import parse_size
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf-configs"
 CONFIG_NAMES = sorted(p.stem for p in FIXTURES.glob("*.json") if p.stem != "logged")
@@ -743,7 +737,11 @@ def test_concurrency_at_context_equals_vllm(
 
 
 def test_vllm_serve_defaults_by_gpu() -> None:
-    from oomguard.budget import cuda_total_bytes, serve_defaults
+    from oomguard.gpus import GPUS
+    from oomguard.sizing.budget import serve_defaults
+
+    def cuda_total_bytes(gpu: str) -> int:
+        return GPUS[gpu].cuda_total_bytes
 
     assert serve_defaults(cuda_total_bytes("H100"), "H100") == (8192, 1024)
     assert serve_defaults(cuda_total_bytes("A100-80GB"), "A100-80GB") == (2048, 256)

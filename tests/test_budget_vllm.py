@@ -14,20 +14,13 @@ from typing import Any
 
 import pytest
 
-from oomguard.budget import (
-    GIB,
-    BudgetInputs,
-    compute,
-    kv_capacity,
-    shape_from_hf_config,
-    weights_per_gpu,
-)
 from oomguard.errors import BudgetError
 from oomguard.gpus import GPUS, lookup
 from oomguard.logits import LogitsShape, longest_prompt_logprobs_prompt
 from oomguard.sizing import vllm_path
-from oomguard.sizing.budget import vision_weights_per_gpu
-from oomguard.sizing.model import with_hf_quant_config
+from oomguard.sizing.budget import BudgetInputs, compute, vision_weights_per_gpu, weights_per_gpu
+from oomguard.sizing.capacity import kv_capacity
+from oomguard.sizing.model import GIB, shape_from_hf_config, with_hf_quant_config
 from oomguard.twin.gpu import GPU_MODELS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf-configs"

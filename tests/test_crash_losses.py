@@ -10,7 +10,7 @@ from pathlib import Path
 
 from oomguard.exporter.collectors.incidents import IncidentCollector, crash_losses
 from oomguard.exporter.render import FamilyBuilder
-from oomguard.incidents import OomRecord
+from oomguard.incident_records import OomRecord
 
 NOW = 1_790_000_000.0
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from oomguard import manifests as k8s
+from oomguard.manifests import kubernetes as k8s
 from oomguard.remediator.config import RemediatorConfig
 from oomguard.remediator.discovery import DiscoveryConfig, pod_target
 from oomguard.thresholds import AlertThresholds

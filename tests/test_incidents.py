@@ -29,8 +29,9 @@ from typing import Any
 
 import pytest
 
-from oomguard import incidents as inc
-from oomguard.remediator.supervisor import EXIT_SCHEMA, Supervisor
+from oomguard import incident_records as records
+from oomguard.forensics import incidents as inc
+from oomguard.remediator.supervisor import Supervisor
 from oomguard.vllm_plugin import oom
 from tests.conftest import DCGM_MIG
 
@@ -343,7 +344,7 @@ def test_sigkill_with_a_grown_cgroup_oom_kill_count_is_a_host_oom(tmp_path):
     )
     directory = supervise(tmp_path, script, cgroup)
     [record] = [json.loads(p.read_text()) for p in directory.glob("exit-*.json")]
-    assert record["schema"] == EXIT_SCHEMA == inc.EXIT_SCHEMA
+    assert record["schema"] == records.EXIT_SCHEMA
     assert (
         record["cgroup"]["oom_kills_at_start"] == 1 and record["cgroup"]["oom_kills_at_exit"] == 2
     )
@@ -354,7 +355,7 @@ def test_sigkill_with_a_grown_cgroup_oom_kill_count_is_a_host_oom(tmp_path):
 
 
 def test_a_counted_host_oom_outranks_the_xids_that_follow_a_killed_process():
-    record = inc.ExitRecord.model_validate_json(
+    record = records.ExitRecord.model_validate_json(
         json.dumps({**valid_exit(), "cgroup": {"oom_kills_at_start": 0, "oom_kills_at_exit": 1}})
     )
     found = inc.classify(None, record, [inc.Xid(NOW + 10, "", 43)])
@@ -462,7 +463,7 @@ def test_an_exit_record_and_the_oom_records_it_names_are_one_incident(tmp_path, 
     )
     [oom_name] = [p.name for p in tmp_path.glob("oom-*.json")]
     exit_record = {
-        "schema": EXIT_SCHEMA,
+        "schema": records.EXIT_SCHEMA,
         "kind": "exit",
         "timestamp": NOW + 2,
         "started_at": NOW - 600,
@@ -484,7 +485,7 @@ def test_an_exit_record_and_the_oom_records_it_names_are_one_incident(tmp_path, 
 # -- the directory is untrusted ----------
 def valid_exit(pid: int = 5) -> dict[str, Any]:
     return {
-        "schema": EXIT_SCHEMA,
+        "schema": records.EXIT_SCHEMA,
         "timestamp": NOW,
         "started_at": NOW - 60,
         "pid": pid,
@@ -513,7 +514,7 @@ def test_hostile_files_are_counted_and_never_raise(tmp_path):
         json.dumps(valid_exit(15)).replace('"timestamp": ' + str(NOW), '"timestamp": NaN')
     )
     (d / "oom-16-1.json").write_text(
-        json.dumps({"schema": inc.OOM_SCHEMA, "timestamp": NOW, "pid": 16, "history": [[1, 2]]})
+        json.dumps({"schema": records.OOM_SCHEMA, "timestamp": NOW, "pid": 16, "history": [[1, 2]]})
     )  # history rows are (time, allocated, reserved)
     (d / "exit-x-1.json").write_text("{}")
     os.symlink("/etc/passwd", d / "exit-20-1.json")

@@ -41,7 +41,8 @@ from typing import Any
 import httpx
 import pytest
 
-from oomguard import incidents as inc
+from oomguard import incident_records as records
+from oomguard.forensics import incidents as inc
 from oomguard.remediator.supervisor import Supervisor
 from oomguard.twin.physics import Physics, Step
 from tests.conftest import DCGM_MIG
@@ -345,7 +346,7 @@ def test_a_clean_exit_after_the_kernel_killed_the_engine_core_is_a_host_oom():
     """The record shape the engine_core case below produced (vLLM 0.33: the API server exits 0
     after its watchdog sees the dead EngineCore); without the kernel's count it stays unknown."""
     record = {
-        "schema": inc.EXIT_SCHEMA,
+        "schema": records.EXIT_SCHEMA,
         "timestamp": 1_796_139_860.0,
         "started_at": 1_796_139_834.0,
         "pid": 1105,
@@ -358,11 +359,11 @@ def test_a_clean_exit_after_the_kernel_killed_the_engine_core_is_a_host_oom():
         ],
         "cgroup": {"oom_kills_at_start": 1, "oom_kills_at_exit": 2},
     }
-    found = inc.classify(None, inc.ExitRecord.model_validate_json(json.dumps(record)))
+    found = inc.classify(None, records.ExitRecord.model_validate_json(json.dumps(record)))
     assert (found.type, found.confidence) == ("host_oom", "confirmed")
     assert any("EngineDeadError" in line for line in found.evidence)
     record["cgroup"] = {"oom_kills_at_start": 2, "oom_kills_at_exit": 2}
-    unchanged = inc.classify(None, inc.ExitRecord.model_validate_json(json.dumps(record)))
+    unchanged = inc.classify(None, records.ExitRecord.model_validate_json(json.dumps(record)))
     assert unchanged.type == "unknown"
 
 

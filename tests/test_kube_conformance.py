@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from oomguard.manifests import NODE
+from oomguard.manifests.kubernetes import NODE
 from oomguard.remediator.config import RemediatorConfig
 from oomguard.thresholds import AlertThresholds
 from tests.conftest import FIXTURES

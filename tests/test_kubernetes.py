@@ -15,7 +15,7 @@ import yaml
 from kubernetes import client
 
 from oomguard.engine_env import INITIAL_CAP_ENV
-from oomguard.manifests import DISCOVERY_NAMESPACES
+from oomguard.manifests.kubernetes import DISCOVERY_NAMESPACES
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import RemediatorConfig
 from oomguard.remediator.controller import Controller
@@ -418,7 +418,7 @@ def test_disruption_budget_restarts_one_engine_of_a_model_at_a_time(repo_root, t
 
 # -- the monitoring contract: what the rules select is what the manifests produce ------------------
 def test_podmonitors_set_the_jobs_the_rules_select(repo_root):
-    from oomguard.manifests import scrape_labels
+    from oomguard.manifests.kubernetes import scrape_labels
     from oomguard.thresholds import AlertThresholds
 
     t = AlertThresholds()

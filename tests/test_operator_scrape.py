@@ -25,8 +25,8 @@ import httpx
 import pytest
 import yaml
 
-from oomguard import manifests as k8s
 from oomguard.lab.processes import Process
+from oomguard.manifests import kubernetes as k8s
 from oomguard.thresholds import AlertThresholds
 from tests.conftest import DCGM_K8S, VLLM_FIXTURE, free_port
 from tests.kube_semantics import pod_monitor_scrape_configs, pod_of, sd_targets, target_labels

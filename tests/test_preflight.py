@@ -17,7 +17,7 @@ from oomguard.cli import main
 from oomguard.engine_state import EngineCoreState, EngineState, SinceCapChange
 from oomguard.handoff import read_reports
 from oomguard.lab.processes import VllmProcess
-from oomguard.preflight import (
+from oomguard.sizing.preflight import (
     GIB,
     Load,
     PreflightError,
@@ -263,7 +263,7 @@ def run_against(answer: Callable[[httpx.Request], httpx.Response], tmp_path: Pat
     """A preflight run against a stand-in server that answers each request with `answer`."""
     import asyncio
 
-    from oomguard.preflight import Preflight, Server
+    from oomguard.sizing.preflight import Preflight, Server
 
     settings = Settings("http://127.0.0.1:9", 80 * GIB, GIB, str(tmp_path))
 

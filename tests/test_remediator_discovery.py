@@ -218,7 +218,7 @@ def test_alerts_select_among_discovered_pods_and_never_supply_an_address(tmp_pat
 
 # -- one engine identity: discovered targets are named as the exporter names the engine --------
 def test_a_pod_is_named_by_its_target_label_as_the_exporter_names_its_engine():
-    from oomguard.manifests import TARGET_LABEL, VLLM_NAME, vllm_example
+    from oomguard.manifests.kubernetes import TARGET_LABEL, VLLM_NAME, vllm_example
     from oomguard.thresholds import AlertThresholds
 
     cfg = DiscoveryConfig(namespaces=[NS])

@@ -99,7 +99,7 @@ def test_the_record_counts_every_request_the_scheduler_held(tmp_path, monkeypatc
     record parses as the exporter reads it."""
     from types import SimpleNamespace
 
-    from oomguard import incidents
+    from oomguard.forensics import incidents
     from oomguard.vllm_plugin import oom
 
     for name, value in (("_in_flight", None), ("_step", None), ("_model_name", "")):

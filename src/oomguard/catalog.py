@@ -326,7 +326,7 @@ _SPECS: tuple[MetricSpec, ...] = (
         "",
         HOST_LABELS,
     ),
-    # --- OOM forensics (incident records, src/oomguard/incidents.py) -------------------------
+    # --- OOM forensics (incident records, src/oomguard/forensics/) -----------------------------
     _counter(
         "oomguard_incidents_total",
         "Incident records in the node's incident directory, by the taxonomy type the "

@@ -558,7 +558,8 @@ def _model_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, A
 
 
 def _budget_inputs(args: argparse.Namespace, memory: int, gpu: str, serve: dict[str, Any]) -> Any:
-    from oomguard.budget import BudgetInputs, parse_size
+    from oomguard.sizing.budget import BudgetInputs
+    from oomguard.units import parse_size
 
     try:
         size = lambda v: parse_size(v) if v else None  # noqa: E731
@@ -579,9 +580,9 @@ def _sized(
     args: argparse.Namespace, config: dict[str, Any], quant: dict[str, Any] | None, inputs: Any
 ) -> Any:
     """The budget, by vLLM's own code where it is wanted and importable."""
-    from oomguard.budget import compute, shape_from_hf_config
     from oomguard.sizing import vllm_path
-    from oomguard.sizing.model import with_hf_quant_config
+    from oomguard.sizing.budget import compute
+    from oomguard.sizing.model import shape_from_hf_config, with_hf_quant_config
 
     shape = shape_from_hf_config(with_hf_quant_config(config, quant))
     budget = compute(shape, inputs)
@@ -594,7 +595,8 @@ def _sized(
 
 
 def _run_budget(args: argparse.Namespace) -> int:
-    from oomguard.budget import cuda_total_bytes, parse_size
+    from oomguard.gpus import GPUS
+    from oomguard.units import parse_size
 
     serve = {
         k: getattr(args, k) for k in SERVE_FLAG_DEFAULTS if getattr(args, k) not in (None, False)
@@ -607,7 +609,7 @@ def _run_budget(args: argparse.Namespace) -> int:
         raise BudgetError("give the GPU: --gpu NAME or --gpu-memory SIZE")
     config, quant = _model_config(args)
     try:
-        memory = cuda_total_bytes(args.gpu) if args.gpu else parse_size(args.gpu_memory)
+        memory = GPUS[args.gpu].cuda_total_bytes if args.gpu else parse_size(args.gpu_memory)
     except ValueError as exc:
         raise BudgetError(str(exc)) from exc
     inputs = _budget_inputs(args, memory, args.gpu or "", serve)
@@ -745,7 +747,7 @@ def _add_preflight(sub: Any) -> None:
 
 def _run_preflight(args: argparse.Namespace) -> int:
     from oomguard.gpus import GPUS
-    from oomguard.preflight import PreflightError, Settings, render, run
+    from oomguard.sizing.preflight import PreflightError, Settings, render, run
     from oomguard.units import parse_size
 
     try:
@@ -844,8 +846,14 @@ def _add_incidents(sub: Any) -> None:
 def _run_incidents(args: argparse.Namespace) -> int:
     import os
 
-    from oomguard.incidents import IncidentDirError, incidents, load, parse_since, render_text
-    from oomguard.incidents import to_json as incidents_json
+    from oomguard.forensics.incidents import (
+        IncidentDirError,
+        incidents,
+        load,
+        parse_since,
+        render_text,
+    )
+    from oomguard.forensics.incidents import to_json as incidents_json
 
     try:
         since = parse_since(args.since) if args.since else None
@@ -929,7 +937,7 @@ def generated_files(thresholds: Any = None) -> dict[Path, str]:
     from oomguard.alerts.generate import outputs as alert_outputs
     from oomguard.dashboards.generate import GENERATED
     from oomguard.dashboards.generate import outputs as dashboard_outputs
-    from oomguard.manifests import outputs as manifest_outputs
+    from oomguard.manifests.kubernetes import outputs as manifest_outputs
 
     alerts, dashboards = alert_outputs(thresholds), dashboard_outputs(thresholds)
     manifests = manifest_outputs(

@@ -591,7 +591,7 @@ def _engine_config() -> Any:
 
 
 def check_oom(device: Device, tmp: Path) -> dict[str, Any]:
-    from oomguard import incidents
+    from oomguard.forensics import incidents
     from oomguard.vllm_plugin import oom
 
     handoff, recorded = tmp / "oom-handoff", tmp / "incidents"

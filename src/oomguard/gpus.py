@@ -1,7 +1,10 @@
 """The one table of GPUs that `oomguard budget`, `oomguard preflight` and the GPU twin read.
 
 Each row is one kind of GPU as NVML reports it, plus the two figures the roofline of the twin
-needs. Memory figures mean one thing everywhere in oomguard:
+needs, the names Kubernetes labels its nodes with, and whether the twin simulates it (`twin`:
+the twin's catalogue and its fleet matrix are the rows marked so, `TWIN_GPUS`). A new GPU is one
+row here: budget, preflight and the deploy-time gate know it at once, and the twin too when it is
+marked `twin=True`. Memory figures mean one thing everywhere in oomguard:
 
 - `total_mib`: NVML's total (`nvidia-smi -q`, FB Memory Usage, Total).
 - `reserved_mib`: NVML's "Reserved" (memory v2): the driver's share, never usable by CUDA.
@@ -42,6 +45,11 @@ class GpuSpec:
     # then budget and preflight say so beside the figure they use.
     source: str = ""
     reserved_estimated: bool = False
+    # GKE's accelerator label values for this GPU (cloud.google.com/gke-accelerator); NVIDIA's
+    # GPU feature discovery label (nvidia.com/gpu.product) is the NVML name with dashes
+    gke_accelerators: tuple[str, ...] = ()
+    # the GPU twin simulates it (twin/gpu.py's catalogue, the fleet matrix runs it)
+    twin: bool = False
 
     @property
     def name(self) -> str:
@@ -73,7 +81,16 @@ class GpuSpec:
 
 
 _ROWS = (
-    GpuSpec("L4", "NVIDIA L4", 23034, 430, 121e12, 0.300e12),
+    GpuSpec(
+        "L4",
+        "NVIDIA L4",
+        23034,
+        430,
+        121e12,
+        0.300e12,
+        gke_accelerators=("nvidia-l4",),
+        twin=True,
+    ),
     GpuSpec(
         "A10",
         "NVIDIA A10",
@@ -85,9 +102,9 @@ _ROWS = (
         source="total: nvidia-smi on an A10 (find_string index id 31200907773)",
         reserved_estimated=True,
     ),
-    GpuSpec("A10G", "NVIDIA A10G", 23028, 440, 70e12, 0.600e12),
+    GpuSpec("A10G", "NVIDIA A10G", 23028, 440, 70e12, 0.600e12, twin=True),
     GpuSpec("RTX3090", "NVIDIA GeForce RTX 3090", 24576, 346, 71e12, 0.936e12),
-    GpuSpec("RTX4090", "NVIDIA GeForce RTX 4090", 24564, 346, 165.2e12, 1.008e12),
+    GpuSpec("RTX4090", "NVIDIA GeForce RTX 4090", 24564, 346, 165.2e12, 1.008e12, twin=True),
     GpuSpec(
         "RTX5090",
         "NVIDIA GeForce RTX 5090",
@@ -99,13 +116,38 @@ _ROWS = (
         "PyTorch's 'total capacity of 31.37 GiB' on a 5090 (Wan-Video/Wan2.1 issue 465)",
     ),
     GpuSpec(
-        "A100-40GB", "NVIDIA A100-SXM4-40GB", 40960, 470, 312e12, 1.555e12, small_tier_by_name=True
+        "A100-40GB",
+        "NVIDIA A100-SXM4-40GB",
+        40960,
+        470,
+        312e12,
+        1.555e12,
+        small_tier_by_name=True,
+        gke_accelerators=("nvidia-tesla-a100",),
+        twin=True,
     ),
-    GpuSpec("L40S", "NVIDIA L40S", 46068, 500, 362e12, 0.864e12),
+    GpuSpec("L40S", "NVIDIA L40S", 46068, 500, 362e12, 0.864e12, twin=True),
     GpuSpec(
-        "A100-80GB", "NVIDIA A100-SXM4-80GB", 81920, 543, 312e12, 2.039e12, small_tier_by_name=True
+        "A100-80GB",
+        "NVIDIA A100-SXM4-80GB",
+        81920,
+        543,
+        312e12,
+        2.039e12,
+        small_tier_by_name=True,
+        gke_accelerators=("nvidia-a100-80gb",),
+        twin=True,
     ),
-    GpuSpec("H100", "NVIDIA H100 80GB HBM3", 81559, 567, 989e12, 3.35e12),
+    GpuSpec(
+        "H100",
+        "NVIDIA H100 80GB HBM3",
+        81559,
+        567,
+        989e12,
+        3.35e12,
+        gke_accelerators=("nvidia-h100-80gb", "nvidia-h100-mega-80gb"),
+        twin=True,
+    ),
     GpuSpec(
         "H100-NVL",
         "NVIDIA H100 NVL",
@@ -127,7 +169,16 @@ _ROWS = (
         source="total: nvidia-smi on H20s, 97871MiB (find_string index id 69782509629)",
         reserved_estimated=True,
     ),
-    GpuSpec("H200", "NVIDIA H200", 143771, 600, 989e12, 4.8e12),
+    GpuSpec(
+        "H200",
+        "NVIDIA H200",
+        143771,
+        600,
+        989e12,
+        4.8e12,
+        gke_accelerators=("nvidia-h200-141gb",),
+        twin=True,
+    ),
     GpuSpec("GH200", "NVIDIA GH200 480GB", 97871, 580, 989e12, 4.0e12, note="96 GB HBM3 variant"),
     GpuSpec(
         "GH200-144GB",
@@ -141,7 +192,16 @@ _ROWS = (
         "index id 71276350143), not a capture",
         reserved_estimated=True,
     ),
-    GpuSpec("B200", "NVIDIA B200", 183359, 650, 2250e12, 8.0e12),
+    GpuSpec(
+        "B200",
+        "NVIDIA B200",
+        183359,
+        650,
+        2250e12,
+        8.0e12,
+        gke_accelerators=("nvidia-b200",),
+        twin=True,
+    ),
     GpuSpec(
         "B300",
         "NVIDIA B300 SXM6 AC",
@@ -161,6 +221,7 @@ _ROWS = (
         8.0e12,
         note="spec sheet only: total estimated, reserved as the B200's",
         reserved_estimated=True,
+        gke_accelerators=("nvidia-gb200",),
     ),
     GpuSpec(
         "RTX-PRO-6000",
@@ -172,6 +233,7 @@ _ROWS = (
         source="total: 97,887 MiB in a home-lab vLLM log (find_string index id 61370435018); "
         "reserved: vLLM's 95.01 GiB total on four of them (tests/fixtures/hf-configs/"
         "logged.json, qwen3-235b-2507-fp8-tp4-rtx-pro-6000)",
+        gke_accelerators=("nvidia-rtx-pro-6000",),
     ),
     # MIG slices of an H100 80GB: 1/7 or 3/7 of the compute, 1/8 or 4/8 of the memory system.
     GpuSpec(
@@ -183,6 +245,7 @@ _ROWS = (
         3.35e12 / 8,
         mig_profile="1g.10gb",
         parent="H100",
+        twin=True,
     ),
     GpuSpec(
         "H100-MIG-3g.40gb",
@@ -193,21 +256,25 @@ _ROWS = (
         3.35e12 / 2,
         mig_profile="3g.40gb",
         parent="H100",
+        twin=True,
     ),
 )
 
 GPUS: dict[str, GpuSpec] = {row.key: row for row in _ROWS}
+# The GPUs the twin simulates, in the table's order (the fleet matrix runs each one)
+TWIN_GPUS: tuple[str, ...] = tuple(row.key for row in _ROWS if row.twin)
 
 
 def lookup(name: str) -> GpuSpec | None:
     """A GPU by its key in any letter case, or by NVML's name or a Kubernetes node label value
-    (`nvidia.com/gpu.product`: 'NVIDIA-H100-80GB-HBM3', dashes for spaces); None if unknown."""
+    (`nvidia.com/gpu.product`: 'NVIDIA-H100-80GB-HBM3', dashes for spaces;
+    `cloud.google.com/gke-accelerator`: 'nvidia-h100-80gb'); None if unknown."""
     text = name.strip().lower()
     for row in _ROWS:
         if text == row.key.lower():
             return row
     for row in _ROWS:
         label = row.nvml_name.replace(" ", "-").lower()
-        if text in (row.nvml_name.lower(), label):
+        if text in (row.nvml_name.lower(), label, *row.gke_accelerators):
             return row
     return None

@@ -9,9 +9,9 @@ central ruler adds, so a rule that selects a label the manifests do not set fail
 
 from __future__ import annotations
 
-from oomguard import manifests as k8s
 from oomguard.alerts.rules import Case, ExprCase
 from oomguard.contract import FRAGMENTATION_REASON
+from oomguard.manifests import kubernetes as k8s
 from oomguard.thresholds import AlertThresholds
 
 GIB = 1024**3

@@ -77,6 +77,13 @@ from oomguard.catalog import spec
 from oomguard.digits import decimal
 from oomguard.engine_env import INITIAL_CAP_ENV
 from oomguard.errors import ConfigError
+from oomguard.incident_records import (
+    EXIT_SCHEMA,
+    MAX_TEXT,
+    CgroupKills,
+    ExitRecord,
+    exit_file_name,
+)
 from oomguard.remediator import clocks, httpserve, statefile
 from oomguard.remediator.auth import Authenticator
 from oomguard.remediator.config import AuthConfig
@@ -104,7 +111,6 @@ CUDA_ERROR_MARKERS = (
     "Xid",
     "illegal memory access",
 )
-EXIT_SCHEMA = "oomguard.exit_incident.v1"
 # "ValueError: ..." and "(EngineCore pid=7) ERROR ... [core.py:1584] ValueError: ...": the root
 # cause vLLM logs scrolls out of the last 40 lines behind the API server's own traceback
 EXCEPTION_LINE = re.compile(r"(?:^|\]\s)[\w.]*(?:Error|Exception): ")
@@ -488,35 +494,34 @@ class Supervisor:
             since = self._started_at
             directory = Path(self.incident_dir)
             oom_records = self._oom_records_since_start()
-            record = {
-                "schema": EXIT_SCHEMA,
-                "kind": "exit",
-                "timestamp": time.time(),
-                "started_at": since,
-                "pid": pid,
-                "target": {**os.environ, **self.env}.get("OOMGUARD_TARGET", "")[:256],
-                "generation": self.generation,
-                "returncode": code,
-                "signal": -code if code < 0 else (code - 128 if code > 128 else None),
-                "reason": reason,
-                "flags": asdict(self.flags.current),
-                "oom_records": oom_records,
-                "cgroup": {
-                    "dir": self.cgroup_dir,
-                    "oom_kills_at_start": self._oom_kills_at_start,
-                    "oom_kills_at_exit": cgroup_oom_kills(self.cgroup_dir),
-                },
-                "log_tail": [line.rstrip()[:500] for line in list(self._tail)[-40:]],
-                "exception_lines": [
+            record = ExitRecord(
+                schema=EXIT_SCHEMA,
+                timestamp=time.time(),
+                started_at=since,
+                pid=pid,
+                target={**os.environ, **self.env}.get("OOMGUARD_TARGET", "")[:MAX_TEXT],
+                generation=self.generation,
+                returncode=code,
+                signal=-code if code < 0 else (code - 128 if code > 128 else None),
+                reason=reason,
+                flags=asdict(self.flags.current),
+                oom_records=oom_records[-256:],  # the model holds at most 256
+                cgroup=CgroupKills(
+                    dir=self.cgroup_dir,
+                    oom_kills_at_start=self._oom_kills_at_start,
+                    oom_kills_at_exit=cgroup_oom_kills(self.cgroup_dir),
+                ),
+                log_tail=[line.rstrip()[:500] for line in list(self._tail)[-40:]],
+                exception_lines=[
                     line.rstrip()[:500] for line in self._tail if EXCEPTION_LINE.search(line)
                 ][-20:],
-            }
+            )
             directory.mkdir(parents=True, exist_ok=True)
-            path = directory / f"exit-{pid}-{self.generation}.json"
+            path = directory / exit_file_name(pid, self.generation)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record))
+            tmp.write_text(record.dump())
             os.replace(tmp, path)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
             log.warning("could not write the exit incident record", exc_info=True)
 
     def _stop_child(self) -> None:

@@ -81,18 +81,7 @@ BOOLEAN = {
     "disable-hybrid-kv-cache-manager",
 }
 DTYPES_MODELLED = {"auto", "bfloat16", "bf16", "float16", "half", "fp16"}
-# GKE's accelerator label values (cloud.google.com/gke-accelerator) -> the GPU table's keys
-GKE_ACCELERATORS = {
-    "nvidia-l4": "L4",
-    "nvidia-tesla-a100": "A100-40GB",
-    "nvidia-a100-80gb": "A100-80GB",
-    "nvidia-h100-80gb": "H100",
-    "nvidia-h100-mega-80gb": "H100",
-    "nvidia-h200-141gb": "H200",
-    "nvidia-b200": "B200",
-    "nvidia-gb200": "GB200",
-    "nvidia-rtx-pro-6000": "RTX-PRO-6000",
-}
+# node labels naming the GPU; the GPU table (oomguard.gpus.lookup) knows both kinds of value
 GPU_LABELS = ("nvidia.com/gpu.product", "cloud.google.com/gke-accelerator")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from oomguard.errors import BudgetError
 from oomguard.gpus import lookup
 from oomguard.sizing.capacity import kv_capacity
-from oomguard.sizing.deploy import GKE_ACCELERATORS, Workload, from_command_line, from_manifest
+from oomguard.sizing.deploy import Workload, from_command_line, from_manifest
 
 
 @dataclass
@@ -60,10 +60,11 @@ class GateResult:
 
 def _gpus(args: argparse.Namespace, work: Workload) -> list[tuple[str, int]]:
     """(GPU key, CUDA total) for every GPU the workload may run on."""
-    from oomguard.budget import cuda_total_bytes, parse_size
+    from oomguard.gpus import GPUS
+    from oomguard.units import parse_size
 
     if args.gpu:
-        return [(args.gpu, cuda_total_bytes(args.gpu))]
+        return [(args.gpu, GPUS[args.gpu].cuda_total_bytes)]
     if args.gpu_memory:
         try:
             return [("", parse_size(args.gpu_memory))]
@@ -76,7 +77,7 @@ def _gpus(args: argparse.Namespace, work: Workload) -> list[tuple[str, int]]:
         )
     out = []
     for label in dict.fromkeys(work.gpu_labels):
-        spec = lookup(GKE_ACCELERATORS.get(label, label))
+        spec = lookup(label)
         if spec is None:
             raise BudgetError(
                 f"{work.source}: GPU label {label[:60]!r} is not in the GPU table: pass --gpu "

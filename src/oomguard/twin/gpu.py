@@ -6,8 +6,8 @@ device memory as the sum of its processes (vLLM's weights and KV pool, a neighbo
 plus driver-reserved memory, and scenarios change those processes while it runs. A MIG slice is
 a `TwinGpu` of a MIG model: NVML shows it as the only MIG instance of its parent GPU.
 
-`GPU_MODELS` is the twin's catalogue of the GPUs vLLM commonly runs on (docs/twin.md), rows of
-the one GPU table `oomguard.gpus`.
+`GPU_MODELS` is the twin's catalogue of the GPUs vLLM commonly runs on (docs/twin.md): the rows
+of the one GPU table `oomguard.gpus` marked `twin`.
 """
 
 from __future__ import annotations
@@ -18,29 +18,14 @@ from typing import Any
 
 import pynvml
 
-from oomguard.gpus import GPUS, GpuSpec
+from oomguard.gpus import GPUS, TWIN_GPUS, GpuSpec
 
 MIB = 1024**2
 GIB = 1024**3
 
 
-# The twin's catalogue is rows of the one GPU table (oomguard.gpus), which `budget` and
-# `preflight` read too: a GPU's memory means the same to all of them. The twin simulates the
-# GPUs vLLM most commonly runs on (its fleet matrix runs each one), not every row.
-GpuModel = GpuSpec
-TWIN_GPUS = (
-    "L4",
-    "A10G",
-    "RTX4090",
-    "A100-40GB",
-    "L40S",
-    "A100-80GB",
-    "H100",
-    "H200",
-    "B200",
-    "H100-MIG-1g.10gb",
-    "H100-MIG-3g.40gb",
-)
+# The twin's catalogue is the rows of the one GPU table (oomguard.gpus) marked `twin`, which
+# `budget` and `preflight` read too: a GPU's memory means the same to all of them.
 GPU_MODELS: dict[str, GpuSpec] = {key: GPUS[key] for key in TWIN_GPUS}
 
 
@@ -52,7 +37,7 @@ class TwinGpu:
     processes: dict[int, int] = field(default_factory=dict)  # pid -> bytes
 
     @property
-    def spec(self) -> GpuModel:
+    def spec(self) -> GpuSpec:
         return GPU_MODELS[self.model]
 
     @property

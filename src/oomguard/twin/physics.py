@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oomguard.budget import ModelShape, shape_from_hf_config
 from oomguard.logits import LogitsShape
+from oomguard.sizing.model import ModelShape, shape_from_hf_config
 from oomguard.twin.gpu import GPU_MODELS, MIB
 
 # Calibration (the field report above; Llama-3-8B, hidden 4096): 2,048 tok 2.1 GB, 30,000 11.2 GB

@@ -9,11 +9,12 @@ writes, before returning:
 
 1. the allocator hand-off file (format: src/oomguard/handoff.py, unchanged) with the OOM counted, so
    the exporter sees the count even if nothing else in the process runs again;
-2. an incident record, `<incident dir>/oom-<pid>-<n>.json` (schema `oomguard.oom_incident.v1`):
+2. an incident record, `<incident dir>/oom-<pid>-<n>.json` (`oomguard.incident_records.OomRecord`,
+   schema `oomguard.oom_incident.v1`, the model the forensics read back):
    the allocation that failed, the allocator summary (allocated, reserved, inactive split,
    segments, largest free block), the step's batch (requests, prompt and computed tokens,
    sampling parameters that set transient memory), the engine's memory flags, and what the
-   classifier (src/oomguard/incidents.py) needs to name the type: the process's uptime, how many
+   classifier (src/oomguard/forensics/) needs to name the type: the process's uptime, how many
    steps it ran (0: it never served, so the OOM was at start-up), and a short history of the
    allocator's allocated/reserved bytes (a leak grows the first, fragmentation the gap).
 
@@ -38,7 +39,6 @@ Environment: OOMGUARD_ALLOCATOR_DIR (hand-off directory), OOMGUARD_INCIDENT_DIR 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tempfile
@@ -53,7 +53,6 @@ from oomguard.handoff import AllocatorReport, write_report
 
 log = logging.getLogger("oomguard.vllm_plugin.oom")
 
-INCIDENT_SCHEMA = "oomguard.oom_incident.v1"
 MAX_BATCH_REQUESTS = 512  # an incident file stays small even for a huge batch
 HISTORY_LEN = 64  # allocator samples kept; when full every other one is dropped
 HISTORY_FIRST_INTERVAL = 60.0  # seconds between samples, doubled at each thinning
@@ -114,7 +113,7 @@ def _params(sampling: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in ("n", "best_of", "logprobs", "prompt_logprobs", "max_tokens"):
         value = getattr(sampling, key, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             out[key] = value
     return out
 
@@ -123,13 +122,15 @@ def batch_summary(step: Any) -> dict[str, Any] | None:
     """What the step scheduled: one entry per request (new ones with their prompt and params)."""
     if step is None:
         return None
+    from oomguard.incident_records import MAX_TEXT  # loaded by the recorder already
+
     scheduled: dict[str, int] = dict(getattr(step, "num_scheduled_tokens", {}) or {})
     requests: list[dict[str, Any]] = []
     for new in getattr(step, "scheduled_new_reqs", []) or []:
         prompt = new.prompt_token_ids or new.prefill_token_ids or []
         requests.append(
             {
-                "id": str(new.req_id),
+                "id": str(new.req_id)[:MAX_TEXT],
                 "new": True,
                 "prompt_tokens": len(prompt),
                 "computed_tokens": int(new.num_computed_tokens),
@@ -142,7 +143,7 @@ def batch_summary(step: Any) -> dict[str, Any] | None:
         for i, req_id in enumerate(cached.req_ids):
             requests.append(
                 {
-                    "id": str(req_id),
+                    "id": str(req_id)[:MAX_TEXT],
                     "new": False,
                     "computed_tokens": int(cached.num_computed_tokens[i]),
                     "scheduled_tokens": int(scheduled.get(req_id, 0)),
@@ -156,12 +157,12 @@ def batch_summary(step: Any) -> dict[str, Any] | None:
     }
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def _write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".oom-", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, separators=(",", ":"))
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())  # the process may be gone a moment later
         os.replace(tmp, path)
@@ -192,6 +193,10 @@ class OomRecorder:
         self.directory, self.incident_dir, self.target = directory, incident_dir, target
         self.stats, self.identity, self.extra, self.clock = stats, identity, extra, clock
         self.monotonic = monotonic  # paces the history (the GPU twin's runs faster)
+        # The record's models, imported here (once per recording process, at its start) so that
+        # the OOM path finds them loaded and other processes never load them.
+        import oomguard.incident_records  # noqa: F401
+
         self.ooms = 0
         # (unix time, allocated, reserved): thinned to cover the whole life in HISTORY_LEN rows
         self.history: list[tuple[float, int, int]] = []
@@ -268,41 +273,51 @@ class OomRecorder:
         extra: dict[str, Any] = {}
         with contextlib.suppress(Exception):
             extra = dict(self.extra())
+        from oomguard.incident_records import (
+            MAX_TEXT,
+            OOM_SCHEMA,
+            Allocator,
+            Batch,
+            OomRecord,
+            oom_file_name,
+        )
+
         batch = batch_summary(_step)
-        record = {
-            "schema": INCIDENT_SCHEMA,
-            "kind": "cuda_oom",
-            "timestamp": now,
-            "pid": report.pid,
-            "rank": report.rank,
-            "target": report.target,
-            "engine": report.engine,
-            "device_index": report.device_index,
-            "device_uuid": report.device_uuid,
-            "requested_bytes": int(requested),
-            "device_limit_bytes": int(device_limit),
-            "device_free_bytes": int(device_free),
-            "allocator": {
-                "allocated_bytes": report.allocated_bytes,
-                "reserved_bytes": report.reserved_bytes,
-                "allocated_peak_bytes": report.allocated_peak_bytes,
-                "reserved_peak_bytes": report.reserved_peak_bytes,
-                "inactive_split_bytes": report.inactive_split_bytes,
-                "alloc_retries": report.alloc_retries,
-                "ooms": report.ooms,
-                **extra,
-            },
-            "batch": batch,
+        record = OomRecord(
+            schema=OOM_SCHEMA,
+            timestamp=now,
+            pid=report.pid,
+            rank=report.rank,
+            target=report.target[:MAX_TEXT],
+            engine=report.engine[:MAX_TEXT],
+            device_index=report.device_index,
+            device_uuid=report.device_uuid[:MAX_TEXT],
+            requested_bytes=int(requested),
+            device_limit_bytes=int(device_limit),
+            device_free_bytes=int(device_free),
+            allocator=Allocator.model_validate(
+                {
+                    "allocated_bytes": report.allocated_bytes,
+                    "reserved_bytes": report.reserved_bytes,
+                    "allocated_peak_bytes": report.allocated_peak_bytes,
+                    "reserved_peak_bytes": report.reserved_peak_bytes,
+                    "inactive_split_bytes": report.inactive_split_bytes,
+                    "alloc_retries": report.alloc_retries,
+                    "ooms": report.ooms,
+                    **extra,
+                }
+            ),
+            batch=Batch.model_validate(batch) if batch is not None else None,
             **in_flight(batch),
-            "model_name": _model_name,
-            "flags": dict(_flags),
-            "process_started_at": _STARTED,
-            "uptime_seconds": max(0.0, now - _STARTED),
-            "steps": _steps,
-            "history": [list(row) for row in self.history],
-        }
-        path = Path(self.incident_dir) / f"oom-{report.pid}-{self.ooms}.json"
-        _write_json(path, record)
+            model_name=_model_name,
+            flags=dict(_flags),
+            process_started_at=_STARTED,
+            # rounded: a sub-millisecond float has more digits than the reader takes (20)
+            uptime_seconds=round(max(0.0, now - _STARTED), 6),
+            steps=_steps,
+            history=list(self.history),
+        )
+        _write_text(Path(self.incident_dir) / oom_file_name(report.pid, self.ooms), record.dump())
 
 
 def in_flight(batch: dict[str, Any] | None) -> dict[str, Any]:

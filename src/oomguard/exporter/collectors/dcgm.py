@@ -33,7 +33,7 @@ from oomguard.exporter.collectors.base import GpuIdentity, GpuMemory, GpuReading
 from oomguard.exporter.render import FamilyBuilder
 from oomguard.exporter.scrape import DEFAULT_MAX_BYTES, Scraper
 from oomguard.exporter.textparse import Sample, is_openmetrics, parse
-from oomguard.incidents import Xid
+from oomguard.forensics.incidents import Xid
 
 MIB = 1024 * 1024
 _BLANK_INT32 = 2**31 - 16

@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
-from oomguard.incidents import (
+from oomguard.forensics.incidents import (
     IncidentDirError,
-    OomRecord,
     ParseCache,
     Thresholds,
     Xid,
     incidents,
     load,
 )
+from oomguard.incident_records import OomRecord
 
 # OOM records of one engine this close together are one death: every rank of a tensor-parallel
 # engine records the same step, and a worker may record a retried allocation before it dies.

@@ -1,7 +1,7 @@
 """OOM forensics: read incident records, join them, and name the type of each incident.
 
 Two writers put records into one directory (`OOMGUARD_INCIDENT_DIR`, by default
-`<allocator dir>/incidents`):
+`<allocator dir>/incidents`), each building the record's model (`oomguard.incident_records`):
 - the vLLM plugin's out-of-memory observer, `oom-<pid>-<n>.json` (schema
   `oomguard.oom_incident.v1`, vllm_plugin/oom.py), written by the dying worker before it dies:
   the failed allocation, the allocator summary, the step's batch, the flags, uptime, steps run and
@@ -50,25 +50,27 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from oomguard import bounded
+from oomguard.incident_records import (
+    EXIT_NAME,
+    EXIT_SCHEMA,
+    OOM_NAME,
+    OOM_SCHEMA,
+    ExitRecord,
+    OomRecord,
+)
 from oomguard.logits import LogitsShape
 
 log = logging.getLogger("oomguard.incidents")
 
-OOM_SCHEMA = "oomguard.oom_incident.v1"
-EXIT_SCHEMA = "oomguard.exit_incident.v1"
 MAX_FILE_BYTES = 256 * 1024  # an OOM record with a 512-request batch is about 80 KB
 # Records nest 4 levels (batch.largest[i].params); no count or time in them has 20 digits.
 LIMITS = bounded.Limits(max_bytes=MAX_FILE_BYTES, max_depth=8, max_digits=20, timeout=2.0)
 MAX_FILES = 4096
-MAX_COUNT = 2**63 - 1
 GIB = 2**30
 MIB = 2**20
-
-_OOM_NAME = re.compile(r"oom-([1-9][0-9]{0,9})-([1-9][0-9]{0,9})\.json")
-_EXIT_NAME = re.compile(r"exit-([1-9][0-9]{0,9})-([1-9][0-9]{0,9})\.json")
 
 
 @dataclass(frozen=True)
@@ -180,102 +182,6 @@ class Thresholds:
     ignored_xids: frozenset[int] = frozenset({45})
 
 
-# -- records ------------------------------------------------------------------------------------
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-
-_Count = Field(0, ge=0, le=MAX_COUNT)
-_Time = Field(ge=0, le=1e11)
-
-
-class BatchRequest(_Model):
-    id: str = Field("", max_length=256)
-    new: bool = False
-    prompt_tokens: int = _Count
-    computed_tokens: int = _Count
-    scheduled_tokens: int = _Count
-    params: dict[str, int | None] = Field(default_factory=dict, max_length=16)
-
-
-class Batch(_Model):
-    requests: int = _Count
-    scheduled_tokens: int = _Count
-    largest: list[BatchRequest] = Field(default_factory=list, max_length=1024)
-
-
-class Allocator(_Model):
-    allocated_bytes: int = _Count
-    reserved_bytes: int = _Count
-    allocated_peak_bytes: int = _Count
-    reserved_peak_bytes: int = _Count
-    inactive_split_bytes: int = _Count
-    alloc_retries: int = _Count
-    ooms: int = _Count
-    segments: int | None = Field(None, ge=0, le=MAX_COUNT)
-    largest_free_block_bytes: int | None = Field(None, ge=0, le=MAX_COUNT)
-
-
-class OomRecord(_Model):
-    """An observer record (vllm_plugin/oom.py). `name` is the file's name."""
-
-    name: str = ""
-    schema_: str = Field(alias="schema", pattern=f"^{re.escape(OOM_SCHEMA)}$")
-    timestamp: float = _Time
-    pid: int = Field(ge=1, le=2**31 - 1)
-    rank: int = Field(0, ge=0, le=2**31 - 1)
-    target: str = Field("", max_length=256)
-    engine: str = Field("", max_length=256)
-    device_index: int = Field(0, ge=0, le=2**31 - 1)
-    device_uuid: str = Field("", max_length=256)
-    requested_bytes: int = _Count
-    device_limit_bytes: int = _Count
-    device_free_bytes: int = _Count
-    allocator: Allocator = Field(default_factory=Allocator)
-    batch: Batch | None = None
-    # requests the engine held as it died (running and queued), and whether EngineCore's
-    # scheduler or only the failing step's batch told (vllm_plugin/oom.py); the served model
-    in_flight: int | None = Field(None, ge=0, le=MAX_COUNT)
-    in_flight_source: str = Field("", max_length=16)
-    model_name: str = Field("", max_length=256)
-    flags: dict[str, int | float | bool] = Field(default_factory=dict, max_length=32)
-    uptime_seconds: float | None = Field(None, ge=0, le=1e10)
-    steps: int | None = Field(None, ge=0, le=MAX_COUNT)
-    history: list[tuple[float, int, int]] = Field(default_factory=list, max_length=256)
-
-
-class CgroupKills(_Model):
-    dir: str | None = Field(None, max_length=4096)
-    oom_kills_at_start: int | None = Field(None, ge=0, le=MAX_COUNT)
-    oom_kills_at_exit: int | None = Field(None, ge=0, le=MAX_COUNT)
-
-
-class ExitRecord(_Model):
-    """A supervisor exit record (remediator/supervisor.py). `name` is the file's name."""
-
-    name: str = ""
-    schema_: str = Field(alias="schema", pattern=f"^{re.escape(EXIT_SCHEMA)}$")
-    timestamp: float = _Time
-    started_at: float = _Time
-    pid: int = Field(ge=1, le=2**31 - 1)
-    target: str = Field("", max_length=256)  # the engine's OOMGUARD_TARGET
-    generation: int = Field(0, ge=0, le=MAX_COUNT)
-    returncode: int = Field(ge=-255, le=255)
-    signal: int | None = Field(None, ge=0, le=255)
-    reason: str = Field(max_length=32)
-    flags: dict[str, int | float] = Field(default_factory=dict, max_length=32)
-    oom_records: list[str] = Field(default_factory=list, max_length=256)
-    log_tail: list[str] = Field(default_factory=list, max_length=200)
-    exception_lines: list[str] = Field(default_factory=list, max_length=50)
-
-    @property
-    def lines(self) -> list[str]:
-        """The exceptions the log raised (from further back), then its last lines."""
-        return [*self.exception_lines, *self.log_tail]
-
-    cgroup: CgroupKills | None = None
-
-
 @dataclass
 class Loaded:
     ooms: list[OomRecord] = field(default_factory=list)
@@ -321,7 +227,7 @@ def _parse(name: str, data: bytes) -> OomRecord | ExitRecord:
         record = model.model_validate_json(data).model_copy(update={"name": name})
     except ValidationError:
         raise _Refused("invalid_record") from None
-    match = (_OOM_NAME if oom else _EXIT_NAME).fullmatch(name)
+    match = (OOM_NAME if oom else EXIT_NAME).fullmatch(name)
     if match is None or int(match.group(1)) != record.pid:
         raise _Refused("name_mismatch")  # one process, one name: no file can pose as another
     return record
@@ -381,7 +287,7 @@ def load(
                     name = entry.name
                     if not (name.startswith(("oom-", "exit-")) and name.endswith(".json")):
                         continue  # writers' temp files, anything else
-                    if not (_OOM_NAME.fullmatch(name) or _EXIT_NAME.fullmatch(name)):
+                    if not (OOM_NAME.fullmatch(name) or EXIT_NAME.fullmatch(name)):
                         loaded.invalid["bad_name"] += 1
                     elif entry.is_symlink():
                         loaded.invalid["symlink"] += 1

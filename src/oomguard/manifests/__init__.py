@@ -1,0 +1,1 @@
+"""The Kubernetes manifests `oomguard generate` writes under deploy/kubernetes (`kubernetes`)."""
