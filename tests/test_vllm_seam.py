@@ -17,10 +17,14 @@ from pathlib import Path
 
 import pytest
 
+import oomguard
 from oomguard import vllm_seam
 from oomguard.vllm_seam import v0_33
 
-SRC = Path(vllm_seam.__file__).resolve().parents[1]  # src/oomguard
+ROOT = Path(__file__).resolve().parents[1]
+# every folder of the oomguard package (one today, src/oomguard; one per component once each
+# component is an import root of the namespace)
+PACKAGE = [Path(p).resolve() for p in oomguard.__path__]
 SEAM = Path(vllm_seam.__file__).resolve().parent
 METRIC = re.compile(r"\bvllm:[a-z_]")
 # vllm.v1.engine..., vllm.entrypoints.openai... (not a file name such as vllm.log)
@@ -53,9 +57,10 @@ def findings(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     docs = _docstrings(tree)
     release = _release_pattern()
+    name = path.relative_to(ROOT) if ROOT in path.parents else path
     out = []
     for node in ast.walk(tree):
-        where = f"{path.relative_to(SRC.parent)}:{getattr(node, 'lineno', '?')}"
+        where = f"{name}:{getattr(node, 'lineno', '?')}"
         if isinstance(node, ast.Import):
             out += [
                 f"{where}: import {a.name}" for a in node.names if a.name.split(".")[0] == "vllm"
@@ -78,13 +83,16 @@ def findings(path: Path) -> list[str]:
 
 def test_nothing_outside_the_seam_depends_on_vllms_version():
     found = [
-        f for path in sorted(SRC.rglob("*.py")) if SEAM not in path.parents for f in findings(path)
+        f
+        for path in sorted(p for base in PACKAGE for p in base.rglob("*.py"))
+        if SEAM not in path.parents
+        for f in findings(path)
     ]
     assert not found, "vLLM-version-specific names outside oomguard.vllm_seam:\n" + "\n".join(found)
 
 
 def test_the_scan_finds_what_it_looks_for(tmp_path):
-    src = SRC / "scan_sample.py"
+    src = tmp_path / "scan_sample.py"
     sample = (
         '"""A docstring may say vllm:num_requests_running and vLLM 0.33."""\n'
         "from vllm.v1.engine import FinishReason\n"
@@ -96,11 +104,8 @@ def test_the_scan_finds_what_it_looks_for(tmp_path):
         "GMU = 0.92\n"
         "OTHER = 0.33 * 2\n"
     )
-    try:
-        src.write_text(sample)
-        found = findings(src)
-    finally:
-        src.unlink()
+    src.write_text(sample)
+    found = findings(src)
     kinds = [f.split(": ", 1)[1].split(" in ")[0] for f in found]
     assert len(found) == 7, found
     assert sum(k.startswith("vLLM metric") for k in kinds) == 2
@@ -131,7 +136,7 @@ def test_every_seam_module_defines_every_name(minor):
 
 
 def test_the_pyproject_range_covers_every_seam_module():
-    text = (SRC.parents[1] / "pyproject.toml").read_text()
+    text = (ROOT / "pyproject.toml").read_text()
     m = re.search(r'^vllm = \["vllm>=([\d.]+),<([\d.]+)"\]', text, re.MULTILINE)
     assert m, "pyproject.toml's `vllm` extra"
     low, high = (tuple(map(int, v.split("."))) for v in m.groups())
