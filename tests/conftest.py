@@ -37,6 +37,7 @@ LONG_FIRST = (  # by their time in a 2-worker run (22:03 UTC), longest first
     "test_preflight.py",
     "test_live_stack.py",
     "test_vllm_plugin.py",
+    "test_vllm032.py",  # the plugin smoke test on vLLM 0.32 (its own lane): 2.5 min
     "test_vllm_plugin_guard_server.py",
     "test_vllm_plugin_guard_trace.py",
     "test_incidents.py",

@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from oomguard import vllm_seam
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "docs/single-box.md", "docs/kubernetes.md", "deploy/docker/README.md"]
 FENCE = re.compile(r"(?ms)^(?:<!-- docs-test: (?P<mark>[^>]*?) -->\n)?```sh\n(?P<code>.*?)^```")
@@ -223,7 +225,8 @@ def test_single_box_walkthrough(tmp_path):
     pip = [c for c in calls if c.startswith("pip install")]
     # the GPU host's lock, and the generate extra that step 2 needs (after the install)
     assert pip and "'" not in pip[0] and ".[remediator,generate]" in pip[0]
-    assert "-c requirements/gpu-lock.txt" in pip[0] and "vllm==0.33.0" in pip[0]
+    assert "-c requirements/gpu-lock.txt" in pip[0]
+    assert f"vllm=={vllm_seam.newest().VERSION}" in pip[0]
     assert (root / "etc/oomguard/vllm.env").is_file()
     site_rules = root / "etc/oomguard/site/src/oomguard/alerts/generated/oomguard.rules.yaml"
     assert "https://wiki.example.com/oomguard/runbooks/" in site_rules.read_text()

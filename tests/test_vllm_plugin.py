@@ -11,11 +11,22 @@ import asyncio
 import httpx
 import pytest
 
+from oomguard import vllm_seam
 from tests.vllm_server import AUTH, MODEL, VllmServer, complete, require_vllm
 
 pytestmark = pytest.mark.slow
 
 KV_BLOCKS = 256  # 4,096 tokens: 64 requests of 700 tokens must queue and preempt
+
+# vLLM 0.32 (tests/test_vllm032.py runs this file on it) cannot end a request from the engine with
+# a retryable error: its EngineCoreOutput has no `error` (vllm_seam.ENGINE_OUTPUT_ERROR). A drain
+# still stops admissions and lets running requests finish, but the queued ones it sheds are
+# answered 500, not 503 + Retry-After; and a drain under preemption does not preempt there.
+SHED_IS_RETRYABLE = pytest.mark.xfail(
+    not vllm_seam.ENGINE_OUTPUT_ERROR,
+    reason="vLLM 0.32: shed requests are answered 500 (no error field in EngineCoreOutput)",
+    strict=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +150,7 @@ def test_an_admission_counts_as_prefilled_while_it_still_decodes(server):
     assert after["since_cap_change"]["finished"] == after["since_cap_change"]["prefilled"] == 1
 
 
+@SHED_IS_RETRYABLE
 def test_drain_finishes_running_and_sends_queued_requests_elsewhere(server):
     async def scenario() -> None:
         url = server.url
@@ -184,6 +196,7 @@ def test_drain_finishes_running_and_sends_queued_requests_elsewhere(server):
     asyncio.run(scenario())
 
 
+@SHED_IS_RETRYABLE
 def test_requests_preempted_while_draining_go_elsewhere_too(server):
     """Under vLLM's PAUSED_NEW a request preempted back to the queue would wait for good, so the
     engine would never drain. 12 requests of 200 + 400 tokens need 7,200 KV tokens of 4,096:

@@ -12,10 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
+from oomguard import vllm_seam
 from oomguard.lab.processes import TINY_MODEL, VllmProcess
 
 MODEL = TINY_MODEL
 TOKEN = "test-token-0123456789"
+NEWEST = vllm_seam.newest().VERSION
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -32,8 +34,8 @@ def require_vllm() -> None:
     if vllm_available():
         return
     if os.environ.get("CI"):
-        pytest.fail("vLLM is not installed; `make test` installs vllm==0.33.0")
-    pytest.skip("vLLM not installed (run `make test`, which installs vllm==0.33.0)")
+        pytest.fail(f"vLLM is not installed; `make test` installs vllm=={NEWEST}")
+    pytest.skip(f"vLLM not installed (run `make test`, which installs vllm=={NEWEST})")
 
 
 class VllmServer(VllmProcess):

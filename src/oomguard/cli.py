@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from oomguard import __version__, bounded
+from oomguard import __version__, bounded, vllm_seam
 from oomguard.contract import SERVE_STATE_DIR, TWIN_GPU_FILE_ENV
 from oomguard.digits import decimal
 from oomguard.errors import BudgetError, ConfigError
@@ -344,7 +344,10 @@ def _add_budget(sub: Any) -> None:
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        help="vLLM's --gpu-memory-utilization (default 0.92, vLLM 0.33's)",
+        help=(
+            f"vLLM's --gpu-memory-utilization (default {vllm_seam.GPU_MEMORY_UTILIZATION}, "
+            f"vLLM {vllm_seam.MINOR}'s)"
+        ),
     )
     p.add_argument(
         "--max-model-len",
@@ -516,9 +519,9 @@ def _size_with_vllm(
     return budget
 
 
-# the serve flags `budget` takes, and vLLM 0.33's default for each (a deployment brings its own)
+# the serve flags `budget` takes, and vLLM's default for each (a deployment brings its own)
 SERVE_FLAG_DEFAULTS: dict[str, Any] = {
-    "gpu_memory_utilization": 0.92,
+    "gpu_memory_utilization": vllm_seam.GPU_MEMORY_UTILIZATION,
     "max_model_len": None,
     "max_num_seqs": None,
     "tensor_parallel_size": 1,
@@ -1038,7 +1041,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     if shutil.which("vllm", path=str(Path(sys.executable).parent)) is None:
         raise ConfigError(
             "vLLM is not installed in this environment: run `make demo`, which "
-            "installs vllm==0.33.0 for the CPU"
+            f"installs vllm=={vllm_seam.newest().VERSION} for the CPU"
         )
     return run(
         Options(

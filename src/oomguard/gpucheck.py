@@ -41,7 +41,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from oomguard import children
+from oomguard import children, vllm_seam
 
 SCHEMA = "oomguard.gpu_check.v1"
 MIB = 2**20
@@ -580,7 +580,9 @@ def _step_with_long_prompt(tokens: int) -> Any:
 
 def _engine_config() -> Any:
     return SimpleNamespace(
-        cache_config=SimpleNamespace(gpu_memory_utilization=0.92, block_size=16),
+        cache_config=SimpleNamespace(
+            gpu_memory_utilization=vllm_seam.GPU_MEMORY_UTILIZATION, block_size=vllm_seam.BLOCK_SIZE
+        ),
         scheduler_config=SimpleNamespace(
             max_num_seqs=256, max_num_batched_tokens=8192, enable_chunked_prefill=True
         ),

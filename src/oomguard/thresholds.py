@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from oomguard import vllm_seam
+
 GIB = 1024**3
 
 
@@ -244,29 +246,7 @@ class AlertThresholds(BaseModel):
         return self
 
 
-# vLLM 0.33's time_to_first_token_seconds buckets (vllm/v1/metrics/loggers.py): an SLO threshold
-# must be one of them, since PromQL reads the bucket whose `le` label equals it.
-VLLM_TTFT_BUCKETS: tuple[float, ...] = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+# vLLM's time_to_first_token_seconds buckets (vllm_seam; the newest supported vLLM's, as the
+# generated rules are): an SLO threshold must be one of them, since PromQL reads the bucket whose
+# `le` label equals it.
+VLLM_TTFT_BUCKETS: tuple[float, ...] = vllm_seam.newest().TTFT_BUCKETS

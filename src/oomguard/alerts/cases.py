@@ -9,7 +9,7 @@ central ruler adds, so a rule that selects a label the manifests do not set fail
 
 from __future__ import annotations
 
-from oomguard.alerts.rules import Case, ExprCase
+from oomguard.alerts.rules import Case, ExprCase, V
 from oomguard.contract import FRAGMENTATION_REASON
 from oomguard.manifests import kubernetes as k8s
 from oomguard.thresholds import AlertThresholds
@@ -1232,7 +1232,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     # -- SLOs on vLLM's own series (job vllm) ---------------------------------------------------
     def success(reason: str, pod: str | None = None) -> str:
         engine = L.rolled(L.vllm_engine, pod, "10.0.5.3") if pod else L.vllm_engine
-        return sel("vllm:request_success_total", {**engine, "finished_reason": reason})
+        return sel(V.FINISHED, {**engine, "finished_reason": reason})
 
     model = {**L.cluster, "model_name": MODEL}
 
@@ -1303,8 +1303,8 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         engine = L.rolled(L.vllm_engine, pod, "10.0.5.3") if pod else L.vllm_engine
         bucket = {**engine, "le": repr(t.slo_ttft_seconds)}
         return {
-            sel("vllm:time_to_first_token_seconds_bucket", bucket): values.format(good),
-            sel("vllm:time_to_first_token_seconds_count", engine): values.format(100),
+            sel(f"{V.TTFT}_bucket", bucket): values.format(good),
+            sel(f"{V.TTFT}_count", engine): values.format(100),
         }
 
     slow = f"requests waiting over {t.slo_ttft_seconds:g} s for their first token"
@@ -1378,7 +1378,7 @@ def expr_cases(t: AlertThresholds | None = None) -> list[ExprCase]:
             "engine": "0",
         },
     )
-    stop = sel("vllm:request_success_total", {**L.vllm_engine, "finished_reason": "stop"})
+    stop = sel(V.FINISHED, {**L.vllm_engine, "finished_reason": "stop"})
     # 0.8 requests a second succeed; a crash at 10m loses 60: 0.2 a second over 5 minutes
     crashed = {stop: "0+48x25", lost: "_x10 60x15"}
     rolled = {stop: "0+48x25", lost: "_x10 60x3 stale", lost_new: "_x13 60x12"}

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from oomguard import vllm_seam
 from oomguard.catalog import CATALOG
 from oomguard.thresholds import AlertThresholds
+
+# vLLM's metric names: the newest supported vLLM's, whatever this environment holds (generated)
+V = vllm_seam.newest()
 
 # The burn-rate windows of the SRE Workbook (chapter 5, "Alerting on SLOs"), for a 30-day SLO:
 # (severity, long window, short window, burn-rate factor).
@@ -226,11 +230,11 @@ def slo_recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]
             RecordingRule(
                 f"model_name:vllm_request_errors:ratio_rate{w}",
                 f"sum by ({by}) (\n"
-                f'  rate(vllm:request_success_total{{{job}, finished_reason="error"}}[{w}])\n'
+                f'  rate({V.FINISHED}{{{job}, finished_reason="error"}}[{w}])\n'
                 f"  or {lost}\n"
                 ")\n"
                 f"/ sum by ({by}) (\n"
-                f"  rate(vllm:request_success_total{{{job}}}[{w}])\n"
+                f"  rate({V.FINISHED}{{{job}}}[{w}])\n"
                 f"  or {lost}\n"
                 ")",
             )
@@ -239,9 +243,9 @@ def slo_recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]
         out.append(
             RecordingRule(
                 f"model_name:vllm_ttft_slow:ratio_rate{w}",
-                f"1 - sum by ({by}) (rate(vllm:time_to_first_token_seconds_bucket"
+                f"1 - sum by ({by}) (rate({V.TTFT}_bucket"
                 f'{{{job}, le="{t.slo_ttft_seconds!r}"}}[{w}]))\n'
-                f"/ sum by ({by}) (rate(vllm:time_to_first_token_seconds_count{{{job}}}[{w}]))",
+                f"/ sum by ({by}) (rate({V.TTFT}_count{{{job}}}[{w}]))",
             )
         )
     return out

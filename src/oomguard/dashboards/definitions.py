@@ -12,6 +12,7 @@ from typing import Any
 
 from grafanalib.core import Annotations, Dashboard, Time
 
+from oomguard import vllm_seam
 from oomguard.alerts.rules import runbook_url
 from oomguard.dashboards.panels import (
     DATASOURCE,
@@ -22,6 +23,9 @@ from oomguard.dashboards.panels import (
     variables,
 )
 from oomguard.thresholds import AlertThresholds
+
+# vLLM's metric names: the newest supported vLLM's, whatever this environment holds (generated)
+V = vllm_seam.newest()
 
 TAGS = ["oomguard", "vllm", "gpu"]
 MODES = ("serving", "capped", "readmitting", "draining", "restarting", "held")
@@ -316,13 +320,12 @@ def fleet(t: AlertThresholds | None = None) -> dict[str, Any]:
     )
     L.timeseries(
         "Waiting requests by reason",
-        "Requests queued in each vLLM engine by reason (vllm:num_requests_waiting_by_reason): "
+        f"Requests queued in each vLLM engine by reason ({V.WAITING_BY_REASON}): "
         "capacity = no room in the batch or the KV cache, deferred = transient constraints.",
         "short",
         [
             target(
-                f"sum by ({s.c}, model_name, engine, reason) "
-                f"(vllm:num_requests_waiting_by_reason{{{s.vllm}}})",
+                f"sum by ({s.c}, model_name, engine, reason) ({V.WAITING_BY_REASON}{{{s.vllm}}})",
                 "{{model_name}}/{{engine}} {{reason}}",
             )
         ],
@@ -375,15 +378,15 @@ def fleet(t: AlertThresholds | None = None) -> dict[str, Any]:
     L.timeseries(
         "Prefix-cache hit rate",
         "Share of prompt tokens served from vLLM's prefix cache "
-        "(vllm:prefix_cache_hits_total over vllm:prefix_cache_queries_total). A drop means more "
+        f"({V.PREFIX_CACHE_HITS} over {V.PREFIX_CACHE_QUERIES}). A drop means more "
         "prefill work and more KV memory per request.",
         "percentunit",
         [
             target(
                 f"sum by ({s.c}, model_name, engine) "
-                f"(rate(vllm:prefix_cache_hits_total{{{s.vllm}}}[$__rate_interval]))\n"
+                f"(rate({V.PREFIX_CACHE_HITS}{{{s.vllm}}}[$__rate_interval]))\n"
                 f"/ sum by ({s.c}, model_name, engine) "
-                f"(rate(vllm:prefix_cache_queries_total{{{s.vllm}}}[$__rate_interval]))",
+                f"(rate({V.PREFIX_CACHE_QUERIES}{{{s.vllm}}}[$__rate_interval]))",
                 "{{model_name}}/{{engine}}",
             )
         ],
@@ -568,23 +571,23 @@ def node(t: AlertThresholds | None = None) -> dict[str, Any]:
     )
     L.timeseries(
         "Waiting requests by reason",
-        "Requests queued per engine by reason (vllm:num_requests_waiting_by_reason): capacity "
+        f"Requests queued per engine by reason ({V.WAITING_BY_REASON}): capacity "
         "= no room, deferred = transient constraints.",
         "short",
         [
             target(
-                f"vllm:num_requests_waiting_by_reason{{{s.vllm}}}",
+                f"{V.WAITING_BY_REASON}{{{s.vllm}}}",
                 "{{model_name}}/{{engine}} {{reason}}",
             )
         ],
     )
     L.levels(
         "Engine sleep state",
-        "vLLM's sleep state per engine (vllm:engine_sleep_state): 1 awake; a sleeping engine "
+        f"vLLM's sleep state per engine ({V.SLEEP_STATE}): 1 awake; a sleeping engine "
         "holds no KV cache (weights_offloaded = level 1, discard_all = level 2).",
         [
             target(
-                f'vllm:engine_sleep_state{{{s.vllm}, sleep_state="awake"}}',
+                f'{V.SLEEP_STATE}{{{s.vllm}, sleep_state="awake"}}',
                 "{{model_name}}/{{engine}}",
             )
         ],
@@ -601,8 +604,8 @@ def node(t: AlertThresholds | None = None) -> dict[str, Any]:
         ],
     )
     for name, metric in (
-        ("Time to first token", "vllm:time_to_first_token_seconds"),
-        ("Inter-token latency", "vllm:inter_token_latency_seconds"),
+        ("Time to first token", V.TTFT),
+        ("Inter-token latency", V.INTER_TOKEN_LATENCY),
     ):
         L.timeseries(
             f"{name} p50 / p95 / p99",

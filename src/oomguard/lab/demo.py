@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 
+from oomguard import vllm_seam
 from oomguard.alerts.generate import dump
 from oomguard.alerts.rules import rule_groups
 from oomguard.exporter.render import Family
@@ -273,7 +274,9 @@ class Demo:
     def start_fleets(self, fleets: dict[str, Fleet]) -> None:
         """Start every fleet at once (each vLLM takes seconds to load); all or none."""
         n = sum(f.n for f in fleets.values())
-        self.say(f"starting {n} vLLM 0.33 servers (model-free executor, oomguard plugin)...")
+        self.say(
+            f"starting {n} vLLM {vllm_seam.MINOR} servers (model-free executor, oomguard plugin)..."
+        )
         errors: list[BaseException] = []
         done: list[str] = []
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass
 
+from oomguard import vllm_seam
 from oomguard.exporter.collectors.nvml import NvmlCollector
 from oomguard.exporter.collectors.vllm import EngineReading
 from oomguard.exporter.pressure import EngineSource, PressureEvaluator
@@ -32,7 +33,7 @@ from oomguard.twin.traces import Phase, Trace
 from oomguard.vllm_plugin import step_guard
 from oomguard.vllm_plugin.step_guard import Room, StepCosts, margin_for, plan
 
-GMUS = (0.85, 0.90, 0.92, 0.95)
+GMUS = (0.85, 0.90, vllm_seam.GPU_MEMORY_UTILIZATION, 0.95)  # vLLM's default among them
 # Largest first: each GPU serves the largest of these that starts at the lowest gmu of the matrix.
 MODEL_LADDER = ("llama-3-8b", "llama-3.2-3b", "llama-3.2-1b")
 # The traces whose incident is GPU memory taken away from the engine (a neighbour, fragmentation):

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from oomguard import vllm_seam
 from oomguard.lab import charts
 from oomguard.paths import runbooks_dir
 from oomguard.twin.gpu import GIB
@@ -373,7 +374,8 @@ def page(summary: dict[str, Any], demo: DemoRun, audit: list[dict[str, Any]], ou
         "<a href='#audit'>Remediator audit</a></nav>",
         f"<p>{_e(summary['incident']['description'])} The incident "
         f"(<code>{_e(summary['incident']['trace'])}</code>) was replayed twice at once with the "
-        "same seed, the same requests and the same GPU events, on real vLLM 0.33 servers whose "
+        f"same seed, the same requests and the same GPU events, on real vLLM {vllm_seam.MINOR} "
+        "servers whose "
         "model-free executor runs the GPU twin's memory and step-time physics. Times are trace "
         f"seconds. Wall time of the replay: {summary['wall_s']:.0f} s.</p>",
         "<h2 id='side-by-side'>1. Side by side</h2>",

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from oomguard import __version__, yamlfmt
+from oomguard import __version__, vllm_seam, yamlfmt
 from oomguard.contract import (
     ALLOCATOR_DIR_ENV,
     API_PREFIX,
@@ -55,7 +55,7 @@ VLLM_NAME = "vllm-llama-3-8b"
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"  # vLLM labels its series model_name=<this>
 NODE = "gpu-node-1"  # the example engine's node: alerts name it in `instance` (see PodMonitor)
 IMAGE = f"ghcr.io/oomguard/oomguard:{__version__}"
-VLLM_IMAGE = "ghcr.io/oomguard/vllm-oomguard:0.33.0"  # vLLM 0.33.0 + `pip install oomguard`
+VLLM_IMAGE = vllm_seam.newest().IMAGE  # the newest supported vLLM + `pip install oomguard`
 HANDOFF = HANDOFF_DIR
 # cgroup v2: the root has no memory.events; kubepods.slice (systemd cgroup driver, the kubeadm
 # default) counts OOM kills of every pod on the node (cgroupfs driver: kubepods)

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from oomguard import vllm_seam
 from oomguard.errors import ConfigError
 from oomguard.remediator import statefile
 
@@ -27,7 +28,7 @@ log = logging.getLogger("oomguard.supervisor")
 GMU = "--gpu-memory-utilization"
 SEQS = "--max-num-seqs"
 ACTIVE = "--max-num-active-seqs"  # bounded by --max-num-seqs
-VLLM_DEFAULT_GMU = 0.92  # vLLM 0.33's default (read back from a running engine)
+VLLM_DEFAULT_GMU = vllm_seam.GPU_MEMORY_UTILIZATION  # vLLM's default (read back from an engine)
 
 
 class FlagLimits(BaseModel):

@@ -26,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from oomguard import vllm_seam
 from oomguard.errors import BudgetError
 from oomguard.logits import LogitsShape, longest_prompt_logprobs_prompt
 from oomguard.sizing.capacity import Capacity, kv_capacity
@@ -34,8 +35,8 @@ from oomguard.sizing.model import DTYPE_BYTES, GIB, MIB, ModelShape, _cdiv
 # `budget --json`'s layout; bumped when a field changes meaning or goes away.
 SCHEMA_VERSION = 2
 
-# vLLM 0.33 defaults (vllm/config/cache.py, vllm/engine/arg_utils.py).
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+# vLLM's default (vllm_seam).
+DEFAULT_GPU_MEMORY_UTILIZATION = vllm_seam.GPU_MEMORY_UTILIZATION
 
 
 # Non-KV memory, per GPU (docs/budget.md derives each one). Non-torch memory (cuBLAS/cuDNN
@@ -484,7 +485,8 @@ def _assumptions(
         out.append(f"KV cache dtype auto: {resolved}, {kv_b:g} B per element")
     if inp.async_scheduling and inp.pipeline_parallel_size == 1:
         out.append(
-            "two in-flight chunks of max_num_batched_tokens (async scheduling, vLLM 0.33's "
+            "two in-flight chunks of max_num_batched_tokens (async scheduling, "
+            f"vLLM {vllm_seam.MINOR}'s "
             "default) for sliding-window and chunked layers"
         )
     if inp.gpu_name:

@@ -26,7 +26,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard import bounded
+from oomguard import bounded, vllm_seam
 from oomguard.errors import BudgetError
 
 # A manifest is text an operator writes: generous, but bounded.
@@ -204,7 +204,7 @@ def serve_args(words: list[str]) -> list[str] | None:
         base = os.path.basename(w)
         if base == "vllm" and k + 1 < len(words) and words[k + 1] == "serve":
             return words[k + 2 :]
-        if w == "-m" and k + 1 < len(words) and words[k + 1].startswith("vllm.entrypoints"):
+        if w == "-m" and k + 1 < len(words) and words[k + 1].startswith(vllm_seam.ENTRYPOINTS):
             return words[k + 2 :]
     return None
 

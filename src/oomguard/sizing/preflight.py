@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from oomguard import bounded
+from oomguard import bounded, vllm_seam
 from oomguard.contract import ALLOCATOR_DIR_ENV, API_PREFIX
 from oomguard.digits import decimal
 from oomguard.engine_state import StateError
@@ -176,17 +176,17 @@ class Server:
 
     async def healthy(self) -> bool:
         try:
-            return (await self.get("/health", HEALTH_LIMITS))[0] == 200
+            return (await self.get(vllm_seam.HEALTH, HEALTH_LIMITS))[0] == 200
         except (httpx.HTTPError, httpx.InvalidURL, bounded.InputError):
             return False
 
     async def kv_cache_tokens(self) -> int | None:
         try:
-            status, body = await self.get("/metrics", METRICS_LIMITS)
-            text = bounded.decode(body, self.s.url + "/metrics")
+            status, body = await self.get(vllm_seam.METRICS_PATH, METRICS_LIMITS)
+            text = bounded.decode(body, self.s.url + vllm_seam.METRICS_PATH)
         except (httpx.HTTPError, httpx.InvalidURL, bounded.InputError):
             return None
-        m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
+        m = re.search(rf"^{re.escape(vllm_seam.CACHE_CONFIG)}\{{([^}}]*)\}}", text, re.MULTILINE)
         if status != 200 or not m:
             return None
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
@@ -469,10 +469,14 @@ class Preflight:
             check["n"] = f"exercised: {report.fan_out}"
         if gmu is None:
             check["gpu_memory_utilization"] = "not reported by the plugin"
-        elif 0.88 <= gmu <= 0.92:
-            check["gpu_memory_utilization"] = f"{gmu:.2f}: inside 0.88-0.92"
+        elif 0.88 <= gmu <= vllm_seam.GPU_MEMORY_UTILIZATION:
+            check["gpu_memory_utilization"] = (
+                f"{gmu:.2f}: inside 0.88-{vllm_seam.GPU_MEMORY_UTILIZATION}"
+            )
         else:
-            check["gpu_memory_utilization"] = f"{gmu:.2f}: outside 0.88-0.92"
+            check["gpu_memory_utilization"] = (
+                f"{gmu:.2f}: outside 0.88-{vllm_seam.GPU_MEMORY_UTILIZATION}"
+            )
         a = [s for s in report.stages if s.load.prompt_logprobs and s.ok]
         if len(a) >= 2 and a[-1].peak_bytes == a[-2].peak_bytes and a[-1].load.prompt_len > 4096:
             check["chunked prefill"] = "on: the peak stopped growing with the prompt"

@@ -45,6 +45,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from oomguard import vllm_seam as vllm
+
 # A multimodal checkpoint's language model, built alone: its attention layers are the ones the
 # wrapper builds (the vision encoder has no KV cache). The wrappers' own modules import image
 # processors (torchvision) that a CPU environment may lack.
@@ -140,40 +142,29 @@ class Probe:
 
     def __init__(self) -> None:
         import torch
-        from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
-        from vllm.distributed import parallel_state
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-        from vllm.model_executor.model_loader.utils import initialize_model
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups,
-            get_kv_cache_configs,
-        )
-        from vllm.v1.core.kv_cache_utils import (
-            generate_scheduler_kv_cache_config,
-            get_kv_cache_capacity,
-        )
 
+        config = vllm.load(vllm.CONFIG)
+        planning = vllm.load(vllm.KV_CACHE_PLANNING)
+        utils = vllm.load(vllm.KV_CACHE_UTILS)
         self.torch = torch
-        self.ps = parallel_state
-        self.set_config = set_current_vllm_config
-        self.layers_of = get_layers_from_vllm_config
-        self.attention_base: Any = AttentionLayerBase
-        self.engine_args: Any = EngineArgs
-        self.initialize_model = initialize_model
-        self.global_groups = get_global_kv_cache_groups
-        self.configs = get_kv_cache_configs
-        self.scheduler_config = generate_scheduler_kv_cache_config
-        self.capacity = get_kv_cache_capacity
+        self.ps = vllm.load(vllm.PARALLEL_STATE)
+        self.set_config = config.set_current_vllm_config
+        self.layers_of = config.get_layers_from_vllm_config
+        self.attention_base: Any = vllm.load(vllm.ATTENTION_LAYER_BASE)
+        self.engine_args: Any = vllm.load(vllm.ENGINE_ARGS)
+        self.initialize_model = vllm.load(vllm.INITIALIZE_MODEL)
+        self.global_groups = planning.get_global_kv_cache_groups
+        self.configs = planning.get_kv_cache_configs
+        self.scheduler_config = utils.generate_scheduler_kv_cache_config
+        self.capacity = utils.get_kv_cache_capacity
         self.distributed = False
 
     def _distributed(self, vllm_config: Any) -> None:
         """One process, world size 1; the model-parallel groups are made anew for each model
         (vLLM creates the expert-parallel group only for a MoE model's config)."""
-        from vllm.distributed import (
-            ensure_model_parallel_initialized,
-            init_distributed_environment,
-        )
+        distributed = vllm.load(vllm.DISTRIBUTED)
+        ensure_model_parallel_initialized = distributed.ensure_model_parallel_initialized
+        init_distributed_environment = distributed.init_distributed_environment
 
         with self.set_config(vllm_config):
             if not self.distributed:
@@ -299,10 +290,9 @@ class Probe:
         this process built the layers with takes multiples of 32 where CUDA's take 16. None if
         it cannot be imported (the spec is then the CPU backend's, and the output says so)."""
         try:
-            from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+            return vllm.load(vllm.FLASH_ATTENTION_BACKEND)
         except Exception:
             return None
-        return FlashAttentionBackend
 
     @staticmethod
     @contextlib.contextmanager
@@ -325,7 +315,7 @@ class Probe:
                 layer.attn_backend = current
 
     def _build(self, vllm_config: Any) -> Any:
-        from vllm.utils.torch_utils import set_default_torch_dtype
+        set_default_torch_dtype = vllm.load(vllm.SET_DEFAULT_TORCH_DTYPE)
 
         # as vLLM's loaders do: parameters are made in the model dtype
         dtype = vllm_config.model_config.dtype

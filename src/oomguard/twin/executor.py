@@ -63,13 +63,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.v1.executor.abstract import Executor
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from vllm.v1.outputs import ModelRunnerOutput
 
+from oomguard import vllm_seam as vllm
 from oomguard.contract import ALLOCATOR_DIR_ENV, INCIDENT_DIR_ENV, TARGET_ENV
 from oomguard.units import parse_size
 from oomguard.vllm_plugin.oom import note_step
+
+Executor = vllm.load(vllm.EXECUTOR)
+FullAttentionSpec = vllm.load(vllm.FULL_ATTENTION_SPEC)
+ModelRunnerOutput = vllm.load(vllm.MODEL_RUNNER_OUTPUT)
 
 log = logging.getLogger("oomguard.twin.executor")
 
@@ -126,7 +128,7 @@ class GpuTwin:
             gpu=_text(twin, "gpu", "OOMGUARD_TWIN_GPU"),
             gpu_memory_utilization=float(vllm_config.cache_config.gpu_memory_utilization),
             max_num_batched_tokens=int(sched.max_num_batched_tokens),
-            block_size=int(vllm_config.cache_config.block_size or 16),
+            block_size=int(vllm_config.cache_config.block_size or vllm.BLOCK_SIZE),
         )
         self.compression = _setting(twin, "time_compression", "OOMGUARD_TWIN_TIME_COMPRESSION", 1.0)
         self.state_file = _text(twin, "state_file", "OOMGUARD_TWIN_STATE_FILE")
@@ -403,7 +405,7 @@ class ModelFreeWorker:
         # top-k of requests that asked for sampled-token `logprobs`, for their whole life
         self._sample_logprobs: dict[str, int] = {}
         model = vllm_config.model_config
-        self.block_size = vllm_config.cache_config.block_size or 16
+        self.block_size = vllm_config.cache_config.block_size or vllm.BLOCK_SIZE
         self.num_layers = model.get_num_layers(vllm_config.parallel_config)
         self.spec = FullAttentionSpec(
             block_size=self.block_size,
@@ -413,7 +415,7 @@ class ModelFreeWorker:
         )
         # tokens that must be computed before a request samples: prompt (+ outputs if resumed)
         self._needed: dict[str, int] = {}
-        self._pending: ModelRunnerOutput | None = None
+        self._pending: Any = None  # a ModelRunnerOutput
         if self.gpu is not None:
             from oomguard.vllm_plugin import step_guard
 
@@ -424,7 +426,7 @@ class ModelFreeWorker:
             step_guard.on_shrink(lambda: gpu.publish(force=True))
 
     # -- start-up ------------------------------------------------------------------------------
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+    def get_kv_cache_spec(self) -> dict[str, Any]:  # KVCacheSpec by layer
         return {f"model.layers.{i}.self_attn.attn": self.spec for i in range(self.num_layers)}
 
     def determine_available_memory(self) -> int:
@@ -528,7 +530,8 @@ class ModelFreeWorker:
         if not self._sample_logprobs or not any(r in self._sample_logprobs for r in req_ids):
             return None
         import numpy as np
-        from vllm.v1.outputs import LogprobsLists
+
+        LogprobsLists = vllm.load(vllm.LOGPROBS_LISTS)
 
         k = max(self._sample_logprobs.get(r, 0) for r in req_ids)
         ids = np.array([self.token_id, *(self.token_id + j for j in range(k))], dtype=np.int32)
@@ -544,7 +547,7 @@ class ModelFreeWorker:
         """What a GPU runner returns at the end of a prompt_logprobs prefill: for each prompt
         position after the first, the next prompt token and top-k entries (no model: every
         entry is that token, log-probability 0, rank 1)."""
-        from vllm.v1.outputs import LogprobsTensors
+        LogprobsTensors = vllm.load(vllm.LOGPROBS_TENSORS)
 
         prompt, top = self._prompt_logprobs.pop(req_id)
         targets = torch.tensor(prompt[1:], dtype=torch.int32)
@@ -555,7 +558,7 @@ class ModelFreeWorker:
             selected_token_ranks=torch.ones(len(targets), dtype=torch.int32),
         )
 
-    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: Any) -> Any:  # a ModelRunnerOutput
         output, self._pending = self._pending, None
         return output or ModelRunnerOutput(req_ids=[], req_id_to_index={})
 
@@ -592,7 +595,7 @@ def _run(call: Callable[[], Any], non_block: bool) -> Any:
     return future
 
 
-class ModelFreeExecutor(Executor):
+class ModelFreeExecutor(Executor):  # type: ignore[misc,valid-type]  # vLLM's, via vllm_seam
     uses_ray = False
     supports_pp = False
 

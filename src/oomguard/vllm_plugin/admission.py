@@ -42,6 +42,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from oomguard import vllm_seam as vllm
 from oomguard.catalog import spec
 from oomguard.vllm_plugin.envvars import env_float
 from oomguard.vllm_plugin.guard import (
@@ -327,16 +328,12 @@ def raise_for(decision: Decision) -> None:
     """vLLM's own exceptions, so its handlers answer 400 (with `param`) or the deferral status
     (vllm_plugin/refusals.py: 429 by default)."""
     if decision.action == "reject":
-        from vllm.exceptions import VLLMValidationError
-
-        raise VLLMValidationError(
+        raise vllm.load(vllm.VALIDATION_ERROR)(
             decision.message, parameter=decision.parameter, value=decision.limit_bytes
         )
     if decision.action == "defer":
-        from vllm.exceptions import GracefulHTTPError
-
         # 429 unless configured otherwise: what routers retry without ejecting the engine
-        raise GracefulHTTPError(decision.message, defer_status())
+        raise vllm.load(vllm.GRACEFUL_HTTP_ERROR)(decision.message, defer_status())
 
 
 _guard: Guard | None = None
@@ -353,7 +350,7 @@ def install(guard: Guard) -> bool:
     if guard.mode == "off":
         return False
     try:
-        from vllm.v1.engine.input_processor import InputProcessor
+        InputProcessor = vllm.load(vllm.INPUT_PROCESSOR)
     except ImportError:
         log.warning("oomguard guard: vLLM's InputProcessor is not importable; guard inactive")
         return False
@@ -393,7 +390,7 @@ def _install_prefilled() -> None:
     means its prefill is done (EngineCore sends none for a partial prefill), so what the ledger
     holds for it is released. Costs one length check per batch while nothing is held."""
     try:
-        from vllm.v1.engine.output_processor import OutputProcessor
+        OutputProcessor = vllm.load(vllm.OUTPUT_PROCESSOR)
     except ImportError:
         return
     process = OutputProcessor.__dict__.get("process_outputs")
@@ -461,7 +458,7 @@ def _token_ids(prompt: Any) -> list[int] | None:
 def _install_early() -> None:
     """Wrap `AsyncLLM.generate` once: decide before a streamed response begins (see above)."""
     try:
-        from vllm.v1.engine.async_llm import AsyncLLM
+        AsyncLLM = vllm.load(vllm.ASYNC_LLM)
     except ImportError:
         return
     generate = AsyncLLM.__dict__.get("generate")
@@ -496,11 +493,11 @@ def _install_early() -> None:
 @contextlib.contextmanager
 def _not_a_guard_failure() -> Any:
     """A bug in the guard must never fail a request: only its own decisions may."""
-    from vllm.exceptions import GracefulHTTPError, VLLMValidationError
+    refusals = (vllm.load(vllm.VALIDATION_ERROR), vllm.load(vllm.GRACEFUL_HTTP_ERROR))
 
     try:
         yield
-    except (VLLMValidationError, GracefulHTTPError):
+    except refusals:
         raise
     except Exception:
         log.warning("oomguard guard: decision failed; request admitted", exc_info=True)

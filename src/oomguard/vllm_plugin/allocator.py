@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oomguard import vllm_seam as vllm
 from oomguard.contract import ALLOCATOR_DIR_ENV, HANDOFF_DIR, TARGET_ENV
 from oomguard.handoff import AllocatorReport, report_path, write_report
 from oomguard.vllm_plugin import step_guard
@@ -40,7 +41,7 @@ _lock = threading.Lock()
 def rank_and_engine() -> tuple[int, str]:
     rank, engine = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)) or 0), "0"
     with contextlib.suppress(Exception):  # vLLM's groups exist only after distributed init
-        from vllm.distributed import parallel_state
+        parallel_state = vllm.load(vllm.PARALLEL_STATE)
 
         rank = parallel_state.get_world_group().rank
         engine = str(parallel_state.get_dp_group().rank_in_group)

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from oomguard import bounded
+from oomguard import vllm_seam as vllm
 from oomguard.contract import (
     API_PREFIX,
     DRAINING_MESSAGE,
@@ -56,84 +57,15 @@ from oomguard.vllm_plugin.refusals import MAX_DRAIN_GRACE, SHOULD_RETRY, Refusal
 log = logging.getLogger("oomguard.vllm_plugin.api")
 
 PREFIX = API_PREFIX
-# Every route that puts work on the engine (vLLM 0.33). While draining, a POST to one of these is
-# answered 503 + Retry-After at the door. tests/test_vllm_plugin.py checks that each POST route
-# the real server registers is in exactly one of GATED_PATHS and CONTROL_PATHS, so a vLLM upgrade
-# that adds an inference route fails the tests instead of slipping past the drain.
-GATED_PATHS = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/chat/completions/batch",
-        "/v1/responses",
-        "/v1/messages",
-        "/v1/decisions",
-        "/v1/systemone",
-        "/v1/embeddings",
-        "/v1/score",
-        "/v1/rerank",
-        "/v1/classify",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-        "/v2/embed",
-        "/v2/rerank",
-        "/cohere/v2/chat",
-        "/generate",
-        "/generative_scoring",
-        "/inference/v1/generate",
-        "/invocations",  # SageMaker: dispatches to completions, chat, embeddings, ...
-        "/pooling",
-        "/classify",
-        "/score",
-        "/rerank",
-    }
-)
-# POST routes that never start inference: tokenizer work, aborts and cancels (they must keep
-# working while draining), and operator controls.
-CONTROL_PATHS = frozenset(
-    {
-        "/tokenize",
-        "/detokenize",
-        "/v1/messages/count_tokens",
-        "/v1/completions/render",
-        "/v1/completions/derender",
-        "/v1/chat/completions/render",
-        "/v1/chat/completions/derender",
-        "/v1/messages/render",
-        "/v1/responses/render",
-        "/cohere/v2/chat/render",
-        "/v1/responses/{response_id}/cancel",
-        "/abort_requests",
-        "/inference/v1/abort_requests",
-        "/ping",
-        "/v1/load_lora_adapter",
-        "/v1/unload_lora_adapter",
-        "/pause",
-        "/resume",
-        "/sleep",
-        "/wake_up",
-        "/release_kv_cache_memory",
-        "/reset_prefix_cache",
-        "/reset_mm_cache",
-        "/reset_encoder_cache",
-        "/collective_rpc",
-        "/start_profile",
-        "/stop_profile",
-        "/scale_elastic_ep",
-        "/is_scaling_elastic_ep",
-        "/fault_tolerance/apply",
-        "/init_weight_transfer_engine",
-        "/start_weight_update",
-        "/start_draft_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/update_weight_version",
-        "/shutdown_weight_transfer_engine",
-        "/weight_checker",
-        f"{PREFIX}/drain",
-        f"{PREFIX}/resume",
-    }
-)
+# Every route of vLLM's that puts work on the engine (vllm_seam: GATED_PATHS). While draining,
+# a POST to one of these is answered 503 + Retry-After at the door. tests/test_vllm_plugin.py
+# checks that each POST route the real server registers is in exactly one of GATED_PATHS and
+# CONTROL_PATHS, so a vLLM upgrade that adds an inference route fails the tests instead of
+# slipping past the drain.
+GATED_PATHS = vllm.GATED_PATHS
+# POST routes that never start inference: vLLM's (tokenizer work, aborts and cancels, which must
+# keep working while draining, and operator controls) and the plugin's own.
+CONTROL_PATHS = vllm.CONTROL_PATHS | {f"{PREFIX}/drain", f"{PREFIX}/resume"}
 ENGINE_TIMEOUT_SECONDS = 5.0
 DRAIN_CACHE_SECONDS = 1.0
 MAX_BODY_BYTES = 8192  # {"cap": N} is a few bytes; anything large is not a cap change

@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from oomguard import vllm_seam as vllm
 from oomguard.contract import DRAINING, INITIAL_CAP_ENV
 from oomguard.engine_state import EngineCoreState, SinceCapChange
 from oomguard.vllm_plugin import oom
@@ -66,7 +67,7 @@ def counters(scheduler: Any) -> Counters:
         c = Counters()
         scheduler._oomguard_counters = c
         # the startup active limit, before anything lowers it: `--max-num-active-seqs` when set
-        # (vLLM 0.33 keeps it in max_num_active_reqs), else max_num_seqs
+        # (vLLM keeps it in max_num_active_reqs), else max_num_seqs
         scheduler._oomguard_ceiling = min(
             int(scheduler.max_num_active_reqs), int(scheduler.max_num_running_reqs)
         )
@@ -225,7 +226,7 @@ def shed_waiting(scheduler: Any) -> dict[int, list[str]]:
     Requests holding KV blocks (`kv_holding_waiting`) are not touched: PAUSED_NEW still runs
     them, so they finish here. Under PAUSED_NEW nothing else in the queue would ever run.
     """
-    from vllm.v1.request import RequestStatus
+    RequestStatus = vllm.load(vllm.REQUEST_STATUS)
 
     queued = [r.request_id for r in scheduler.waiting if not r.is_finished()]
     if not queued:
@@ -240,18 +241,18 @@ def shed_waiting(scheduler: Any) -> dict[int, list[str]]:
 
 
 def _shed_error() -> Any:
-    from vllm.outputs import RequestError
+    RequestError = vllm.load(vllm.REQUEST_ERROR)
 
     # retryable: the API server answers 503 (RetryableRequestError), a gateway tries a peer
     return RequestError(code=SHED_CODE, message=SHED_MESSAGE, retryable=True)
 
 
 def _shed_outputs(req_ids: list[str]) -> list[Any]:
-    from vllm.v1.engine import EngineCoreOutput, FinishReason
-
-    error = _shed_error()
+    EngineCoreOutput = vllm.load(vllm.ENGINE_CORE_OUTPUT)
+    FinishReason = vllm.load(vllm.FINISH_REASON)
+    with_error = {"error": _shed_error()} if vllm.ENGINE_OUTPUT_ERROR else {}
     return [
-        EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=error)
+        EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, **with_error)
         for req_id in req_ids
     ]
 
@@ -282,7 +283,7 @@ def _wrap_update_from_output(update: Any) -> Any:
         if not _draining(self):
             return outputs
         try:  # a preemption this step put requests back in the queue: send them on
-            from vllm.v1.engine import EngineCoreOutputs
+            EngineCoreOutputs = vllm.load(vllm.ENGINE_CORE_OUTPUTS)
 
             for client, req_ids in shed_waiting(self).items():
                 eco = outputs.get(client)
@@ -299,7 +300,7 @@ def _wrap_update_from_output(update: Any) -> Any:
 
 # -- utility methods (run in the EngineCore process, `self` is the EngineCore) -------------------
 def _paused(core: Any) -> bool:
-    from vllm.v1.core.sched.interface import PauseState
+    PauseState = vllm.load(vllm.PAUSE_STATE)
 
     return core.scheduler.pause_state != PauseState.UNPAUSED
 
@@ -372,7 +373,7 @@ def oomguard_drain(self: Any, grace_seconds: float = 0.0) -> dict[str, Any]:
     """Drain: nothing new starts at once; queued and new requests are sent elsewhere (shed)
     `grace_seconds` later, once routers have taken this replica out of rotation (its readiness
     fails from now on). Repeated calls keep the earliest shedding time."""
-    from vllm.v1.core.sched.interface import PauseState
+    PauseState = vllm.load(vllm.PAUSE_STATE)
 
     s = self.scheduler
     if not _paused(self):
@@ -391,7 +392,7 @@ def oomguard_drain(self: Any, grace_seconds: float = 0.0) -> dict[str, Any]:
 def _shed_if_due(self: Any) -> None:
     """Once a drain's grace has passed: refuse new requests and end the queued ones with a
     retryable error (a router retries them on a peer)."""
-    from vllm.v1.engine import FinishReason
+    FinishReason = vllm.load(vllm.FINISH_REASON)
 
     s = self.scheduler
     due = getattr(s, "_oomguard_shed_at", None)
@@ -404,11 +405,12 @@ def _shed_if_due(self: Any) -> None:
     send = getattr(self, "_send_finish_outputs_to_client", None)
     if send is not None:  # EngineCoreProc: the API server is on the other end of a queue
         for client, req_ids in shed_waiting(s).items():
-            send(req_ids, client, FinishReason.ERROR, _shed_error())
+            with_error = (_shed_error(),) if vllm.ENGINE_OUTPUT_ERROR else ()
+            send(req_ids, client, FinishReason.ERROR, *with_error)
 
 
 def oomguard_resume(self: Any) -> dict[str, Any]:
-    from vllm.v1.core.sched.interface import PauseState
+    PauseState = vllm.load(vllm.PAUSE_STATE)
 
     if _paused(self):
         log.info("oomguard: resuming admissions")
@@ -449,7 +451,7 @@ def oomguard_headroom(self: Any) -> dict[str, Any]:
         "hidden_size": int(model.get_hidden_size()),
         "max_num_batched_tokens": int(sched.max_num_batched_tokens),
         "chunked_prefill": bool(sched.enable_chunked_prefill),
-        "block_size": int(cache.block_size or 16),
+        "block_size": int(cache.block_size or vllm.BLOCK_SIZE),
         "total_kv_blocks": int(s.kv_cache_config.num_blocks),
         "free_kv_blocks": int(pool.get_num_free_blocks()),
         "memory": _memory_from_workers(self),
@@ -585,7 +587,7 @@ def _patch_worker() -> None:
 
         if not torch.cuda.is_available():
             return  # no CUDA in this install: no GPU worker to patch, no import cost
-        from vllm.v1.worker.gpu_worker import Worker
+        Worker = vllm.load(vllm.GPU_WORKER)
     except Exception:  # an install whose GPU worker does not import
         return
     if not getattr(Worker.execute_model, "_oomguard_wrapper", False):
@@ -599,8 +601,8 @@ def _patch_worker() -> None:
 def register() -> None:
     """The `vllm.general_plugins` entry point. Idempotent: patches once per process."""
     try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.engine.core import EngineCore
+        Scheduler = vllm.load(vllm.SCHEDULER)
+        EngineCore = vllm.load(vllm.ENGINE_CORE)
     except ImportError:  # not a vLLM this plugin knows: stay out of the way
         log.warning("oomguard plugin: vLLM's V1 engine is not importable; plugin inactive")
         return

@@ -24,18 +24,19 @@ from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
 from oomguard.exporter.scrape import DEFAULT_MAX_BYTES, Scraper
 from oomguard.exporter.textparse import Parsed, is_openmetrics, parse
-
-KV_USAGE = "vllm:kv_cache_usage_perc"
-KV_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"  # removed upstream; some routers still emit it
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-PREEMPTIONS = "vllm:num_preemptions_total"
-FINISHED = "vllm:request_success_total"
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-CACHE_CONFIG = "vllm:cache_config_info"
-PROMPT_HIST = "vllm:request_prompt_tokens"
-GENERATION_HIST = "vllm:request_generation_tokens"
+from oomguard.vllm_seam import (  # vLLM's metric names, by vLLM version (vllm_seam)
+    CACHE_CONFIG,
+    FINISHED,
+    GENERATION_HIST,
+    GENERATION_TOKENS,
+    KV_USAGE,
+    KV_USAGE_LEGACY,
+    PREEMPTIONS,
+    PROMPT_HIST,
+    PROMPT_TOKENS,
+    RUNNING,
+    WAITING,
+)
 
 WANTED = (
     KV_USAGE,
