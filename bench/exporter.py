@@ -763,6 +763,13 @@ def measure(scenario: Scenario, quick: bool, soak_polls: int) -> dict[str, Any]:
         results["nvml_fake_driver"] = fake_driver_ms(poller, 3 if quick else 20)
         print(f"  NVML poll and its fake driver: {fmt(results['nvml_fake_driver'])}", flush=True)
         print(f"  poll cycle CPU: {fmt(results['poll_cycle_cpu_ms'])}", flush=True)
+    # the same vLLM polls from servers that ignore name[] (a router, an older exporter: whole
+    # pages), in the same run: what asking for the read samples only saves
+    with running(scenario, filters=False) as whole:
+        results["vllm_poll_cpu_ms_whole_pages"] = poll_cycle_ms(whole, 3 if quick else 20)["vllm"]
+    whole_ms = results["vllm_poll_cpu_ms_whole_pages"]
+    print(f"  vLLM polls, whole pages: {whole_ms:.2f} ms", flush=True)
+    with running(scenario) as poller:
         cpu: dict[str, float] = {}
         windows = [(1.0, 5.0 if quick else 30.0)]
         if scenario.name == "small":
