@@ -121,7 +121,10 @@ class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def log_message(self, *a): pass
     def do_GET(self):
-        data = body(urlsplit(self.path).query if FILTERS else "")
+        # as vLLM 0.33 serves its registry: /metrics through an instrumentator handler that
+        # ignores name[], /metrics/ through prometheus_client's app, which honours it
+        url = urlsplit(self.path)
+        data = body(url.query if FILTERS and url.path == "/metrics/" else "")
         # headers and body in one write, as uvicorn does: no Nagle/delayed-ACK stall
         self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(data) + data)
@@ -288,8 +291,8 @@ def running(
     filters: bool = True,
 ) -> Iterator[Poller]:
     """The scenario's node: fake NVML, hand-off files, a cgroup, its servers; a polled Poller.
-    `filters`: the servers honour name[] parameters, as vLLM's exposition does (False: they
-    send the whole page whatever is asked, as a router or an older exporter may)."""
+    `filters`: the servers honour name[] parameters at /metrics/, as vLLM 0.33 does (False:
+    they send the whole page whatever is asked, as a router or an older exporter may)."""
     with (
         tempfile.TemporaryDirectory(prefix="oomguard-bench-exporter-") as tmp_s,
         pytest.MonkeyPatch.context() as mp,

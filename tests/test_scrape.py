@@ -4,14 +4,14 @@ import gzip
 import re
 import socket
 import threading
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from oomguard.errors import CollectorError
-from oomguard.exporter.collectors.vllm import WANTED, VllmCollector
+from oomguard.exporter.collectors.vllm import WANTED, VllmCollector, filtered_url
 from oomguard.exporter.scrape import Scraper
 from oomguard.exporter.textparse import parse
 from tests.conftest import VLLM_FIXTURE
@@ -123,14 +123,14 @@ def _names_asked(path: str) -> set[str] | None:
 
 
 def test_asks_for_the_named_samples_only_and_reads_the_same_engines(local_server):
-    """A server that honours name[] (as vLLM's exposition does) sends a fraction of its page;
-    the collector reads the same engines, numbers and invalid counts from it."""
+    """A server that honours name[] at /metrics/ (as vLLM 0.33 does) sends a fraction of its
+    page; the collector reads the same engines, numbers and invalid counts from it."""
     full = VLLM_FIXTURE.read_text()
-    asked: list[set[str] | None] = []
+    asked: list[tuple[str, set[str] | None]] = []
 
     def respond(handler):
         names = _names_asked(handler.path)
-        asked.append(names)
+        asked.append((urlsplit(handler.path).path, names))
         page = full if names is None else _restricted(full, names)
         return 200, page.encode(), "text/plain; version=0.0.4"
 
@@ -138,9 +138,29 @@ def test_asks_for_the_named_samples_only_and_reads_the_same_engines(local_server
     server.responder = respond
     collector = VllmCollector("t", server.url)
     filtered = collector.collect()
-    assert asked == [set(WANTED)]
+    assert asked == [("/metrics/", set(WANTED))]
     assert len(_restricted(full, set(WANTED))) * 10 < len(full)  # histogram buckets left out
     assert filtered == VllmCollector.reading_from(parse(full, WANTED))
+
+
+def test_a_filtered_answer_that_is_not_a_vllm_page_turns_the_filter_off(local_server):
+    """A server whose /metrics/ is something else (a 200 with an index page, no vLLM series):
+    the configured URL is asked at once, and from then on only it."""
+    paths: list[str] = []
+
+    def respond(handler):
+        paths.append(handler.path)
+        if urlsplit(handler.path).path == "/metrics/":
+            return 200, b"<html>index</html>\n", "text/html"
+        return 200, VLLM_FIXTURE.read_bytes(), "text/plain; version=0.0.4"
+
+    server = local_server()
+    server.responder = respond
+    collector = VllmCollector("t", server.url)
+    for _ in range(2):
+        assert len(collector.collect().engines) == 2
+    assert [urlsplit(p).path for p in paths] == ["/metrics/", "/metrics", "/metrics"]
+    assert [_names_asked(p) for p in paths] == [set(WANTED), None, None]
 
 
 def test_an_upstream_that_ignores_name_filters_sends_the_whole_page_and_still_works(local_server):
@@ -178,10 +198,10 @@ def test_an_upstream_that_refuses_name_filters_is_asked_without_them_from_then_o
     assert not scraper.filtered
 
 
-def test_a_server_error_to_a_filtered_request_is_an_error_and_the_filter_stays(local_server):
-    """Only a 4xx says the parameters are refused: a 5xx (an engine starting, a proxy's 502)
-    is the engine's error as before, and the next scrape asks with the filter again."""
-    for status, asked in ((503, 1), (404, 2)):
+def test_an_error_from_both_requests_is_the_plain_ones_and_the_filter_stays(local_server):
+    """An upstream that fails the plain request too is down, not refusing the filter: the
+    scrape's error is the plain request's, and the next scrape asks with the filter again."""
+    for status in (503, 404):
         paths: list[str] = []
 
         def respond(handler, status=status, paths=paths):
@@ -191,11 +211,43 @@ def test_a_server_error_to_a_filtered_request_is_an_error_and_the_filter_stays(l
         server = local_server()
         server.responder = respond
         scraper = Scraper(server.url, timeout=2, names=["a"])
-        with pytest.raises(CollectorError) as exc:
-            scraper.get()
-        assert exc.value.reason == "http_status" and f"HTTP {status}" in str(exc.value)
-        assert len(paths) == asked  # a 404 to both: one retry without the filter, no more
-        assert scraper.filtered == (status >= 500)
+        for _ in range(2):
+            with pytest.raises(CollectorError) as exc:
+                scraper.get()
+            assert exc.value.reason == "http_status" and f"HTTP {status}" in str(exc.value)
+            assert scraper.filtered
+        assert [_names_asked(p) for p in paths] == [{"a"}, None] * 2
+
+
+def test_vllm_serves_name_filters_at_metrics_slash_only():
+    """What filtered_url relies on, read from the installed vLLM's own routes: /metrics is
+    prometheus-fastapi-instrumentator's handler (the whole registry, name[] ignored) and
+    /metrics/ prometheus_client's ASGI app (name[] honoured). When a vLLM upgrade changes
+    that, this fails (the exporter still works: whole pages, or the fallback)."""
+    metrics = pytest.importorskip("vllm.entrypoints.serve.instrumentator.metrics")
+    testclient = pytest.importorskip("fastapi.testclient")
+    from fastapi import FastAPI
+
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_running", "r", registry=registry).set(3)
+    Gauge("vllm:other", "o", registry=registry).set(4)
+    app = FastAPI()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(metrics, "get_prometheus_registry", lambda: registry)
+        metrics.attach_router(app)
+    client = testclient.TestClient(app)
+    query = "?" + urlencode({"name[]": "vllm:num_requests_running"})
+
+    def served(path: str) -> set[str]:
+        answer = client.get(path, follow_redirects=False)
+        assert answer.status_code == 200
+        return {ln.split(" ")[0] for ln in answer.text.splitlines() if ln.startswith("vllm:")}
+
+    assert served("/metrics" + query) == {"vllm:num_requests_running", "vllm:other"}
+    assert served(filtered_url("http://h:8000/metrics").removeprefix("http://h:8000") + query) == {
+        "vllm:num_requests_running"
+    }
+    assert filtered_url("http://h:8000/custom") == "http://h:8000/custom"
 
 
 def test_names_in_the_request_are_those_prometheus_client_filters_on():

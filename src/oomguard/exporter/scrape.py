@@ -20,13 +20,14 @@ A connection is kept only after a whole, well-framed answer with nothing after i
 the server has closed meanwhile is reconnected once.
 
 `names`: the sample names the caller reads, asked for as `name[]` query parameters, which
-prometheus_client's exposition (vLLM's /metrics: make_asgi_app) honours by leaving every other
-sample out. vLLM's page is about 750 lines an engine, 30 of them read: the filtered page is a
-twentieth of the bytes to send, receive and scan. The caller still filters what it parses (an
-upstream that ignores the parameters, a router or another exporter, sends the whole page and
-works as before). An upstream that refuses them (an answer 400-499 to the filtered request) is
-asked again at once without them, and from then on never with them: one scrape's extra request,
-and the exchange's deadline is still the one timeout.
+prometheus_client's exposition app (make_asgi_app, make_wsgi_app) honours by leaving every other
+sample out, at `filtered_url` (by default the URL itself). vLLM's page is about 750 lines an
+engine, 30 of them read: the filtered page is a twentieth of the bytes to send, receive and
+scan. The caller still filters what it parses: an upstream that ignores the parameters sends the
+whole page and works as before. One that answers the filtered request other than 200 is asked
+at once at the URL without them, and when that answers, never with them again (`unfilter`);
+when both fail, the plain request's error is the scrape's and the filter is kept (the upstream
+is down, not refusing the filter).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class _Bad(Exception):
 
 
 class _Refused(Exception):
-    """A 4xx answer to a request with name[] parameters: ask again without them."""
+    """An answer other than 200 to a request with name[] parameters: ask without them."""
 
 
 class _TooLarge(Exception):
@@ -94,6 +95,7 @@ class Scraper:
         timeout: float,
         max_bytes: int = DEFAULT_MAX_BYTES,
         names: Iterable[str] = (),
+        filtered_url: str | None = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -117,11 +119,23 @@ class Scraper:
         self.filtered = False  # whether requests ask for `names` only (name[] parameters)
         query = urlencode([("name[]", n) for n in sorted(set(names))])
         if query:
-            path += ("&" if parts.query else "?") + query
-            self._request = f"GET {path} HTTP/1.1{tail}".encode("ascii")
+            fparts = urlsplit(filtered_url or url)
+            if (fparts.scheme, fparts.netloc) != (parts.scheme, parts.netloc):
+                raise ValueError(f"not the same server as {url!r}: {filtered_url!r}")
+            fpath = quote(fparts.path or "/", safe=_PATH_SAFE)
+            fpath += f"?{quote(fparts.query, safe=_PATH_SAFE)}&" if fparts.query else "?"
+            self._request = f"GET {fpath}{query} HTTP/1.1{tail}".encode("ascii")
             self.filtered = True
+        self._filtered_request = self._request
         self._conn: _Connection | None = None
         self.deadline = 0.0  # (monotonic) of the exchange in progress
+
+    def unfilter(self, why: str) -> None:
+        """Ask for the whole page from now on (the upstream does not serve the filtered one)."""
+        if self.filtered:
+            log.warning("%s: %s; asking for the whole page from now on", self.url, why)
+        self._request = self._filtered_request = self._plain_request
+        self.filtered = False
 
     def close(self) -> None:
         if self._conn is not None:
@@ -270,7 +284,7 @@ class Scraper:
         status, http10, headers = self._head(conn)
         conn.answers += 1
         if status != 200:
-            if self.filtered and 400 <= status < 500:
+            if self._request is not self._plain_request:
                 raise _Refused(status)
             raise CollectorError("http_status", f"{self.url} answered HTTP {status}")
         connection = headers.get(b"connection", b"").lower()
@@ -306,7 +320,7 @@ class Scraper:
         self.deadline = time.monotonic() + self.timeout
         content_type = encoding = ""
         body = b""
-        reconnected = refused = False
+        reconnected = False
         while True:
             conn = self._conn
             try:
@@ -321,17 +335,13 @@ class Scraper:
                 raise
             except _Refused as exc:
                 self.close()  # its body was not read
-                if refused:
-                    raise CollectorError(
-                        "http_status", f"{self.url} answered HTTP {exc.args[0]}"
-                    ) from None
-                refused = True
-                self._request, self.filtered = self._plain_request, False
-                log.warning(
-                    "%s refused name[] parameters (HTTP %s): asking for the whole page from now on",
-                    self.url,
-                    exc.args[0],
-                )
+                self._request = self._plain_request
+                try:
+                    text = self.get()  # a deadline of its own: once, never again if it answers
+                finally:
+                    self._request = self._filtered_request
+                self.unfilter(f"HTTP {exc.args[0]} to the filtered request")
+                return text
             except TimeoutError as exc:
                 self.close()
                 raise CollectorError(
