@@ -219,6 +219,7 @@ def test_an_error_from_both_requests_is_the_plain_ones_and_the_filter_stays(loca
         assert [_names_asked(p) for p in paths] == [{"a"}, None] * 2
 
 
+@pytest.mark.slow  # imports vLLM (seconds)
 def test_vllm_serves_name_filters_at_metrics_slash_only():
     """What filtered_url relies on, read from the installed vLLM's own routes: /metrics is
     prometheus-fastapi-instrumentator's handler (the whole registry, name[] ignored) and
