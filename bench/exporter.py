@@ -84,13 +84,35 @@ HOST = "bench-node"
 SERVER_SCRIPT = r"""
 import re, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-page = open(sys.argv[1], "rb").read()
+from urllib.parse import parse_qs, urlsplit
+full = open(sys.argv[1], "rb").read()
 # a serving engine's counters move between scrapes: every counter and histogram sum/count of the
 # page grows with each GET (the exporter must not get away with an unchanged page)
-parts = re.split(rb"^(vllm:\S+?(?:_total|_sum|_count)(?:\{[^}]*\})?) (\S+)$", page, flags=re.M)
+def split(page):
+    return re.split(rb"^(vllm:\S+?(?:_total|_sum|_count)(?:\{[^}]*\})?) (\S+)$", page, flags=re.M)
+def restricted(names):
+    # what prometheus_client's exposition (vLLM's make_asgi_app) sends for name[] parameters:
+    # each family with only the samples of those names, a family without any left out
+    out, block = [], []
+    def flush():
+        if any(not l.startswith(b"#") for l in block):
+            out.extend(block)
+    for line in full.splitlines(keepends=True):
+        if line.startswith(b"# HELP"):
+            flush()
+            block = [line]
+        elif line.startswith(b"#") or re.split(rb"[{ ]", line, maxsplit=1)[0] in names:
+            block.append(line)
+    flush()
+    return b"".join(out)
+pages = {"": split(full)}
 hits = [0]
-def body():
+def body(query):
     hits[0] += 1
+    if query not in pages:
+        names = {n.encode() for n in parse_qs(query).get("name[]", [])}
+        pages[query] = split(restricted(names)) if names else pages[""]
+    parts = pages[query]
     out = [parts[0]]
     for i in range(1, len(parts), 3):
         out += [parts[i], b" %r" % (float(parts[i + 1]) + hits[0]), parts[i + 2]]
@@ -99,10 +121,14 @@ class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def log_message(self, *a): pass
     def do_GET(self):
-        data = body()
+        # as vLLM 0.33 serves its registry: /metrics through an instrumentator handler that
+        # ignores name[], /metrics/ through prometheus_client's app, which honours it
+        url = urlsplit(self.path)
+        data = body(url.query if FILTERS and url.path == "/metrics/" else "")
         # headers and body in one write, as uvicorn does: no Nagle/delayed-ACK stall
         self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(data) + data)
+FILTERS = sys.argv[3] == "1"
 ports = []
 for _ in range(int(sys.argv[2])):
     s = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -259,9 +285,14 @@ def _moving(read: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextmanager
 def running(
-    scenario: Scenario, interval: float = 1.0, clock: Callable[[], float] = time.time
+    scenario: Scenario,
+    interval: float = 1.0,
+    clock: Callable[[], float] = time.time,
+    filters: bool = True,
 ) -> Iterator[Poller]:
-    """The scenario's node: fake NVML, hand-off files, a cgroup, its servers; a polled Poller."""
+    """The scenario's node: fake NVML, hand-off files, a cgroup, its servers; a polled Poller.
+    `filters`: the servers honour name[] parameters at /metrics/, as vLLM 0.33 does (False:
+    they send the whole page whatever is asked, as a router or an older exporter may)."""
     with (
         tempfile.TemporaryDirectory(prefix="oomguard-bench-exporter-") as tmp_s,
         pytest.MonkeyPatch.context() as mp,
@@ -278,7 +309,14 @@ def running(
             write_report(tmp / "alloc", report)
         (tmp / "page.prom").write_text(scenario.page)
         servers = subprocess.Popen(
-            [sys.executable, "-c", SERVER_SCRIPT, str(tmp / "page.prom"), str(scenario.servers)],
+            [
+                sys.executable,
+                "-c",
+                SERVER_SCRIPT,
+                str(tmp / "page.prom"),
+                str(scenario.servers),
+                "1" if filters else "0",
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -728,6 +766,13 @@ def measure(scenario: Scenario, quick: bool, soak_polls: int) -> dict[str, Any]:
         results["nvml_fake_driver"] = fake_driver_ms(poller, 3 if quick else 20)
         print(f"  NVML poll and its fake driver: {fmt(results['nvml_fake_driver'])}", flush=True)
         print(f"  poll cycle CPU: {fmt(results['poll_cycle_cpu_ms'])}", flush=True)
+    # the same vLLM polls from servers that ignore name[] (a router, an older exporter: whole
+    # pages), in the same run: what asking for the read samples only saves
+    with running(scenario, filters=False) as whole:
+        results["vllm_poll_cpu_ms_whole_pages"] = poll_cycle_ms(whole, 3 if quick else 20)["vllm"]
+    whole_ms = results["vllm_poll_cpu_ms_whole_pages"]
+    print(f"  vLLM polls, whole pages: {whole_ms:.2f} ms", flush=True)
+    with running(scenario) as poller:
         cpu: dict[str, float] = {}
         windows = [(1.0, 5.0 if quick else 30.0)]
         if scenario.name == "small":

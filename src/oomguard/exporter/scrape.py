@@ -18,19 +18,33 @@ does ends in a CollectorError with a reason (never another exception, never a ha
 - status: an answer other than 200 is `http_status` (its body is not read: the connection closes).
 A connection is kept only after a whole, well-framed answer with nothing after it; a kept one
 the server has closed meanwhile is reconnected once.
+
+`names`: the sample names the caller reads, asked for as `name[]` query parameters, which
+prometheus_client's exposition app (make_asgi_app, make_wsgi_app) honours by leaving every other
+sample out, at `filtered_url` (by default the URL itself). vLLM's page is about 750 lines an
+engine, 30 of them read: the filtered page is a twentieth of the bytes to send, receive and
+scan. The caller still filters what it parses: an upstream that ignores the parameters sends the
+whole page and works as before. One that answers the filtered request other than 200 is asked
+at once at the URL without them, and when that answers, never with them again (`unfilter`);
+when both fail, the plain request's error is the scrape's and the filter is kept (the upstream
+is down, not refusing the filter).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import socket
 import ssl
 import time
 import zlib
-from urllib.parse import quote, urlsplit
+from collections.abc import Iterable
+from urllib.parse import quote, urlencode, urlsplit
 
 from oomguard.errors import CollectorError
+
+log = logging.getLogger("oomguard.exporter.scrape")
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 MAX_HEAD = 64 * 1024  # a status line and headers; a /metrics answer's are a few hundred bytes
@@ -53,6 +67,10 @@ class _Bad(Exception):
     """The answer breaks HTTP/1.1's framing: its text says how."""
 
 
+class _Refused(Exception):
+    """An answer other than 200 to a request with name[] parameters: ask without them."""
+
+
 class _TooLarge(Exception):
     pass
 
@@ -71,7 +89,14 @@ class _Connection:
 
 
 class Scraper:
-    def __init__(self, url: str, timeout: float, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        names: Iterable[str] = (),
+        filtered_url: str | None = None,
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
@@ -86,11 +111,31 @@ class Scraper:
         host = parts.netloc.rpartition("@")[2]  # as given, with its port; never credentials
         if not host.isascii():
             host = host.encode("idna").decode("ascii")  # a UnicodeError is a ValueError
-        head = [f"GET {path} HTTP/1.1", f"Host: {host}", "User-Agent: oomguard"]
+        head = [f"Host: {host}", "User-Agent: oomguard"]
         head += [f"{k}: {v}" for k, v in HEADERS.items()]
-        self._request = ("\r\n".join(head) + "\r\n\r\n").encode("ascii")
+        tail = "\r\n" + "\r\n".join(head) + "\r\n\r\n"
+        self._plain_request = f"GET {path} HTTP/1.1{tail}".encode("ascii")
+        self._request = self._plain_request
+        self.filtered = False  # whether requests ask for `names` only (name[] parameters)
+        query = urlencode([("name[]", n) for n in sorted(set(names))])
+        if query:
+            fparts = urlsplit(filtered_url or url)
+            if (fparts.scheme, fparts.netloc) != (parts.scheme, parts.netloc):
+                raise ValueError(f"not the same server as {url!r}: {filtered_url!r}")
+            fpath = quote(fparts.path or "/", safe=_PATH_SAFE)
+            fpath += f"?{quote(fparts.query, safe=_PATH_SAFE)}&" if fparts.query else "?"
+            self._request = f"GET {fpath}{query} HTTP/1.1{tail}".encode("ascii")
+            self.filtered = True
+        self._filtered_request = self._request
         self._conn: _Connection | None = None
         self.deadline = 0.0  # (monotonic) of the exchange in progress
+
+    def unfilter(self, why: str) -> None:
+        """Ask for the whole page from now on (the upstream does not serve the filtered one)."""
+        if self.filtered:
+            log.warning("%s: %s; asking for the whole page from now on", self.url, why)
+        self._request = self._filtered_request = self._plain_request
+        self.filtered = False
 
     def close(self) -> None:
         if self._conn is not None:
@@ -239,6 +284,8 @@ class Scraper:
         status, http10, headers = self._head(conn)
         conn.answers += 1
         if status != 200:
+            if self._request is not self._plain_request:
+                raise _Refused(status)
             raise CollectorError("http_status", f"{self.url} answered HTTP {status}")
         connection = headers.get(b"connection", b"").lower()
         keep = not http10 and b"close" not in connection
@@ -273,7 +320,8 @@ class Scraper:
         self.deadline = time.monotonic() + self.timeout
         content_type = encoding = ""
         body = b""
-        for attempt in (1, 2):
+        reconnected = False
+        while True:
             conn = self._conn
             try:
                 if conn is None:
@@ -285,6 +333,15 @@ class Scraper:
             except CollectorError:
                 self.close()
                 raise
+            except _Refused as exc:
+                self.close()  # its body was not read
+                self._request = self._plain_request
+                try:
+                    text = self.get()  # a deadline of its own: once, never again if it answers
+                finally:
+                    self._request = self._filtered_request
+                self.unfilter(f"HTTP {exc.args[0]} to the filtered request")
+                return text
             except TimeoutError as exc:
                 self.close()
                 raise CollectorError(
@@ -301,8 +358,9 @@ class Scraper:
             except (_Closed, ConnectionResetError, BrokenPipeError) as exc:
                 self.close()  # a kept-alive connection the server closed: reconnect once
                 kept = conn is not None and conn.answers > 0
-                if attempt == 2 or not (kept or isinstance(exc, _Closed)):
+                if reconnected or not (kept or isinstance(exc, _Closed)):
                     raise CollectorError("unreachable", f"{self.url}: {exc}") from exc
+                reconnected = True
             except (OSError, ValueError, UnicodeError) as exc:  # ssl.SSLError is an OSError
                 self.close()
                 raise CollectorError(

@@ -8,6 +8,11 @@ largest value, since every process reports the same engine.
 `vllm:cache_config_info` carries the KV pool's size as label strings, which PromQL cannot do
 arithmetic on: oomguard turns them into numeric gauges.
 
+Only the samples read are asked for (`name[]` parameters, at `filtered_url`): a vLLM page is a
+twentieth of its size without the histograms' buckets. An upstream that does not serve the
+filtered page (an answer other than 200, or one without vLLM series) is asked at the configured
+URL from then on; one that ignores the parameters sends the whole page, parsed as before.
+
 The page is untrusted: a repeated series is dropped by the parser (never added twice), and a
 negative counter or count, a KV usage outside 0-1, or a cache figure out of range (blocks or
 block size not positive, `gpu_memory_utilization` outside (0, 1]) is dropped and counted in the
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.base import Reading
@@ -53,6 +59,17 @@ WANTED = (
     f"{GENERATION_HIST}_sum",
     f"{GENERATION_HIST}_count",
 )
+
+
+def filtered_url(url: str) -> str:
+    """Where a vLLM server honours name[] parameters. vLLM (0.33) serves its registry twice:
+    `/metrics` exactly through prometheus-fastapi-instrumentator's handler, which ignores them,
+    and `/metrics/...` through prometheus_client's make_asgi_app, which honours them (the same
+    registry, the same text). A URL of another path is asked as it is."""
+    parts = urlsplit(url)
+    if parts.path == "/metrics":
+        return urlunsplit(parts._replace(path="/metrics/"))
+    return url
 
 
 @dataclass
@@ -129,12 +146,25 @@ class VllmCollector:
         self.target = target
         self.url = url
         self.timeout = timeout
-        self._scraper = Scraper(url, timeout, max_bytes)
+        self._scraper = Scraper(
+            url, timeout, max_bytes, names=WANTED, filtered_url=filtered_url(url)
+        )
 
     def close(self) -> None:
         self._scraper.close()
 
     def collect(self) -> VllmReading:
+        try:
+            return self._collect()
+        except CollectorError as exc:
+            # a filtered answer that is not a vLLM page (a server whose /metrics/ is something
+            # else): the configured URL from now on, asked at once
+            if exc.reason not in ("no_data", "parse_error") or not self._scraper.filtered:
+                raise
+            self._scraper.unfilter(f"its filtered answer did not read ({exc.reason})")
+            return self._collect()
+
+    def _collect(self) -> VllmReading:
         text, content_type = self._scraper.get()
         parsed = parse(text, WANTED, openmetrics=is_openmetrics(content_type))
         return self.reading_from(parsed)
