@@ -8,7 +8,7 @@ import json
 from types import SimpleNamespace
 
 from oomguard import incident_records as records
-from oomguard.forensics import incidents
+from oomguard.forensics import reader
 
 # The keys the plugin's observer wrote while its record was a plain dict.
 OOM_KEYS = {
@@ -82,7 +82,7 @@ def test_the_observer_writes_the_model_the_reader_reads(tmp_path, monkeypatch):
     assert on_disk["allocator"]["segments"] == 3 and "simulated" not in on_disk["allocator"]
     assert (on_disk["in_flight"], on_disk["in_flight_source"]) == (2, "step")
 
-    parsed = incidents._parse(path.name, path.read_bytes())
+    parsed = reader._parse(path.name, path.read_bytes())
     assert isinstance(parsed, records.OomRecord)
     assert parsed.target == "t" * records.MAX_TEXT and parsed.allocator.segments == 3
     assert parsed.dump() == text  # what the reader holds is what was written
@@ -99,7 +99,7 @@ def test_without_a_step_the_batch_is_null_and_in_flight_absent(tmp_path, monkeyp
     on_disk = json.loads(path.read_text())
     assert on_disk["batch"] is None and "in_flight" not in on_disk
     assert set(on_disk) == OOM_KEYS - {"in_flight", "in_flight_source"}
-    assert incidents._parse(path.name, path.read_bytes()).batch is None
+    assert reader._parse(path.name, path.read_bytes()).batch is None
 
 
 def test_an_exit_record_round_trips():
@@ -117,4 +117,4 @@ def test_an_exit_record_round_trips():
     text = record.dump()
     assert json.loads(text)["kind"] == "exit" and json.loads(text)["cgroup"]["dir"] is None
     name = records.exit_file_name(7, 1)
-    assert incidents._parse(name, text.encode()) == record.model_copy(update={"name": name})
+    assert reader._parse(name, text.encode()) == record.model_copy(update={"name": name})

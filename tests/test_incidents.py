@@ -31,6 +31,7 @@ import pytest
 
 from oomguard import incident_records as records
 from oomguard.forensics import incidents as inc
+from oomguard.forensics import reader
 from oomguard.remediator.supervisor import Supervisor
 from oomguard.vllm_plugin import oom
 from tests.conftest import DCGM_MIG
@@ -143,7 +144,7 @@ def observe(
 
 
 def classify_dir(directory: Path, **kw: Any) -> list[inc.Incident]:
-    loaded = inc.load(directory, missing_ok=False)
+    loaded = reader.load(directory, missing_ok=False)
     assert not loaded.invalid, loaded.invalid
     return inc.incidents(loaded, **kw)
 
@@ -521,7 +522,7 @@ def test_hostile_files_are_counted_and_never_raise(tmp_path):
     os.mkfifo(d / "exit-21-1.json")  # would block a reader that opens it
     os.mkdir(d / "exit-22-1.json")
     (d / ".oom-123.tmp").write_text("{}")  # a writer's temp file: not a record, not counted
-    loaded = inc.load(d)
+    loaded = reader.load(d)
     assert [r.pid for r in loaded.exits] == [5] and loaded.ooms == []
     assert loaded.invalid == {
         "not_json": 2,
@@ -571,7 +572,7 @@ def test_a_record_the_classifier_cannot_handle_is_counted_not_raised(tmp_path, m
     """Second line of defence: a value that passed validation but breaks the arithmetic (built
     in-process, past the reader) costs its own incident only."""
     huge_flag_record(tmp_path, monkeypatch)
-    loaded = inc.load(tmp_path)
+    loaded = reader.load(tmp_path)
     [good] = loaded.ooms
     broken = good.model_copy(
         update={"name": "oom-9-1.json", "pid": 9, "flags": {**good.flags, "max_num_seqs": 10**400}}
@@ -583,16 +584,16 @@ def test_a_record_the_classifier_cannot_handle_is_counted_not_raised(tmp_path, m
 
 
 def test_a_missing_directory_holds_no_incidents_unless_it_must_exist(tmp_path):
-    assert inc.load(tmp_path / "nothing").ooms == []
-    with pytest.raises(inc.IncidentDirError):
-        inc.load(tmp_path / "nothing", missing_ok=False)
+    assert reader.load(tmp_path / "nothing").ooms == []
+    with pytest.raises(reader.IncidentDirError):
+        reader.load(tmp_path / "nothing", missing_ok=False)
 
 
 def test_too_many_files_are_counted_not_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(inc, "MAX_FILES", 3)
+    monkeypatch.setattr(reader, "MAX_FILES", 3)
     for pid in range(1, 6):
         (tmp_path / f"exit-{pid}-1.json").write_text(json.dumps(valid_exit(pid)))
-    loaded = inc.load(tmp_path)
+    loaded = reader.load(tmp_path)
     assert len(loaded.exits) == 3 and loaded.invalid == {"too_many_files": 2}
 
 
@@ -606,7 +607,7 @@ def test_every_threshold_has_a_default_and_changes_the_decision(tmp_path, monkey
         free=12 * MIB,
         steps=[step([], decoding=100)],  # 100 of 256: 39 %
     )
-    loaded = inc.load(tmp_path)
+    loaded = reader.load(tmp_path)
     assert inc.incidents(loaded)[0].type == "unknown"
     looser = inc.Thresholds(busy_batch_ratio=0.35)
     assert inc.incidents(loaded, thresholds=looser)[0].type == "under_load"
@@ -758,8 +759,9 @@ def test_the_collector_parses_each_file_once_while_it_does_not_change(tmp_path, 
 
     two_incidents(tmp_path, monkeypatch)
     parsed: list[str] = []
-    real = inc._parse
-    monkeypatch.setattr(inc, "_parse", lambda name, data: parsed.append(name) or real(name, data))
+    real = reader._parse
+    counted = lambda name, data: parsed.append(name) or real(name, data)  # noqa: E731
+    monkeypatch.setattr(reader, "_parse", counted)
     xids: list[inc.Xid] = []
     collector = IncidentCollector(str(tmp_path), "n", xid_source=lambda: xids)
     collector.collect()

@@ -43,6 +43,7 @@ import pytest
 
 from oomguard import incident_records as records
 from oomguard.forensics import incidents as inc
+from oomguard.forensics import reader
 from oomguard.remediator.supervisor import Supervisor
 from oomguard.twin.physics import Physics, Step
 from tests.conftest import DCGM_MIG
@@ -122,7 +123,7 @@ class Engine:
             os.killpg(self.pid, signal.SIGKILL)
 
     def incident(self, xids: list[inc.Xid] | None = None) -> inc.Incident:
-        loaded = inc.load(self.incidents, missing_ok=False)
+        loaded = reader.load(self.incidents, missing_ok=False)
         assert not loaded.invalid, loaded.invalid
         [found] = inc.incidents(loaded, xids or [])
         return found

@@ -16,7 +16,8 @@ import json
 import httpx
 import pytest
 
-from oomguard.forensics.incidents import incidents, load
+from oomguard.forensics.incidents import incidents
+from oomguard.forensics.reader import load
 from oomguard.lab.processes import MODELS, VllmProcess
 from oomguard.logits import LogitsShape
 from oomguard.twin.physics import Physics, Step

@@ -99,7 +99,8 @@ def test_the_record_counts_every_request_the_scheduler_held(tmp_path, monkeypatc
     record parses as the exporter reads it."""
     from types import SimpleNamespace
 
-    from oomguard.forensics import incidents
+    from oomguard.forensics import reader
+    from oomguard.incident_records import OomRecord
     from oomguard.vllm_plugin import oom
 
     for name, value in (("_in_flight", None), ("_step", None), ("_model_name", "")):
@@ -115,8 +116,8 @@ def test_the_record_counts_every_request_the_scheduler_held(tmp_path, monkeypatc
     record = json.loads(path.read_text())
     assert (record["in_flight"], record["in_flight_source"]) == (37, "scheduler")
     assert record["model_name"] == "llama-3"
-    parsed = incidents._parse(path.name, path.read_bytes())
-    assert isinstance(parsed, incidents.OomRecord)
+    parsed = reader._parse(path.name, path.read_bytes())
+    assert isinstance(parsed, OomRecord)
     assert (parsed.in_flight, parsed.model_name, parsed.engine) == (37, "llama-3", "1")
 
 

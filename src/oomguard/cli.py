@@ -849,14 +849,9 @@ def _add_incidents(sub: Any) -> None:
 def _run_incidents(args: argparse.Namespace) -> int:
     import os
 
-    from oomguard.forensics.incidents import (
-        IncidentDirError,
-        incidents,
-        load,
-        parse_since,
-        render_text,
-    )
+    from oomguard.forensics.incidents import incidents, parse_since, render_text
     from oomguard.forensics.incidents import to_json as incidents_json
+    from oomguard.forensics.reader import IncidentDirError, load
 
     try:
         since = parse_since(args.since) if args.since else None

@@ -593,7 +593,7 @@ def _engine_config() -> Any:
 
 
 def check_oom(device: Device, tmp: Path) -> dict[str, Any]:
-    from oomguard.forensics import incidents
+    from oomguard.forensics import incidents, reader
     from oomguard.vllm_plugin import oom
 
     handoff, recorded = tmp / "oom-handoff", tmp / "incidents"
@@ -614,7 +614,7 @@ def check_oom(device: Device, tmp: Path) -> dict[str, Any]:
     else:
         device.free(block)
         raise CheckFailed(f"allocating {ask / GIB:.1f} GiB with {free / GIB:.1f} GiB free worked")
-    loaded = incidents.load(recorded, missing_ok=False)
+    loaded = reader.load(recorded, missing_ok=False)
     if loaded.invalid or len(loaded.ooms) != 1:
         raise CheckFailed(f"{len(loaded.ooms)} OOM records read back, refused {loaded.invalid}")
     rec = loaded.ooms[0]

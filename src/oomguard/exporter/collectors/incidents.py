@@ -27,14 +27,8 @@ from dataclasses import dataclass, field
 from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
-from oomguard.forensics.incidents import (
-    IncidentDirError,
-    ParseCache,
-    Thresholds,
-    Xid,
-    incidents,
-    load,
-)
+from oomguard.forensics.incidents import Thresholds, Xid, incidents
+from oomguard.forensics.reader import IncidentDirError, ParseCache, load
 from oomguard.incident_records import OomRecord
 
 # OOM records of one engine this close together are one death: every rank of a tensor-parallel
