@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import oomguard
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +34,9 @@ def lane() -> Path:
 
 
 def run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    # the checkout's import roots (the folders holding an oomguard/), then the top for `tests`
+    roots = sorted({str(Path(p).resolve().parent) for p in oomguard.__path__})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, str(ROOT)])}
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run(
         [str(lane()), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
