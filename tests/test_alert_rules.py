@@ -12,7 +12,7 @@ from oomguard.alerts.cases import cases, expr_cases
 from oomguard.alerts.generate import RULE_TESTS, RULES, prometheus_config
 from oomguard.alerts.rules import all_alerts, all_recording_rules, rule_groups
 from oomguard.catalog import CATALOG, exported_names
-from oomguard.contract import ACTIONS
+from oomguard.actions import ALERT_ACTIONS as ACTIONS
 from oomguard.thresholds import AlertThresholds
 from tests.conftest import VLLM_FIXTURE
 from tests.kube_state_metrics import KSM_LABELS

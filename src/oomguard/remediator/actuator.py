@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from oomguard.actions import route
 from oomguard.contract import API_PREFIX
 from oomguard.engine_state import EngineState, StateError
 from oomguard.engine_state import parse as parse_state
@@ -259,15 +260,15 @@ class PluginActuator:
         self.client.close()
 
     def set_cap(self, target: Target, cap: int) -> dict[str, Any]:
-        return self._call(target, "PUT", "/admission", {"cap": int(cap)})
+        return self._call(target, *route("set_cap"), {"cap": int(cap)})
 
     def drain(self, target: Target, grace_seconds: float | None = None) -> dict[str, Any]:
         """`grace_seconds`: override the plugin's drain grace (0 once a router was told)."""
         body = None if grace_seconds is None else {"grace_seconds": grace_seconds}
-        return self._call(target, "POST", "/drain", body)
+        return self._call(target, *route("drain"), body)
 
     def resume(self, target: Target) -> dict[str, Any]:
-        return self._call(target, "POST", "/resume")
+        return self._call(target, *route("resume"))
 
 
 @dataclass

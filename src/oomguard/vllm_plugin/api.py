@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from oomguard import bounded
+from oomguard.actions import ROUTES
 from oomguard.contract import (
     API_PREFIX,
     DRAINING_MESSAGE,
@@ -130,8 +131,8 @@ CONTROL_PATHS = frozenset(
         "/update_weight_version",
         "/shutdown_weight_transfer_engine",
         "/weight_checker",
-        f"{PREFIX}/drain",
-        f"{PREFIX}/resume",
+        # the plugin's own POST routes (oomguard.actions: drain, resume)
+        *(f"{PREFIX}{path}" for method, path in ROUTES if method == "POST"),
     }
 )
 ENGINE_TIMEOUT_SECONDS = 5.0
