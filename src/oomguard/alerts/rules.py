@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from oomguard.actions import ACTION_ALERTS
 from oomguard.catalog import CATALOG
 from oomguard.thresholds import AlertThresholds
 
@@ -284,40 +285,16 @@ def action_alerts(t: AlertThresholds | None = None) -> list[Alert]:
     t = t or AlertThresholds()
     return [
         Alert(
-            "OomguardMemoryPressure",
-            "oomguard_engine_pressure_level >= 2",
-            "warning",
-            "A vLLM engine is under GPU memory pressure.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
-            "its GPU once every engine reaches its planned peak is low, or the allocator had to "
-            "retry. oomguard lowers its admission cap.",
-            for_=t.pressure_for,
-            keep_firing_for=t.action_keep_firing_for,
-            action="lower_cap",
-        ),
-        Alert(
-            # blind is not healthy: the remediator changes nothing on the engine while it fires
-            # (at once, and clears at once); a hold that lasts is OomguardRemediationHeld's ticket
-            "OomguardPressureBlind",
-            "oomguard_engine_pressure_level < 0",
-            "warning",
-            "oomguard cannot judge the memory pressure of a vLLM engine.",
-            f"The exporter on {{{{ $labels.instance }}}} lacks the data to judge {_ENGINE} "
-            f"{_REASON}; the remediator holds it (blind is not healthy).",
-            action="hold",
-        ),
-        Alert(
-            "OomguardMemoryCritical",
-            "oomguard_engine_pressure_level >= 3",
-            "warning",
-            "A vLLM engine is about to run out of GPU memory; oomguard drains it.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
-            "its GPU at the engines' planned peak is nearly gone, or the allocator reported an "
-            "out-of-memory error. oomguard drains the engine.",
-            for_=t.critical_for,
-            keep_firing_for=t.action_keep_firing_for,
-            action="drain",
-        ),
+            a.name,
+            a.expr,
+            a.severity,
+            a.summary,
+            a.description,
+            for_=a.for_duration(t),
+            keep_firing_for=a.keep_duration(t),
+            action=a.action,
+        )
+        for a in ACTION_ALERTS  # defined once, in oomguard.actions
     ]
 
 
