@@ -166,6 +166,17 @@ class ActionAlert:
     def keep_duration(self, t: AlertThresholds) -> str | None:
         return t.action_keep_firing_for if self.keep else None
 
+    def describe(self, t: AlertThresholds) -> str:
+        """When it fires, for the docs' alerts table."""
+        words = {">=": "≥", "<": "<"}
+        out = f"engine pressure level {words[self.op]} {self.level}"
+        if self.for_seconds(t):
+            out += f" for {self.for_duration(t)}"
+        if self.doc:
+            out += f"; {self.doc}"
+        keep = self.keep_duration(t)
+        return out + (f"; keeps firing {keep}" if keep else "; fires and clears at once")
+
     def for_seconds(self, t: AlertThresholds) -> float:
         return seconds(self.for_duration(t))
 
@@ -203,7 +214,7 @@ ACTION_ALERTS: tuple[ActionAlert, ...] = (
         "oomguard cannot judge the memory pressure of a vLLM engine.",
         f"The exporter on {{{{ $labels.instance }}}} lacks the data to judge {_ENGINE} "
         f"{_REASON}; the remediator holds it (blind is not healthy).",
-        doc="level -1 is blind: the remediator changes nothing",
+        doc="-1 is blind: the remediator changes nothing",
     ),
     ActionAlert(
         "OomguardMemoryCritical",
