@@ -48,6 +48,7 @@ class ActionSpec:
     draining: bool | None = None  # the drain state a step leaves the engine in (None: unchanged)
     call: str | None = None  # the actuator's method that takes the step (None: not the actuator)
     route: str | None = None  # "METHOD /path" under contract.API_PREFIX that `call` uses
+    told: str = ""  # a step taken, as a sentence: "{target}", "{cap}" (the demo's timeline)
 
     @property
     def disruptive(self) -> bool:
@@ -74,6 +75,7 @@ ACTIONS: tuple[ActionSpec, ...] = (
         draining=True,
         call="drain",
         route="POST /drain",
+        told="drained {target}",
     ),
     ActionSpec(
         "lower_cap",
@@ -83,6 +85,7 @@ ACTIONS: tuple[ActionSpec, ...] = (
         severity=1,
         call="set_cap",
         route="PUT /admission",
+        told="lowered {target}'s cap to {cap}",
     ),
     ActionSpec(
         "restart",
@@ -91,6 +94,7 @@ ACTIONS: tuple[ActionSpec, ...] = (
         step=True,
         severity=3,
         out_of_service=True,
+        told="restarted {target}",
     ),
     ActionSpec(
         "resume",
@@ -99,9 +103,15 @@ ACTIONS: tuple[ActionSpec, ...] = (
         draining=False,
         call="resume",
         route="POST /resume",
+        told="resumed {target}",
     ),
     ActionSpec(
-        "raise_cap", "raise the admission cap", step=True, call="set_cap", route="PUT /admission"
+        "raise_cap",
+        "raise the admission cap",
+        step=True,
+        call="set_cap",
+        route="PUT /admission",
+        told="raised {target}'s cap to {cap}",
     ),
     ActionSpec(
         "readmit",
@@ -109,6 +119,7 @@ ACTIONS: tuple[ActionSpec, ...] = (
         step=True,
         call="set_cap",
         route="PUT /admission",
+        told="set {target}'s cap to {cap} to re-admit",
     ),
 )
 
