@@ -42,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from oomguard.actions import BY_NAME
 from oomguard.alerts.generate import dump
 from oomguard.alerts.rules import rule_groups
 from oomguard.exporter.render import Family
@@ -149,14 +150,11 @@ def describe(entry: dict[str, Any]) -> str:
     after = entry.get("after")
     after = after if isinstance(after, dict) else {}
     target = entry.get("target", "?")
-    what = {
-        "lower_cap": f"lowered {target}'s cap to {after.get('cap')}",
-        "raise_cap": f"raised {target}'s cap to {after.get('cap')}",
-        "readmit": f"set {target}'s cap to {after.get('cap')} to re-admit",
-        "drain": f"drained {target}",
-        "resume": f"resumed {target}",
-        "restart": f"restarted {target}",
-    }.get(entry.get("action", ""), f"{entry.get('event')} {entry.get('action', '')} {target}")
+    spec = BY_NAME.get(str(entry.get("action", "")))
+    if spec is not None and spec.told:
+        what = spec.told.format(target=target, cap=after.get("cap"))
+    else:
+        what = f"{entry.get('event')} {entry.get('action', '')} {target}"
     event = entry.get("event")
     if event == "decided":
         return f"decided for {target}: {entry.get('reason', '')}"
