@@ -13,8 +13,11 @@ condition, `for`, `keep_firing_for`, severity and action. The Prometheus rules
 (oomguard.alerts.rules), the standalone watch (remediator/standalone.py), the recovery simulation
 (twin/recovery.py) and the docs' alerts table are generated from it.
 
-Adding an action: an entry in `ACTIONS` (and its name in `Action`/`StepKind`), the actuator's
-call (remediator/actuator.py), the plugin's handler, and the policy that asks for it.
+Adding an action: an entry in `ACTIONS` (and its name in `Action`/`StepKind`), the plugin's
+EngineCore utility (vllm_plugin/engine.py), and the policy that asks for it (remediator/policy.py
+and its plan in decision.py). With a route and an `engine_call`, the actuator's generic `act` and
+the plugin's generic handler take it; an action that needs a body or more than one engine call
+gets its own actuator method (remediator/actuator.py) and plugin handler (vllm_plugin/api.py).
 """
 
 from __future__ import annotations
@@ -46,8 +49,13 @@ class ActionSpec:
     severity: int = 0
     out_of_service: bool = False  # decided with every peer of its model (disruption budget)
     draining: bool | None = None  # the drain state a step leaves the engine in (None: unchanged)
-    call: str | None = None  # the actuator's method that takes the step (None: not the actuator)
-    route: str | None = None  # "METHOD /path" under contract.API_PREFIX that `call` uses
+    # The actuator's method that takes the step. None with a route: the actuator's generic
+    # `act`, which sends the route no body; None without one: not the actuator's (hold, restart).
+    call: str | None = None
+    route: str | None = None  # "METHOD /path" under contract.API_PREFIX that the call uses
+    # The EngineCore utility (vllm_plugin/engine.py UTILITIES) the plugin's generic handler of
+    # `route` calls on every engine. None: the plugin has a handler of its own (api.py).
+    engine_call: str | None = None
     told: str = ""  # a step taken, as a sentence: "{target}", "{cap}" (the demo's timeline)
 
     @property
@@ -137,9 +145,10 @@ ROUTES: frozenset[tuple[str, str]] = frozenset(
 
 
 def route(call: str) -> tuple[str, str]:
-    """The plugin route (method, path under API_PREFIX) of an actuator call."""
+    """The plugin route (method, path under API_PREFIX) of an actuator call, or of an action
+    taken by the actuator's generic `act`."""
     for a in ACTIONS:
-        if a.call == call and a.route:
+        if (a.call or a.name) == call and a.route:
             method, path = a.route.split(" ", 1)
             return method, path
     raise KeyError(call)

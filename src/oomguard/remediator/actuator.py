@@ -62,6 +62,9 @@ class Actuator(Protocol):
 
     def resume(self, target: Target) -> dict[str, Any]: ...
 
+    # an action with a route and no method of its own (oomguard.actions): sent with no body
+    def act(self, target: Target, action: str) -> dict[str, Any]: ...
+
 
 RETRIED = frozenset({"timeout", "unreachable", "http_status"})  # may help to ask again
 
@@ -270,6 +273,10 @@ class PluginActuator:
     def resume(self, target: Target) -> dict[str, Any]:
         return self._call(target, *route("resume"))
 
+    def act(self, target: Target, action: str) -> dict[str, Any]:
+        """An action the registry routes with no method of its own here (oomguard.actions)."""
+        return self._call(target, *route(action))
+
 
 @dataclass
 class DryRunActuator:
@@ -303,6 +310,9 @@ class DryRunActuator:
 
     def resume(self, target: Target) -> dict[str, Any]:
         return self._intend(target, "resume")
+
+    def act(self, target: Target, action: str) -> dict[str, Any]:
+        return self._intend(target, action)
 
 
 def read_states(

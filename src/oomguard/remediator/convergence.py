@@ -400,8 +400,12 @@ class Convergence:
             self.safety.record(name, kind, key=key)
         crashpoints.reach("after_intent")
         try:
-            call = getattr(self.actuator, str(BY_NAME[kind].call))  # the registry's call
-            response = call(target) if cap is None else call(target, cap)
+            spec = BY_NAME[kind]  # the registry's call, or the generic one with its route
+            if spec.call is None:
+                response = self.actuator.act(target, kind)
+            else:
+                call = getattr(self.actuator, spec.call)
+                response = call(target) if cap is None else call(target, cap)
         except ActuatorError as exc:
             self.safety.forget(name, key)  # refused or unreachable: nothing was done
             self.metrics.actions.labels(name, kind, "failed").inc()  # why: the audit log

@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from oomguard import bounded
-from oomguard.actions import ROUTES
+from oomguard.actions import ACTIONS, ROUTES
 from oomguard.contract import (
     API_PREFIX,
     DRAINING_MESSAGE,
@@ -431,6 +431,12 @@ class OomguardEndpointPlugin:
             plugin._remember(False, False)
             return view
 
+        for spec in ACTIONS:  # actions the registry routes straight to an engine utility
+            if spec.route and spec.engine_call:
+                method, path = spec.route.split(" ", 1)
+                handler = engine_call_route(self, spec.engine_call)
+                router.add_api_route(path, handler, methods=[method])
+
         app.include_router(router)
         app.add_middleware(DrainGate, plugin=self)
 
@@ -442,6 +448,17 @@ class OomguardEndpointPlugin:
                 "oomguard: no %s set; admission, drain and resume routes will refuse every call",
                 PLUGIN_TOKEN_ENV,
             )
+
+
+def engine_call_route(plugin: OomguardEndpointPlugin, name: str) -> Any:
+    """The handler of an action's route that is one call of `name` on every engine (its
+    `engine_call` in oomguard.actions): authorized, no body, the engines' state as the answer."""
+
+    async def call(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return aggregate(await plugin.call_engines(name))
+
+    return call
 
 
 def gate_path(scope: dict[str, Any]) -> str:
