@@ -7,11 +7,11 @@ from collections import Counter
 import pytest
 import yaml
 
+from oomguard.actions import ALERT_ACTIONS
 from oomguard.alerts.cases import cases, expr_cases
 from oomguard.alerts.generate import RULE_TESTS, RULES, prometheus_config
 from oomguard.alerts.rules import all_alerts, all_recording_rules, rule_groups
 from oomguard.catalog import CATALOG, exported_names
-from oomguard.contract import ACTIONS
 from oomguard.manifests import kubernetes as k8s
 from oomguard.thresholds import AlertThresholds
 from tests.conftest import VLLM_FIXTURE
@@ -244,7 +244,7 @@ def test_mixin_conventions():
         assert a.description.endswith("."), a.name
         ann = a.annotations(T)
         assert re.fullmatch(rf".*/{a.name}\.md(#.+)?", ann["runbook_url"]), ann["runbook_url"]
-        assert a.action in {None, *ACTIONS}
+        assert a.action in {None, *ALERT_ACTIONS}
 
 
 def test_recording_rules_are_named_level_metric_operations():

@@ -968,6 +968,7 @@ def benchmark_docs(root: Path) -> dict[Path, str]:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from oomguard.alerts.generate import docs_outputs as alert_docs
     from oomguard.config import load_yaml, validate
     from oomguard.generated import sync
     from oomguard.thresholds import AlertThresholds
@@ -978,7 +979,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     _check_dir("--root", args.root)
     root = Path(args.root)
     try:
-        files = {**generated_files(thresholds), **benchmark_docs(root)}
+        files = {
+            **generated_files(thresholds),
+            **alert_docs(root, thresholds),
+            **benchmark_docs(root),
+        }
         drift = sync(root, files, check=args.check)
     except OSError as exc:  # a file in the tree that cannot be written (or read)
         raise ConfigError(f"--root {args.root}: {exc}") from None

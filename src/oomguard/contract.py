@@ -6,12 +6,7 @@ here; change a value here and every side changes with it.
 
 from __future__ import annotations
 
-from typing import Literal
-
-# What an alert asks the remediator to do (its `oomguard_action` label), in order of precedence:
-# hold (the exporter is blind to the engine: change nothing), drain, lower the cap, restart.
-Action = Literal["hold", "drain", "lower_cap", "restart"]
-ACTIONS: tuple[Action, ...] = ("hold", "drain", "lower_cap", "restart")
+# The label by which an alert asks the remediator for an action (oomguard.actions: which ones).
 ACTION_LABEL = "oomguard_action"
 # The pressure reason (the level series' and so the action alerts' `reason` label) that says the
 # engine's own allocator fragmentation is what takes the room: free blocks stranded inside its

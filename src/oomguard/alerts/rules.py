@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from oomguard import vllm_seam
+from oomguard.actions import ACTION_ALERTS
 from oomguard.catalog import CATALOG
 from oomguard.thresholds import AlertThresholds
 
@@ -55,6 +56,7 @@ class Alert:
     keep_firing_for: str | None = None
     action: str | None = None
     runbook_anchor: str | None = None  # a section of the runbook (may be templated)
+    doc: str = ""  # when it fires, in a few words: the docs' alerts table (`oomguard generate`)
 
     def labels(self) -> dict[str, str]:
         labels = {"severity": self.severity}
@@ -288,40 +290,17 @@ def action_alerts(t: AlertThresholds | None = None) -> list[Alert]:
     t = t or AlertThresholds()
     return [
         Alert(
-            "OomguardMemoryPressure",
-            "oomguard_engine_pressure_level >= 2",
-            "warning",
-            "A vLLM engine is under GPU memory pressure.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
-            "its GPU once every engine reaches its planned peak is low, or the allocator had to "
-            "retry. oomguard lowers its admission cap.",
-            for_=t.pressure_for,
-            keep_firing_for=t.action_keep_firing_for,
-            action="lower_cap",
-        ),
-        Alert(
-            # blind is not healthy: the remediator changes nothing on the engine while it fires
-            # (at once, and clears at once); a hold that lasts is OomguardRemediationHeld's ticket
-            "OomguardPressureBlind",
-            "oomguard_engine_pressure_level < 0",
-            "warning",
-            "oomguard cannot judge the memory pressure of a vLLM engine.",
-            f"The exporter on {{{{ $labels.instance }}}} lacks the data to judge {_ENGINE} "
-            f"{_REASON}; the remediator holds it (blind is not healthy).",
-            action="hold",
-        ),
-        Alert(
-            "OomguardMemoryCritical",
-            "oomguard_engine_pressure_level >= 3",
-            "warning",
-            "A vLLM engine is about to run out of GPU memory; oomguard drains it.",
-            f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
-            "its GPU at the engines' planned peak is nearly gone, or the allocator reported an "
-            "out-of-memory error. oomguard drains the engine.",
-            for_=t.critical_for,
-            keep_firing_for=t.action_keep_firing_for,
-            action="drain",
-        ),
+            a.name,
+            a.expr,
+            a.severity,
+            a.summary,
+            a.description,
+            for_=a.for_duration(t),
+            keep_firing_for=a.keep_duration(t),
+            action=a.action,
+            doc=a.describe(t),
+        )
+        for a in ACTION_ALERTS  # defined once, in oomguard.actions
     ]
 
 
@@ -348,6 +327,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             for_=t.preemption_for,
             keep_firing_for=t.action_keep_firing_for,
             action="lower_cap",
+            doc="preemptions > 1 % of finished requests and ≥ 10 in 5m, for 5m",
         ),
         # -- pages: one per incident -----------------------------------------------------------
         Alert(
@@ -368,6 +348,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "in the last 5 minutes.",
             keep_firing_for=t.action_keep_firing_for,
             action="restart",
+            doc="an allocator OOM counter rose in 5m, or appeared non-zero",
         ),
         # the forensics that follow (a ticket): which type of OOM, and the runbook section
         Alert(
@@ -381,6 +362,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "engine {{ $labels.engine }} on {{ $labels.Hostname }}: `oomguard incidents` there "
             "shows its evidence and fix.",
             runbook_anchor="{{ $labels.type }}",
+            doc=(
+                "a new classified OOM incident in 15m (`oomguard_incidents_total`); "
+                "`type` label, runbook link to that type's section"
+            ),
         ),
         Alert(
             "OomguardModelUnavailable",
@@ -398,6 +383,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "No engine serving model {{ $labels.model_name }} has been up and admitting "
             f"requests for {t.model_unavailable_for}: every request for it fails.",
             for_=t.model_unavailable_for,
+            doc="a model served in the last hour has no engine up and admitting for 5m",
         ),
         Alert(
             "OomguardRemediationFailing",
@@ -418,6 +404,11 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "The remediator on {{ $labels.instance }} failed on target {{ $labels.target }} "
             "({{ $value | humanize }} in 10 minutes): the engine is not protected.",
             keep_firing_for=t.keep_firing_for,
+            doc=(
+                "a remediator action failed (first failure included) or reconciles "
+                "erred more than twice in 10m, on a target whose engine the exporter "
+                "could scrape throughout"
+            ),
         ),
         Alert(
             "OomguardRemediationLimited",
@@ -438,6 +429,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "{{ $labels.target }} because of its {{ $labels.limit }} limit: the engine is in "
             "danger and the action it needed was not taken.",
             keep_firing_for=t.keep_firing_for,
+            doc=(
+                "a safety limit held back an action (first one included); not the cap "
+                "fallback for the last ready replica"
+            ),
         ),
         Alert(
             "OomguardRemediatorDown",
@@ -447,6 +442,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "Prometheus cannot scrape the remediator at {{ $labels.instance }}: no engine is "
             "protected from out-of-memory crashes.",
             for_=t.remediator_down_for,
+            doc="the remediator cannot be scraped for 5m",
         ),
         Alert(
             "OomguardRemediatorNoLeader",
@@ -456,6 +452,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "Every remediator replica scraped is a standby: none holds the leader Lease, so "
             "nothing acts on oomguard alerts.",
             for_=t.remediator_down_for,
+            doc="every remediator replica scraped is a standby (no Lease holder) for 5m",
         ),
         Alert(
             "OomguardRemediatorAuditFailing",
@@ -466,6 +463,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "full or read-only): no action is taken without a durable record, so no engine is "
             "protected, and webhooks are refused.",
             for_="1m",
+            doc="the remediator cannot append to its audit log for 1m: it takes no action",
         ),
         # -- tickets -----------------------------------------------------------------------------
         Alert(
@@ -476,6 +474,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"{_GPU} is at pressure level 2: its headroom at the engines' planned peak is low.",
             for_="5m",
             keep_firing_for=t.keep_firing_for,
+            doc="GPU pressure level 2 for 5m",
         ),
         Alert(
             "OomguardGpuMemoryCritical",
@@ -487,6 +486,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "handled by their own alerts; look for a process that is not one of them.",
             for_="1m",
             keep_firing_for=t.keep_firing_for,
+            doc="GPU pressure level 3 for 1m (engines on it have their own alerts)",
         ),
         Alert(
             "OomguardAllocatorFragmentationGrowing",
@@ -498,6 +498,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"on {{{{ $labels.Hostname }}}} grew by {{{{ $value | humanize1024 }}}}B over "
             f"{t.growth_window}.",
             for_="30m",
+            doc="reserved − allocated grew > 2 GiB in 2h",
         ),
         Alert(
             "OomguardAllocatorLeak",
@@ -510,6 +511,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"{{{{ $labels.Hostname }}}} rose by {{{{ $value | humanize1024 }}}}B in "
             f"{t.growth_window}: a leak.",
             for_="30m",
+            doc="the 30m minimum of allocated rose > 1 GiB in 2h",
         ),
         Alert(
             "OomguardEngineRestarted",
@@ -527,6 +529,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "A vLLM engine restarted.",
             f"The counters of {_ENGINE} reset {{{{ $value }}}} times in 15 minutes: the engine "
             "restarted (a rollout, oomguard's own restart, or a crash).",
+            doc=(
+                "an engine's counters reset in 15m, with no incident recorded and no "
+                "restart by oomguard"
+            ),
         ),
         Alert(
             "OomguardHostOomKill",
@@ -541,6 +547,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "{{ $labels.instance }} for exceeding host memory ({{ $value | humanize }}): "
             "exit code 137, no traceback.",
             keep_firing_for=t.keep_firing_for,
+            doc="cgroup `oom_kill` rose in 10m, or appeared non-zero (exit 137)",
         ),
         Alert(
             "OomguardEngineDown",
@@ -550,6 +557,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "The exporter on {{ $labels.instance }} has not been able to scrape vLLM target "
             f"{{{{ $labels.target }}}} for {t.engine_down_for}.",
             for_=t.engine_down_for,
+            doc="the exporter cannot scrape a vLLM target for 15m (rollouts take minutes)",
         ),
         Alert(
             "OomguardExporterDown",
@@ -559,6 +567,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "Prometheus cannot scrape the oomguard exporter on {{ $labels.instance }}: GPU "
             "memory on that node is not watched and the remediator holds its engines.",
             for_="5m",
+            doc="Prometheus cannot scrape an exporter for 5m",
         ),
         Alert(
             "OomguardExporterAbsent",
@@ -568,6 +577,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f'Prometheus has no target with job="{t.exporter_job}": the scrape config or the '
             "PodMonitor does not find the exporters, so no GPU memory is watched.",
             for_="15m",
+            doc="no target with the exporter job at all for 15m",
         ),
         Alert(
             "OomguardVllmScrapeAbsent",
@@ -578,6 +588,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "PodMonitor does not find vLLM's own /metrics, so the SLO alerts cannot fire and "
             "requests lost in a crash are the only errors counted.",
             for_="15m",
+            doc="no target with the vLLM job at all for 15m (the SLOs read vLLM's own series)",
         ),
         # -- on Kubernetes, from kube-state-metrics (both stock installs run it) ----------------
         Alert(
@@ -601,6 +612,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "{{ $labels.namespace }}/{{ $labels.daemonset }}: GPU memory there is not "
             "watched and nothing protects their engines.",
             for_="10m",
+            doc=(
+                "GPU nodes (kube-state-metrics' GPU capacity) outnumber the exporter "
+                "DaemonSet's pods, or pods it cannot place, for 10m"
+            ),
         ),
         Alert(
             "OomguardExporterRolloutStuck",
@@ -623,6 +638,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "progressed its rollout for 15 minutes: some GPU nodes run an old exporter, or "
             "none.",
             for_="15m",
+            doc=(
+                "the exporter DaemonSet's rollout has not finished nor progressed for "
+                "15m (kubernetes-mixin's reading)"
+            ),
         ),
         Alert(
             "OomguardRemediatorCrashLooping",
@@ -634,6 +653,9 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "Container {{ $labels.container }} of pod {{ $labels.namespace }}/{{ $labels.pod }} "
             "restarted {{ $value | humanize }} times in 15 minutes: between crashes it is not "
             "up long enough to act, and OomguardRemediatorDown may never fire.",
+            doc=(
+                "the remediator's container restarted more than twice in 15m (kube-state-metrics)"
+            ),
         ),
         Alert(
             "OomguardRemediatorAbsent",
@@ -643,6 +665,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f'Prometheus has no target with job="{t.remediator_job}": the remediator is not '
             "deployed or not discovered, so nothing acts on oomguard alerts.",
             for_="15m",
+            doc="no target with the remediator job at all for 15m",
         ),
         Alert(
             "OomguardCollectorDown",
@@ -654,6 +677,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "Collector {{ $labels.collector }} {{ $labels.target }} of the exporter on "
             "{{ $labels.instance }} has failed for a while.",
             for_=t.collector_down_for,
+            doc="a collector other than a vLLM target's failed for 5m",
         ),
         Alert(
             "OomguardMetricsStale",
@@ -663,6 +687,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "The exporter on {{ $labels.instance }} last collected {{ $value | humanizeDuration "
             "}} ago: its polling is stuck.",
             for_="2m",
+            doc="the exporter's snapshot is > 30 s old for 2m",
         ),
         Alert(
             "OomguardRequestsQueueing",
@@ -675,6 +700,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"{{{{ $value }}}} requests wait on {_ENGINE} while its admission cap is below the "
             "startup max_num_seqs.",
             for_="10m",
+            doc="> 10 waiting for 10m while the cap is below startup",
         ),
         Alert(
             "OomguardRemediationPaused",
@@ -684,6 +710,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"The remediator on {{{{ $labels.instance }}}} has been paused for {t.paused_for}: "
             "it decides and records but acts on no engine.",
             for_=t.paused_for,
+            doc="the remediator has been paused for 1h",
         ),
         Alert(
             "OomguardRemediatorPassesBehind",
@@ -695,6 +722,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"{t.pass_behind_seconds}s: actions wait (a slow or failing pass, too many engines "
             "read per pass).",
             for_="2m",
+            doc="the leading remediator completed no reconcile pass for 60 s, for 2m",
         ),
         Alert(
             "OomguardRemediationHeld",
@@ -707,6 +735,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "The remediator on {{ $labels.instance }} has held target {{ $labels.target }} for "
             f"{t.held_for}: it cannot read or change the engine, so it does nothing.",
             for_=t.held_for,
+            doc=(
+                "the remediator has held a target for 15m (not while its engine is "
+                "down: OomguardEngineDown)"
+            ),
         ),
         Alert(
             "OomguardRemediatorUnauthorized",
@@ -715,6 +747,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "The oomguard remediator refused unauthenticated calls.",
             "The remediator on {{ $labels.instance }} refused {{ $value | humanize }} calls "
             "without a valid token in 10 minutes: a misconfigured Alertmanager or a probe.",
+            doc="the remediator refused calls without a valid token",
         ),
         Alert(
             "OomguardThreadRestarting",
@@ -727,6 +760,10 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "Thread {{ $labels.thread }} of {{ $labels.job }} on {{ $labels.instance }} died "
             "and was restarted ({{ $value | humanize }} in 15 minutes): its loop lost time, "
             "and a bug or a hostile input killed it.",
+            doc=(
+                "a supervised thread of the exporter, the remediator or `oomguard "
+                "serve` died and was restarted in 15m (first death included)"
+            ),
         ),
         Alert(
             "OomguardAlertmanagerWebhookFailing",
@@ -737,6 +774,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "deliveries in 10 minutes: the remediator (or a webhook pager) misses alerts and "
             "relies on its resync.",
             for_="5m",
+            doc="Alertmanager failed webhook deliveries for 5m",
         ),
         # -- nothing (info): shown on dashboards, routed nowhere --------------------------------
         Alert(
@@ -748,6 +786,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "This is normal under load and is not a danger sign by itself; sustained, it "
             "means the engine runs at capacity.",
             for_=t.kv_usage_high_for,
+            doc="KV usage > 90 % for 15m (capacity signal)",
         ),
         Alert(
             "OomguardMemoryCaution",
@@ -757,6 +796,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON} (1 caution, "
             "2 pressure, 3 critical).",
             for_=t.caution_for,
+            doc="engine pressure level ≥ 1 for 10m",
         ),
         Alert(
             "Watchdog",
@@ -764,6 +804,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "none",
             "An alert that always fires, to prove the alerting pipeline works.",
             "This alert always fires. If it stops arriving, Prometheus or Alertmanager is down.",
+            doc="always (dead man's switch)",
         ),
     ]
 
@@ -772,18 +813,21 @@ def slo_alerts(t: AlertThresholds | None = None) -> list[Alert]:
     """Multi-window, multi-burn-rate alerts: a page when the budget burns fast, else a ticket."""
     t = t or AlertThresholds()
     out = []
-    for name, series, objective, what in (
+    for name, series, objective, what, doc in (
         (
             "OomguardRequestErrorBudgetBurn",
             "model_name:vllm_request_errors:ratio_rate",
             t.slo_success_objective,
             "requests finishing with an error",
+            'vLLM requests with `finished_reason="error"` burn the success SLO (99.9 %) at '
+            "14.4x (1h and 5m) or 6x (6h and 30m) / 3x (1d and 2h) or 1x (3d and 6h)",
         ),
         (
             "OomguardTTFTBudgetBurn",
             "model_name:vllm_ttft_slow:ratio_rate",
             t.slo_ttft_objective,
             f"requests waiting over {t.slo_ttft_seconds:g} s for their first token",
+            "requests slower than 2.5 s to the first token burn the TTFT SLO (95 %), same windows",
         ),
     ):
         budget = 1 - objective
@@ -815,6 +859,7 @@ def slo_alerts(t: AlertThresholds | None = None) -> list[Alert]:
                     f"{what} (objective {_num(objective * 100)} % good): at this rate the 30-day "
                     f"budget lasts {'hours' if fast else 'days'}.",
                     for_="2m" if fast else "15m",
+                    doc=doc,
                 )
             )
     return out

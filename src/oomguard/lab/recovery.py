@@ -4,8 +4,9 @@ The chain a node runs once its memory comes back, each link at its shipped setti
 
 1. the exporter's level drops (the caller computes the level per tick from the twin GPU through
    the exporter's own evaluator: lab/matrix.py);
-2. the action alerts see it: OomguardMemoryPressure (level >= 2 held `pressure_for`, lower_cap)
-   and OomguardMemoryCritical (level >= 3 held `critical_for`, drain) each resolve once their
+2. the action alerts see it, as oomguard.actions.ACTION_ALERTS defines them for the rules and
+   the standalone watch: OomguardMemoryPressure (level >= 2 held `pressure_for`, lower_cap) and
+   OomguardMemoryCritical (level >= 3 held `critical_for`, drain) each resolve once their
    condition has been false for `keep_firing_for`, checked at each rule evaluation on a level as
    old as the exporter poll plus the scrape;
 3. the change reaches the remediator: Alertmanager flushes a group's resolve at its next
@@ -21,15 +22,15 @@ re-trigger is engine 0 drained or capped again after that (oscillation).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from oomguard.actions import ACTION_ALERTS, DISRUPTIVE, ActionAlert, seconds
 from oomguard.remediator.decision import Context, EngineInput, decide_fleet
 from oomguard.remediator.flags import FlagLimits
 from oomguard.remediator.policy import Observed, PolicyConfig
-from oomguard.remediator.safety import DISRUPTIVE, SafetyConfig, SafetyState
+from oomguard.remediator.safety import SafetyConfig, SafetyState
 from oomguard.remediator.webhook import Alert
 from oomguard.thresholds import AlertThresholds
 from oomguard.twin.physics import Physics, Step
@@ -42,12 +43,6 @@ DT = 0.1  # simulation tick (s)
 T0 = datetime(2026, 1, 1, tzinfo=UTC)  # the alerts' clock origin (only their identity uses it)
 
 
-def seconds(duration: str) -> float:
-    """A Prometheus duration ("30s", "1m30s") in seconds."""
-    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
-    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", duration))
-
-
 @dataclass(frozen=True)
 class AlertPath:
     """How an action alert's level reaches the remediator, and its hysteresis."""
@@ -56,9 +51,8 @@ class AlertPath:
     staleness_s: float  # how old the level is when a rule reads it
     eval_s: float  # rule evaluation interval
     deliver_s: float  # a change waits for the next flush of this period (0: at once)
-    pressure_for_s: float
-    critical_for_s: float
-    keep_firing_s: float
+    for_s: Mapping[str, float]  # each action alert's `for`, by name (oomguard.actions)
+    keep_firing_s: float  # the action alerts' keep_firing_for (those that keep firing at all)
 
 
 def alertmanager_path(t: AlertThresholds | None = None) -> AlertPath:
@@ -71,8 +65,7 @@ def alertmanager_path(t: AlertThresholds | None = None) -> AlertPath:
         # every alert is its own group on the remediator route; a re-fire within its group's
         # life waits at most the route's group_interval
         deliver_s=seconds(t.remediator_group_interval),
-        pressure_for_s=seconds(t.pressure_for),
-        critical_for_s=seconds(t.critical_for),
+        for_s={a.name: a.for_seconds(t) for a in ACTION_ALERTS},
         keep_firing_s=seconds(t.action_keep_firing_for),
     )
 
@@ -80,38 +73,46 @@ def alertmanager_path(t: AlertThresholds | None = None) -> AlertPath:
 def standalone_path() -> AlertPath:
     """The remediator polling the exporters itself, at StandaloneConfig's defaults."""
     from oomguard.remediator.config import StandaloneConfig
+    from oomguard.remediator.standalone import durations
 
     d = StandaloneConfig(exporters=["http://exporter/metrics"])
+    held = {a.name: durations(d, a) for a in ACTION_ALERTS}
     return AlertPath(
         "standalone",
         staleness_s=EXPORTER_POLL_S,
         eval_s=d.interval_seconds,
         deliver_s=0.0,
-        pressure_for_s=d.pressure_for_seconds,
-        critical_for_s=d.critical_for_seconds,
+        for_s={name: hold for name, (hold, _) in held.items()},
         keep_firing_s=d.keep_firing_seconds,
     )
 
 
 @dataclass
 class _Rule:
-    name: str
-    action: str
-    threshold: int
+    alert: ActionAlert
     hold_s: float
+    keep_s: float
     pending: float | None = None
     last_true: float | None = None
     firing_since: float | None = None
 
-    def evaluate(self, level: int, now: float, keep_s: float) -> None:
-        if level >= self.threshold:
+    @property
+    def name(self) -> str:
+        return self.alert.name
+
+    @property
+    def action(self) -> str:
+        return self.alert.action
+
+    def evaluate(self, level: int, now: float) -> None:
+        if self.alert.condition(level):
             self.last_true = now
             self.pending = now if self.pending is None else self.pending
             if self.firing_since is None and now - self.pending >= self.hold_s:
                 self.firing_since = now
         else:
             self.pending = None
-            if self.firing_since is not None and now - (self.last_true or now) >= keep_s:
+            if self.firing_since is not None and now - (self.last_true or now) >= self.keep_s:
                 self.firing_since = None
 
 
@@ -217,8 +218,7 @@ def simulate_recovery(
     eng = _Engine(startup, startup, counts_prefills=counts_prefills)
     peer = EngineInput("engine-1", trace.model, (), Observed(startup, startup, False, 1e9, 0, 0, 0))
     rules = [
-        _Rule("OomguardMemoryPressure", "lower_cap", 2, path.pressure_for_s),
-        _Rule("OomguardMemoryCritical", "drain", 3, path.critical_for_s),
+        _Rule(a, path.for_s[a.name], path.keep_firing_s if a.keep else 0.0) for a in ACTION_ALERTS
     ]
     heard: dict[str, float | None] = {r.name: None for r in rules}  # firing since, as delivered
     arrivals = [r for k, r in enumerate(requests(trace)) if k % 2 == 0]  # the gateway's share
@@ -239,7 +239,7 @@ def simulate_recovery(
             next_eval += path.eval_s
             was_firing = any(r.firing_since is not None for r in rules)
             for r in rules:
-                r.evaluate(level, t, path.keep_firing_s)
+                r.evaluate(level, t)
                 if r.firing_since is not None and heard[r.name] is None:
                     heard[r.name], wake = r.firing_since, True  # a new group: group_wait 0s
             if was_firing and all(r.firing_since is None for r in rules):

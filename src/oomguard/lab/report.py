@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from oomguard import vllm_seam
+from oomguard.actions import BY_NAME
 from oomguard.lab import charts
 from oomguard.paths import runbooks_dir
 from oomguard.twin.gpu import GIB
@@ -68,14 +69,11 @@ def describe(entry: dict[str, Any]) -> str:
     after = entry.get("after")
     after = after if isinstance(after, dict) else {}
     target = entry.get("target", "?")
-    what = {
-        "lower_cap": f"lowered {target}'s cap to {after.get('cap')}",
-        "raise_cap": f"raised {target}'s cap to {after.get('cap')}",
-        "readmit": f"set {target}'s cap to {after.get('cap')} to re-admit",
-        "drain": f"drained {target}",
-        "resume": f"resumed {target}",
-        "restart": f"restarted {target}",
-    }.get(entry.get("action", ""), f"{entry.get('event')} {entry.get('action', '')} {target}")
+    spec = BY_NAME.get(str(entry.get("action", "")))
+    if spec is not None and spec.told:
+        what = spec.told.format(target=target, cap=after.get("cap"))
+    else:
+        what = f"{entry.get('event')} {entry.get('action', '')} {target}"
     event = entry.get("event")
     if event == "decided":
         return f"decided for {target}: {entry.get('reason', '')}"

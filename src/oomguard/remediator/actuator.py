@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from oomguard.actions import route
 from oomguard.contract import API_PREFIX
 from oomguard.engine_state import EngineState, StateError
 from oomguard.engine_state import parse as parse_state
@@ -60,6 +61,9 @@ class Actuator(Protocol):
     def drain(self, target: Target) -> dict[str, Any]: ...
 
     def resume(self, target: Target) -> dict[str, Any]: ...
+
+    # an action with a route and no method of its own (oomguard.actions): sent with no body
+    def act(self, target: Target, action: str) -> dict[str, Any]: ...
 
 
 RETRIED = frozenset({"timeout", "unreachable", "http_status"})  # may help to ask again
@@ -259,15 +263,19 @@ class PluginActuator:
         self.client.close()
 
     def set_cap(self, target: Target, cap: int) -> dict[str, Any]:
-        return self._call(target, "PUT", "/admission", {"cap": int(cap)})
+        return self._call(target, *route("set_cap"), {"cap": int(cap)})
 
     def drain(self, target: Target, grace_seconds: float | None = None) -> dict[str, Any]:
         """`grace_seconds`: override the plugin's drain grace (0 once a router was told)."""
         body = None if grace_seconds is None else {"grace_seconds": grace_seconds}
-        return self._call(target, "POST", "/drain", body)
+        return self._call(target, *route("drain"), body)
 
     def resume(self, target: Target) -> dict[str, Any]:
-        return self._call(target, "POST", "/resume")
+        return self._call(target, *route("resume"))
+
+    def act(self, target: Target, action: str) -> dict[str, Any]:
+        """An action the registry routes with no method of its own here (oomguard.actions)."""
+        return self._call(target, *route(action))
 
 
 @dataclass
@@ -302,6 +310,9 @@ class DryRunActuator:
 
     def resume(self, target: Target) -> dict[str, Any]:
         return self._intend(target, "resume")
+
+    def act(self, target: Target, action: str) -> dict[str, Any]:
+        return self._intend(target, action)
 
 
 def read_states(

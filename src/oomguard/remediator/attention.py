@@ -47,12 +47,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from oomguard.actions import CAP_ONLY, OUT_OF_SERVICE
 from oomguard.remediator.decision import Verdict
 from oomguard.remediator.policy import PolicyConfig, actions_for
 from oomguard.remediator.webhook import Alert
-
-OUT_OF_SERVICE = frozenset({"drain", "restart"})  # alert actions that look at a model's peers
-CAP_ONLY = frozenset({"lower_cap"})  # alert actions decided without a model's peers
 
 
 class AttentionConfig(BaseModel):

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from oomguard import bounded
+from oomguard.actions import seconds
 from oomguard.config import load_yaml, validate
 from oomguard.errors import ConfigError
 from oomguard.remediator.attention import AttentionConfig
@@ -28,6 +29,7 @@ from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.router import RouterConfig
 from oomguard.remediator.safety import SafetyConfig
 from oomguard.remediator.targets import TargetConfig
+from oomguard.thresholds import AlertThresholds
 
 log = logging.getLogger("oomguard.remediator")
 
@@ -121,6 +123,9 @@ class AlertmanagerSource(BaseModel):
     )
 
 
+_RULES = AlertThresholds()
+
+
 class StandaloneConfig(BaseModel):
     """Watch exporters' pressure levels directly (single boxes, the demo): no Alertmanager."""
 
@@ -132,10 +137,15 @@ class StandaloneConfig(BaseModel):
         "the start fetch each once and refuse what is not an oomguard exporter's /metrics).",
     )
     interval_seconds: float = Field(1.0, gt=0)
-    pressure_for_seconds: float = Field(30.0, ge=0, description="Level 2 held this long acts.")
-    critical_for_seconds: float = Field(0.0, ge=0, description="Level 3 held this long acts.")
+    # defaults: the generated rules' (oomguard.actions.ACTION_ALERTS at AlertThresholds' defaults)
+    pressure_for_seconds: float = Field(
+        seconds(_RULES.pressure_for), ge=0, description="Level 2 held this long acts."
+    )
+    critical_for_seconds: float = Field(
+        seconds(_RULES.critical_for), ge=0, description="Level 3 held this long acts."
+    )
     keep_firing_seconds: float = Field(
-        30.0,
+        seconds(_RULES.action_keep_firing_for),
         ge=0,
         description="Hysteresis after a condition clears (the rules' keep_firing_for on action "
         "alerts; recovery starts only when the alert resolves).",

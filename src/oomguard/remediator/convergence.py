@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from oomguard.actions import BY_NAME, DISRUPTIVE
 from oomguard.engine_state import EngineState, StateError
 from oomguard.engine_state import parse as parse_state
 from oomguard.remediator import crashpoints
@@ -42,7 +43,7 @@ from oomguard.remediator.intake import Intake
 from oomguard.remediator.metrics import RemediatorMetrics
 from oomguard.remediator.policy import Desired, Observed
 from oomguard.remediator.restarting import Restarts
-from oomguard.remediator.safety import DISRUPTIVE, Safety
+from oomguard.remediator.safety import Safety
 from oomguard.remediator.targets import TargetConfig
 from oomguard.remediator.webhook import Alert
 
@@ -400,13 +401,12 @@ class Convergence:
             self.safety.record(name, kind, key=key)
         crashpoints.reach("after_intent")
         try:
-            if kind == "drain":
-                response = self.actuator.drain(target)
-            elif kind == "resume":
-                response = self.actuator.resume(target)
+            spec = BY_NAME[kind]  # the registry's call, or the generic one with its route
+            if spec.call is None:
+                response = self.actuator.act(target, kind)
             else:
-                assert cap is not None
-                response = self.actuator.set_cap(target, cap)
+                call = getattr(self.actuator, spec.call)
+                response = call(target) if cap is None else call(target, cap)
         except ActuatorError as exc:
             self.safety.forget(name, key)  # refused or unreachable: nothing was done
             self.metrics.actions.labels(name, kind, "failed").inc()  # why: the audit log
@@ -527,10 +527,9 @@ class Convergence:
         if isinstance(state, ActuatorError):
             return None, None
         seen = {"cap": state.admission_cap, "mode": state.mode, "draining": state.draining}
-        if kind == "drain":
-            return state.draining, seen
-        if kind == "resume":
-            return not state.draining, seen
+        draining = BY_NAME[kind].draining if kind in BY_NAME else None
+        if draining is not None:
+            return state.draining == draining, seen
         cap = want.get("cap")
         if isinstance(cap, int) and not isinstance(cap, bool):
             return state.admission_cap == cap, seen

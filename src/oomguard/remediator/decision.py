@@ -34,17 +34,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from oomguard.actions import BY_NAME, DISRUPTIVE
 from oomguard.contract import FRAGMENTATION_REASON
 from oomguard.remediator.flags import FlagLimits, Flags
 from oomguard.remediator.policy import Desired, Observed, PolicyConfig, actions_for, decide
 from oomguard.remediator.restart import FlagView
-from oomguard.remediator.safety import (
-    DISRUPTIVE,
-    EngineView,
-    SafetyConfig,
-    SafetyState,
-    limit,
-)
+from oomguard.remediator.safety import EngineView, SafetyConfig, SafetyState, limit
 from oomguard.remediator.webhook import Alert
 
 # drain refused: cap instead. FALLBACK_LIMITS is the designed fallback that pages nobody (the
@@ -52,7 +47,6 @@ from oomguard.remediator.webhook import Alert
 # the remediator may do and nothing but a person relieves it, so that limit pages.
 FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})
 CAP_INSTEAD = FALLBACK_LIMITS | {"single_replica"}
-OUT_OF_SERVICE_STEPS = frozenset({"drain", "restart"})
 
 
 @dataclass(frozen=True)
@@ -364,7 +358,8 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
             steps.append(Step(kind, cap, desired.reason))
             if kind in DISRUPTIVE:
                 safety = safety.with_action(e.name, ctx.now, kind)
-            if kind in ("drain", "resume"):
-                fleet[e.name] = EngineView(e.model, draining=kind == "drain", reachable=True)
+            draining = BY_NAME[kind].draining
+            if draining is not None:
+                fleet[e.name] = EngineView(e.model, draining=draining, reachable=True)
         verdicts.append(Verdict(e.name, o, desired, tuple(steps), fingerprints=fps))
     return verdicts

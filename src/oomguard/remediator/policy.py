@@ -35,7 +35,8 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from oomguard.contract import ACTION_LABEL, ACTIONS, Action
+from oomguard.actions import ALERT_ACTIONS, Action
+from oomguard.contract import ACTION_LABEL
 from oomguard.engine_state import EngineState
 from oomguard.engine_state import parse as parse_state
 from oomguard.remediator.webhook import Alert
@@ -169,8 +170,8 @@ def actions_for(alerts: Iterable[Alert], policy: PolicyConfig) -> set[Action]:
             wanted.add("hold")
             continue
         action = policy.actions.get(alert.name) or alert.labels.get(ACTION_LABEL)
-        if action in ACTIONS:
-            wanted.add(cast(Action, action))  # a label's string, checked against ACTIONS
+        if action in ALERT_ACTIONS:
+            wanted.add(cast(Action, action))  # a label's string, checked against the registry
     return wanted
 
 

@@ -23,14 +23,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from oomguard.actions import DISRUPTIVE, OUT_OF_SERVICE, SEVERITY
 from oomguard.remediator import clocks
 
-OUT_OF_SERVICE = frozenset({"drain", "restart"})
-DISRUPTIVE = frozenset({"drain", "lower_cap", "restart"})  # cooldown, rate limit, budget
-# How far each action takes an engine out of service. A cooldown holds an action only after one
-# at least as severe: memory that turns critical right after a cap step is drained now, not a
-# cooldown later (the OOM would come first); the budgets still count every action.
-SEVERITY = {"lower_cap": 1, "drain": 2, "restart": 3}
 COUNTED_RESULTS = frozenset({"ok", "started", "dry_run"})  # committed actions that used budget
 
 
@@ -92,7 +87,7 @@ def limit(
     severity = SEVERITY.get(action, 0)
     if any(
         now - t < c.cooldown_seconds and SEVERITY.get(k, 0) >= severity for t, k in recent
-    ):  # escalation is exempt (see SEVERITY)
+    ):  # escalation is exempt (ActionSpec.severity)
         return "cooldown"
     # Lowering steps never use up the budget of a drain or restart: a long incident that
     # stepped the cap down must still be able to take the engine out when it turns critical.

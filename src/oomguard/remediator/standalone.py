@@ -24,22 +24,29 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from oomguard.actions import ACTION_ALERTS, LEVEL, ActionAlert
 from oomguard.exporter.scrape import Scraper
 from oomguard.exporter.textparse import parse
 from oomguard.remediator.config import StandaloneConfig
 from oomguard.remediator.webhook import Alert, Webhook, normalise
+from oomguard.thresholds import AlertThresholds
 
 log = logging.getLogger("oomguard.remediator.standalone")
 
-LEVEL = "oomguard_engine_pressure_level"
 BLIND = -1.0  # the exporter's level when it lacks the data to judge an engine
 RuleKey = tuple[str, str, str, str]  # exporter instance, target, engine, alert name
-# (alert, condition on the engine's level, action, severity)
-RULES: tuple[tuple[str, Callable[[float], bool], str, str], ...] = (
-    ("OomguardMemoryPressure", lambda level: level >= 2, "lower_cap", "warning"),
-    ("OomguardMemoryCritical", lambda level: level >= 3, "drain", "critical"),
-    ("OomguardPressureBlind", lambda level: level < 0, "hold", "warning"),
-)
+# The action alerts, as the rules define them (oomguard.actions.ACTION_ALERTS), by name.
+RULES: dict[str, ActionAlert] = {a.name: a for a in ACTION_ALERTS}
+DEFAULTS = AlertThresholds()  # the generated rules' durations
+
+
+def durations(config: StandaloneConfig, alert: ActionAlert) -> tuple[float, float]:
+    """(for, keep_firing_for) of `alert` in seconds: the rules' `for` field `x_for` is the
+    config's `x_for_seconds` where it has one (else the rules' default), and its keep is the
+    config's `keep_firing_seconds` if the rule keeps firing at all (else it clears at once)."""
+    hold = None if alert.for_ is None else getattr(config, f"{alert.for_}_seconds", None)
+    hold_s = alert.for_seconds(DEFAULTS) if hold is None else float(hold)
+    return hold_s, config.keep_firing_seconds if alert.keep else 0.0
 
 
 @dataclass
@@ -105,7 +112,7 @@ class PressureWatcher:
             instance = urlsplit(url).netloc
             seen: set[RuleKey] = set()
             for (target, engine), (level, reason) in levels.items():
-                for name, condition, action, severity in RULES:
+                for name, rule in RULES.items():
                     key = (instance, target, engine, name)
                     seen.add(key)
                     self._labels[key] = {
@@ -113,10 +120,10 @@ class PressureWatcher:
                         "instance": instance,
                         "target": target,
                         "engine": engine,
-                        "severity": severity,
-                        "oomguard_action": action,
+                        "severity": rule.severity,
+                        "oomguard_action": rule.action,
                     }
-                    alerts.extend(self._step(key, condition(level), name, now, reason))
+                    alerts.extend(self._step(key, rule.condition(level), name, now, reason))
             for key in [k for k in self._rules if k[0] == instance and k not in seen]:
                 # the engine's series went away (engine gone): its conditions are false
                 alerts.extend(self._step(key, False, key[3], now))
@@ -126,11 +133,7 @@ class PressureWatcher:
         self, key: RuleKey, true: bool, name: str, now: float, reason: str = ""
     ) -> list[Alert]:
         rule = self._rules.setdefault(key, _Rule())
-        hold, keep = {
-            "OomguardMemoryCritical": (self.config.critical_for_seconds, None),
-            "OomguardPressureBlind": (0.0, 0.0),  # hold at once, and let go at once
-        }.get(name, (self.config.pressure_for_seconds, None))
-        keep = self.config.keep_firing_seconds if keep is None else keep
+        hold, keep = durations(self.config, RULES[name])
         if true:
             rule.last_true = now
             if rule.pending_since is None:

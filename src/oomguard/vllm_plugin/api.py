@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from oomguard import bounded
 from oomguard import vllm_seam as vllm
+from oomguard.actions import ACTIONS, ROUTES
 from oomguard.contract import (
     API_PREFIX,
     DRAINING_MESSAGE,
@@ -64,8 +65,10 @@ PREFIX = API_PREFIX
 # slipping past the drain.
 GATED_PATHS = vllm.GATED_PATHS
 # POST routes that never start inference: vLLM's (tokenizer work, aborts and cancels, which must
-# keep working while draining, and operator controls) and the plugin's own.
-CONTROL_PATHS = vllm.CONTROL_PATHS | {f"{PREFIX}/drain", f"{PREFIX}/resume"}
+# keep working while draining, and operator controls) and the plugin's own (oomguard.actions).
+CONTROL_PATHS = vllm.CONTROL_PATHS | {
+    f"{PREFIX}{path}" for method, path in ROUTES if method == "POST"
+}
 ENGINE_TIMEOUT_SECONDS = 5.0
 DRAIN_CACHE_SECONDS = 1.0
 MAX_BODY_BYTES = 8192  # {"cap": N} is a few bytes; anything large is not a cap change
@@ -362,6 +365,12 @@ class OomguardEndpointPlugin:
             plugin._remember(False, False)
             return view
 
+        for spec in ACTIONS:  # actions the registry routes straight to an engine utility
+            if spec.route and spec.engine_call:
+                method, path = spec.route.split(" ", 1)
+                handler = engine_call_route(self, spec.engine_call)
+                router.add_api_route(path, handler, methods=[method])
+
         app.include_router(router)
         app.add_middleware(DrainGate, plugin=self)
 
@@ -373,6 +382,17 @@ class OomguardEndpointPlugin:
                 "oomguard: no %s set; admission, drain and resume routes will refuse every call",
                 PLUGIN_TOKEN_ENV,
             )
+
+
+def engine_call_route(plugin: OomguardEndpointPlugin, name: str) -> Any:
+    """The handler of an action's route that is one call of `name` on every engine (its
+    `engine_call` in oomguard.actions): authorized, no body, the engines' state as the answer."""
+
+    async def call(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return aggregate(await plugin.call_engines(name))
+
+    return call
 
 
 def gate_path(scope: dict[str, Any]) -> str:

@@ -1,0 +1,259 @@
+"""The remediation actions and the alerts that ask for them: one table each, read by every part.
+
+`ACTIONS` is the one place the facts about an action are written down: whether an alert may ask
+for it, whether the remediator takes it as a step on an engine, how far it takes an engine out
+of service (the safety limits), the actuator call that takes it and the plugin route that call
+uses. Every other view (the safety limits' disruptive set and severities, the attention's
+out-of-service and cap-only sets, the alert actions' precedence, the convergence's dispatch to
+the actuator, the routes the plugin's drain gate lets through) is derived here from it.
+
+`ACTION_ALERTS` is the one definition of the alerts that ask for an action on the exporter's
+level series (OomguardMemoryPressure, OomguardMemoryCritical, OomguardPressureBlind): their
+condition, `for`, `keep_firing_for`, severity and action. The Prometheus rules
+(oomguard.alerts.rules), the standalone watch (remediator/standalone.py), the recovery simulation
+(lab/recovery.py) and the docs' alerts table are generated from it.
+
+Adding an action: an entry in `ACTIONS` (and its name in `Action`/`StepKind`), the plugin's
+EngineCore utility (vllm_plugin/engine.py), and the policy that asks for it (remediator/policy.py
+and its plan in decision.py). With a route and an `engine_call`, the actuator's generic `act` and
+the plugin's generic handler take it; an action that needs a body or more than one engine call
+gets its own actuator method (remediator/actuator.py) and plugin handler (vllm_plugin/api.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, cast
+
+from oomguard.thresholds import AlertThresholds
+
+# What an alert may ask the remediator to do (its `oomguard_action` label), and the steps the
+# remediator takes on an engine. tests/test_actions.py ties both to `ACTIONS`.
+Action = Literal["hold", "drain", "lower_cap", "restart"]
+StepKind = Literal["drain", "lower_cap", "restart", "resume", "raise_cap", "readmit"]
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """One remediation action: what it does and which part takes it."""
+
+    name: str
+    doc: str
+    alert: bool = False  # an alert may ask for it (`oomguard_action`): an alert action
+    step: bool = False  # the remediator takes it as a step on an engine
+    # How far it takes an engine out of service; 0: not limited by the safety limits (restoring
+    # capacity is paced by the policy). A cooldown holds an action only after one at least as
+    # severe: memory that turns critical right after a cap step is drained now, not a cooldown
+    # later (the OOM would come first); the budgets still count every limited action.
+    severity: int = 0
+    out_of_service: bool = False  # decided with every peer of its model (disruption budget)
+    draining: bool | None = None  # the drain state a step leaves the engine in (None: unchanged)
+    # The actuator's method that takes the step. None with a route: the actuator's generic
+    # `act`, which sends the route no body; None without one: not the actuator's (hold, restart).
+    call: str | None = None
+    route: str | None = None  # "METHOD /path" under contract.API_PREFIX that the call uses
+    # The EngineCore utility (vllm_plugin/engine.py UTILITIES) the plugin's generic handler of
+    # `route` calls on every engine. None: the plugin has a handler of its own (api.py).
+    engine_call: str | None = None
+    told: str = ""  # a step taken, as a sentence: "{target}", "{cap}" (the demo's timeline)
+
+    @property
+    def disruptive(self) -> bool:
+        """Counted by the cooldown, the rate limit and the disruption budget."""
+        return self.severity > 0
+
+    @property
+    def cap_only(self) -> bool:
+        """An alert action decided without a model's peers: a cap needs none."""
+        return self.alert and self.step and not self.out_of_service
+
+
+# In the alert actions' order of precedence: hold (the exporter is blind to the engine: change
+# nothing), drain, lower the cap, restart; then the steps that give capacity back.
+ACTIONS: tuple[ActionSpec, ...] = (
+    ActionSpec("hold", "change nothing, in either direction: the exporter is blind", alert=True),
+    ActionSpec(
+        "drain",
+        "stop admitting; running requests finish",
+        alert=True,
+        step=True,
+        severity=2,
+        out_of_service=True,
+        draining=True,
+        call="drain",
+        route="POST /drain",
+        told="drained {target}",
+    ),
+    ActionSpec(
+        "lower_cap",
+        "lower the admission cap",
+        alert=True,
+        step=True,
+        severity=1,
+        call="set_cap",
+        route="PUT /admission",
+        told="lowered {target}'s cap to {cap}",
+    ),
+    ActionSpec(
+        "restart",
+        "restart the engine with lower memory flags (the restart backend)",
+        alert=True,
+        step=True,
+        severity=3,
+        out_of_service=True,
+        told="restarted {target}",
+    ),
+    ActionSpec(
+        "resume",
+        "admit again after a drain",
+        step=True,
+        draining=False,
+        call="resume",
+        route="POST /resume",
+        told="resumed {target}",
+    ),
+    ActionSpec(
+        "raise_cap",
+        "raise the admission cap",
+        step=True,
+        call="set_cap",
+        route="PUT /admission",
+        told="raised {target}'s cap to {cap}",
+    ),
+    ActionSpec(
+        "readmit",
+        "the first re-admission stage's cap, set while still drained",
+        step=True,
+        call="set_cap",
+        route="PUT /admission",
+        told="set {target}'s cap to {cap} to re-admit",
+    ),
+)
+
+# -- views -------------------------------------------------------------------------------------
+BY_NAME: dict[str, ActionSpec] = {a.name: a for a in ACTIONS}
+ALERT_ACTIONS = cast(tuple[Action, ...], tuple(a.name for a in ACTIONS if a.alert))
+STEPS: frozenset[str] = frozenset(a.name for a in ACTIONS if a.step)
+DISRUPTIVE: frozenset[str] = frozenset(a.name for a in ACTIONS if a.disruptive)
+SEVERITY: dict[str, int] = {a.name: a.severity for a in ACTIONS if a.disruptive}
+OUT_OF_SERVICE: frozenset[str] = frozenset(a.name for a in ACTIONS if a.out_of_service)
+CAP_ONLY: frozenset[str] = frozenset(a.name for a in ACTIONS if a.cap_only)
+ROUTES: frozenset[tuple[str, str]] = frozenset(
+    (m, p) for a in ACTIONS if a.route for m, p in [a.route.split(" ", 1)]
+)
+
+
+def route(call: str) -> tuple[str, str]:
+    """The plugin route (method, path under API_PREFIX) of an actuator call, or of an action
+    taken by the actuator's generic `act`."""
+    for a in ACTIONS:
+        if (a.call or a.name) == call and a.route:
+            method, path = a.route.split(" ", 1)
+            return method, path
+    raise KeyError(call)
+
+
+# -- the alerts that ask for an action on the exporter's level series ---------------------------
+LEVEL = "oomguard_engine_pressure_level"
+
+
+@dataclass(frozen=True)
+class ActionAlert:
+    """An alert on the engine's pressure level that asks the remediator for `action`."""
+
+    name: str
+    op: Literal[">=", "<"]
+    level: int
+    action: Action
+    severity: str
+    summary: str
+    description: str
+    for_: str | None = None  # the AlertThresholds field that holds its `for` (None: at once)
+    keep: bool = False  # keeps firing for AlertThresholds.action_keep_firing_for (else clears)
+    doc: str = ""  # the docs table's condition, after the generated part
+
+    def condition(self, level: float) -> bool:
+        return level >= self.level if self.op == ">=" else level < self.level
+
+    @property
+    def expr(self) -> str:
+        return f"{LEVEL} {self.op} {self.level}"
+
+    def for_duration(self, t: AlertThresholds) -> str:
+        return "0s" if self.for_ is None else str(getattr(t, self.for_))
+
+    def keep_duration(self, t: AlertThresholds) -> str | None:
+        return t.action_keep_firing_for if self.keep else None
+
+    def describe(self, t: AlertThresholds) -> str:
+        """When it fires, for the docs' alerts table."""
+        words = {">=": "≥", "<": "<"}
+        out = f"engine pressure level {words[self.op]} {self.level}"
+        if self.for_seconds(t):
+            out += f" for {self.for_duration(t)}"
+        if self.doc:
+            out += f"; {self.doc}"
+        keep = self.keep_duration(t)
+        return out + (f"; keeps firing {keep}" if keep else "; fires and clears at once")
+
+    def for_seconds(self, t: AlertThresholds) -> float:
+        return seconds(self.for_duration(t))
+
+    def keep_seconds(self, t: AlertThresholds) -> float:
+        keep = self.keep_duration(t)
+        return 0.0 if keep is None else seconds(keep)
+
+
+_ENGINE = "engine {{ $labels.engine }} of {{ $labels.target }} on {{ $labels.instance }}"
+_REASON = "(reason {{ $labels.reason }})"
+
+ACTION_ALERTS: tuple[ActionAlert, ...] = (
+    ActionAlert(
+        "OomguardMemoryPressure",
+        ">=",
+        2,
+        "lower_cap",
+        "warning",
+        "A vLLM engine is under GPU memory pressure.",
+        f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
+        "its GPU once every engine reaches its planned peak is low, or the allocator had to "
+        "retry. oomguard lowers its admission cap.",
+        for_="pressure_for",
+        keep=True,
+        doc="carries `reason`",
+    ),
+    # blind is not healthy: the remediator changes nothing on the engine while it fires (at
+    # once, and clears at once); a hold that lasts is OomguardRemediationHeld's ticket
+    ActionAlert(
+        "OomguardPressureBlind",
+        "<",
+        0,
+        "hold",
+        "warning",
+        "oomguard cannot judge the memory pressure of a vLLM engine.",
+        f"The exporter on {{{{ $labels.instance }}}} lacks the data to judge {_ENGINE} "
+        f"{_REASON}; the remediator holds it (blind is not healthy).",
+        doc="-1 is blind: the remediator changes nothing",
+    ),
+    ActionAlert(
+        "OomguardMemoryCritical",
+        ">=",
+        3,
+        "drain",
+        "warning",
+        "A vLLM engine is about to run out of GPU memory; oomguard drains it.",
+        f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
+        "its GPU at the engines' planned peak is nearly gone, or the allocator reported an "
+        "out-of-memory error. oomguard drains the engine.",
+        for_="critical_for",
+        keep=True,
+        doc="carries `reason`",
+    ),
+)
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration ("30s", "1m30s") in seconds."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", duration))

@@ -1,0 +1,269 @@
+"""The action registry (oomguard.actions) is the one table of action facts, and the action alerts
+are defined once: the rules, the standalone watch, the recovery simulation and the docs' table
+all come from the same definition."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+from typing import get_args
+
+import httpx
+import pytest
+import yaml
+from fastapi import FastAPI
+
+from oomguard import actions
+from oomguard.actions import (
+    ACTION_ALERTS,
+    ACTIONS,
+    ALERT_ACTIONS,
+    BY_NAME,
+    CAP_ONLY,
+    DISRUPTIVE,
+    OUT_OF_SERVICE,
+    SEVERITY,
+    STEPS,
+    Action,
+    StepKind,
+    seconds,
+)
+from oomguard.alerts.generate import DOCS, DOCS_BEGIN, DOCS_END, RULES, alerts_table
+from oomguard.alerts.rules import all_alerts
+from oomguard.cli import main
+from oomguard.contract import API_PREFIX
+from oomguard.lab.recovery import alertmanager_path, standalone_path
+from oomguard.remediator.actuator import Actuator, DryRunActuator, PluginActuator, Target
+from oomguard.remediator.config import StandaloneConfig
+from oomguard.remediator.router import RoutedActuator
+from oomguard.remediator.standalone import RULES as STANDALONE_RULES
+from oomguard.remediator.standalone import durations
+from oomguard.thresholds import AlertThresholds
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "oomguard"
+
+
+# -- one table of action facts ------------------------------------------------------------------
+def test_the_types_name_exactly_the_registry_s_actions():
+    assert get_args(Action) == ALERT_ACTIONS  # in precedence order
+    assert set(get_args(StepKind)) == STEPS
+    assert len(BY_NAME) == len(ACTIONS)  # no name twice
+
+
+def test_views_are_derived_from_the_table():
+    assert {a.name for a in ACTIONS if a.disruptive} == DISRUPTIVE
+    assert {a.name: a.severity for a in ACTIONS if a.severity} == SEVERITY
+    assert {a.name for a in ACTIONS if a.out_of_service} == OUT_OF_SERVICE
+    assert {a.name for a in ACTIONS if a.alert and a.step and not a.out_of_service} == CAP_ONLY
+    # the facts as the remediator has always had them
+    assert ALERT_ACTIONS == ("hold", "drain", "lower_cap", "restart")
+    assert {"drain", "lower_cap", "restart"} == DISRUPTIVE
+    assert SEVERITY["lower_cap"] < SEVERITY["drain"] < SEVERITY["restart"]
+    assert {"drain", "restart"} == OUT_OF_SERVICE and {"lower_cap"} == CAP_ONLY
+    for a in ACTIONS:
+        assert a.route is not None or a.call is None, a.name  # no route: not the actuator's
+
+
+def _action_literals(tree: ast.AST, module_level: set[int]) -> list[tuple[int, list[str]]]:
+    names, found = set(BY_NAME), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)} & names
+            if len(keys) >= 2:
+                found.append((node.lineno, sorted(keys)))
+        elif isinstance(node, ast.Set | ast.Tuple | ast.List):
+            elts = {e.value for e in node.elts if isinstance(e, ast.Constant)} & names
+            if len(elts) >= 3 or (len(elts) >= 2 and id(node) in module_level):
+                found.append((node.lineno, sorted(elts)))
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal":
+            text = ast.unparse(node.slice)
+            elts = {n for n in names if f"'{n}'" in text}
+            if len(elts) >= 2:
+                found.append((node.lineno, sorted(elts)))
+    return found
+
+
+def test_no_second_table_of_actions_in_the_code():
+    """Outside oomguard/actions.py, no mapping keyed by action names, no collection naming three
+    or more of them, no module-level constant or Literal naming two: such a table is a second
+    copy of the registry's facts. A policy's own test of one or two actions is fine."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path == SRC / "actions.py":
+            continue
+        tree = ast.parse(path.read_text())
+        module_level = set()
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Assign | ast.AnnAssign) and stmt.value is not None:
+                module_level |= {id(n) for n in ast.walk(stmt.value)}
+        found += [
+            (str(path.relative_to(SRC)), *hit) for hit in _action_literals(tree, module_level)
+        ]
+    assert found == [], f"a second table of action facts (use oomguard.actions): {found}"
+
+
+def test_the_detector_sees_a_second_table():
+    tree = ast.parse('OUT = frozenset({"drain", "restart"})\nX = {"drain": 1, "resume": 2}\n')
+    module_level = {id(n) for stmt in tree.body for n in ast.walk(stmt)}
+    assert len(_action_literals(tree, module_level)) == 2
+
+
+# -- the actuator call and the plugin route of each step ----------------------------------------
+def test_every_actuator_call_exists_on_every_actuator():
+    calls = {a.call for a in ACTIONS if a.call}
+    for cls in (Actuator, PluginActuator, DryRunActuator):
+        assert all(callable(getattr(cls, c, None)) for c in calls), cls
+    routed = RoutedActuator(PluginActuator(), {})  # what it has not, the plugin actuator does
+    assert all(callable(getattr(routed, c, None)) for c in calls)
+
+
+def test_the_actuator_sends_each_call_to_the_registry_s_route():
+    sent: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append((request.method, request.url.path))
+        return httpx.Response(200, json={})
+
+    actuator = PluginActuator(httpx.Client(transport=httpx.MockTransport(handler)), attempts=1)
+    target = Target("e", "http://engine")
+    for a in ACTIONS:
+        if a.call:
+            sent.clear()
+            method = getattr(actuator, a.call)
+            method(target, 3) if a.call == "set_cap" else method(target)
+            verb, path = str(a.route).split(" ", 1)
+            assert sent == [(verb, API_PREFIX + path)], a.name
+
+
+def test_the_plugin_serves_every_route_of_the_registry():
+    from oomguard.vllm_plugin.api import CONTROL_PATHS, OomguardEndpointPlugin
+
+    app = FastAPI()
+    OomguardEndpointPlugin().attach_router(app)
+    served = {
+        (m, r.path)
+        for r in app.routes
+        for m in getattr(r, "methods", ()) or ()
+        if r.path.startswith(API_PREFIX)
+    }
+    for method, path in actions.ROUTES:
+        assert (method, API_PREFIX + path) in served
+        if method == "POST":  # a control route: the drain gate lets it through
+            assert API_PREFIX + path in CONTROL_PATHS
+
+
+# -- the action alerts, defined once -------------------------------------------------------------
+def _generated_action_rules(root: Path) -> dict[str, dict]:
+    groups = yaml.safe_load((root / RULES).read_text())["groups"]
+    (group,) = [g for g in groups if g["name"] == "oomguard-actions"]
+    return {r["alert"]: r for r in group["rules"]}
+
+
+def test_the_generated_rules_are_the_definition(repo_root):
+    rules = _generated_action_rules(repo_root)
+    assert list(rules) == [a.name for a in ACTION_ALERTS]
+    for a in ACTION_ALERTS:
+        rule = rules[a.name]
+        assert rule["expr"] == a.expr
+        assert rule["labels"] == {"severity": a.severity, "oomguard_action": a.action}
+
+
+def _rule_level_holds(expr: str, level: float) -> bool:
+    metric, op, threshold = expr.split()
+    assert metric == actions.LEVEL
+    return {">=": level >= float(threshold), "<": level < float(threshold)}[op]
+
+
+def test_standalone_and_recovery_watch_as_the_generated_rules_do(repo_root):
+    """The standalone watch and the recovery simulation, at their defaults, use the committed
+    rules' conditions, `for` and keep_firing_for: change one side only and this fails."""
+    _watch_as_rules(repo_root, StandaloneConfig(exporters=["http://exporter/metrics"]))
+
+
+def _watch_as_rules(root: Path, d: StandaloneConfig) -> None:
+    rules = _generated_action_rules(root)
+    shipped, local = alertmanager_path(), standalone_path()
+    assert set(STANDALONE_RULES) == set(rules)
+    for name, rule in rules.items():
+        for_s = seconds(rule.get("for", "0s"))
+        keep_s = seconds(rule.get("keep_firing_for", "0s"))
+        alert = STANDALONE_RULES[name]
+        for level in (-1, 0, 1, 2, 3):
+            assert alert.condition(level) == _rule_level_holds(rule["expr"], level), (name, level)
+        assert (alert.severity, alert.action) == (
+            rule["labels"]["severity"],
+            rule["labels"]["oomguard_action"],
+        )
+        assert durations(d, alert) == (for_s, keep_s), name
+        assert shipped.for_s[name] == local.for_s[name] == for_s, name
+        if keep_s:
+            assert shipped.keep_firing_s == local.keep_firing_s == keep_s, name
+
+
+@pytest.mark.parametrize(
+    "drift", [{"pressure_for_seconds": 20}, {"critical_for_seconds": 5}, {"keep_firing_seconds": 1}]
+)
+def test_a_standalone_duration_that_drifts_from_the_rules_is_caught(repo_root, drift):
+    d = StandaloneConfig(exporters=["http://exporter/metrics"], **drift)
+    with pytest.raises(AssertionError):
+        _watch_as_rules(repo_root, d)
+
+
+def test_a_rule_that_drifts_from_standalone_is_caught(repo_root, tmp_path):
+    (tmp_path / RULES).parent.mkdir(parents=True)
+    text = (repo_root / RULES).read_text()
+    assert "oomguard_engine_pressure_level >= 3" in text
+    (tmp_path / RULES).write_text(text.replace("pressure_level >= 3", "pressure_level >= 4"))
+    with pytest.raises(AssertionError):
+        _watch_as_rules(tmp_path, StandaloneConfig(exporters=["http://exporter/metrics"]))
+
+
+# -- the docs' alerts table ------------------------------------------------------------------------
+def test_every_alert_says_when_it_fires():
+    assert [a.name for a in all_alerts() if not a.doc] == []
+
+
+def test_the_docs_table_is_the_rules(repo_root):
+    page = (repo_root / DOCS).read_text()
+    section = page[page.index(DOCS_BEGIN) + len(DOCS_BEGIN) : page.index(DOCS_END)]
+    assert section.strip() == alerts_table(AlertThresholds()).strip()
+    assert len({a.name for a in all_alerts()}) == section.count("\n| Oomguard") + 1  # + Watchdog
+
+
+def test_a_hand_edit_of_the_docs_table_is_drift(repo_root, tmp_path, capsys):
+    (tmp_path / DOCS).parent.mkdir(parents=True)
+    shutil.copy(repo_root / DOCS, tmp_path / DOCS)
+    page = (tmp_path / DOCS).read_text()
+    (tmp_path / DOCS).write_text(page.replace("| OomguardMemoryCritical | warning | drain |", "|"))
+    assert main(["generate", "--root", str(tmp_path), "--check"]) == 1
+    assert f"differs: {DOCS}" in capsys.readouterr().out
+    assert main(["generate", "--root", str(tmp_path)]) == 0
+    assert (tmp_path / DOCS).read_text() == page
+
+
+def test_an_action_with_only_a_route_and_an_engine_call_needs_no_code_of_its_own(monkeypatch):
+    """A new action whose plugin side is one EngineCore utility: the registry's entry gives it
+    the actuator's generic `act`, the plugin's generic route and the drain gate's pass."""
+    from oomguard.vllm_plugin import api
+
+    spec = actions.ActionSpec("shed", "scratch", step=True, route="POST /shed", engine_call="x")
+    monkeypatch.setattr(actions, "ACTIONS", (*ACTIONS, spec))
+    monkeypatch.setattr(api, "ACTIONS", (*ACTIONS, spec))
+    app = FastAPI()
+    api.OomguardEndpointPlugin().attach_router(app)
+    assert any(getattr(r, "path", "") == f"{API_PREFIX}/shed" for r in app.routes)
+
+    sent: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append((request.method, request.url.path))
+        return httpx.Response(200, json={})
+
+    actuator = PluginActuator(httpx.Client(transport=httpx.MockTransport(handler)), attempts=1)
+    actuator.act(Target("e", "http://engine"), "shed")
+    assert sent == [("POST", f"{API_PREFIX}/shed")]
+    dry = DryRunActuator(actuator)
+    monkeypatch.setattr(actuator, "state", lambda target: {})
+    dry.act(Target("e", "http://engine"), "shed")
+    assert dry.intended == [("e", "shed", None)]
