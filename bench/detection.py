@@ -28,7 +28,7 @@ the action alerts' `keep_firing_for` (it only delays the resolution) and, with `
 pressure alert's `for` (the escalation round's setup). Each round starts at a random phase of
 the 1 s scrape cycle, so the rounds sample every phase instead of repeating one.
 
-Usage: python bench/detection.py [--rounds N] [--quick] [--out FILE]
+Usage: python -m bench.detection [--rounds N] [--quick] [--out FILE]
 (writes bench/results/detection.json)
 """
 
@@ -48,15 +48,12 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import record  # noqa: E402
-from oomguard.alerts.generate import RULES  # noqa: E402
-from oomguard.alerts.generate import outputs as alert_outputs  # noqa: E402
-from oomguard.exporter.config import ExporterConfig, VllmTarget  # noqa: E402
-from oomguard.exporter.main import Exporter  # noqa: E402
-from oomguard.lab.processes import (  # noqa: E402
+from bench import record
+from oomguard.alerts.generate import RULES
+from oomguard.alerts.generate import outputs as alert_outputs
+from oomguard.exporter.config import ExporterConfig, VllmTarget
+from oomguard.exporter.main import Exporter
+from oomguard.lab.processes import (
     Alertmanager,
     Prometheus,
     RemediatorProcess,
@@ -64,8 +61,10 @@ from oomguard.lab.processes import (  # noqa: E402
     free_port,
     start_all,
 )
-from oomguard.thresholds import AlertThresholds, PressureThresholds  # noqa: E402
-from oomguard.twin.gpu import TwinGpu, TwinNvml  # noqa: E402
+from oomguard.thresholds import AlertThresholds, PressureThresholds
+from oomguard.twin.gpu import TwinGpu, TwinNvml
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOKEN = "detection-token"
 NEIGHBOUR = 424242

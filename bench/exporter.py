@@ -34,7 +34,7 @@ Measured, per scenario:
   poll cycle's time goes (each collector, the render pass, the gzipped OpenMetrics);
 - traced memory between 25 % and 100 % of a soak of polls and renders.
 
-Usage: python bench/exporter.py [--quick] [--scenario node|small ...] [--series N]
+Usage: python -m bench.exporter [--quick] [--scenario node|small ...] [--series N]
 (writes bench/results/exporter.json)
 """
 
@@ -63,20 +63,19 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import start_http_server
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import record
+from oomguard.exporter.collectors.allocator import AllocatorCollector
+from oomguard.exporter.collectors.base import Collector
+from oomguard.exporter.collectors.cgroup import CgroupCollector
+from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.collectors.vllm import VllmCollector
+from oomguard.exporter.poller import Forms, Poller
+from oomguard.exporter.render import Family
+from oomguard.exporter.server import MetricsServer
+from oomguard.handoff import AllocatorReport, write_report
+from tests.fake_nvml import GIB, FakeGpu, FakeMig, FakeNvml
 
-from bench import record  # noqa: E402
-from oomguard.exporter.collectors.allocator import AllocatorCollector  # noqa: E402
-from oomguard.exporter.collectors.base import Collector  # noqa: E402
-from oomguard.exporter.collectors.cgroup import CgroupCollector  # noqa: E402
-from oomguard.exporter.collectors.nvml import NvmlCollector  # noqa: E402
-from oomguard.exporter.collectors.vllm import VllmCollector  # noqa: E402
-from oomguard.exporter.poller import Forms, Poller  # noqa: E402
-from oomguard.exporter.render import Family  # noqa: E402
-from oomguard.exporter.server import MetricsServer  # noqa: E402
-from oomguard.handoff import AllocatorReport, write_report  # noqa: E402
-from tests.fake_nvml import GIB, FakeGpu, FakeMig, FakeNvml  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm" / "vllm-dp2-multiproc.constructed.prom"
 HOST = "bench-node"

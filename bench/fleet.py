@@ -22,7 +22,7 @@ the plugin's state, admission, drain and resume routes for every engine under it
    beside the slow pass, controller.focus_pass). The slow pass's duration: one read timeout
    (actuation_timeout_seconds, 3 s), not one per attempt.
 
-Usage: python bench/fleet.py [--quick] [--case idle|firing|takeover ...] [--fresh]
+Usage: python -m bench.fleet [--quick] [--case idle|firing|takeover ...] [--fresh]
 (writes bench/results/fleet.json; each case runs in under 10 minutes, merged into the record)
 """
 
@@ -43,13 +43,12 @@ from typing import Any
 import httpx
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import record
+from oomguard.lab.processes import RemediatorProcess, free_port
+from tests.kube_standin import KubeStandIn
+from tests.remediator_helpers import alert, payload
 
-from bench import record  # noqa: E402
-from oomguard.lab.processes import RemediatorProcess, free_port  # noqa: E402
-from tests.kube_standin import KubeStandIn  # noqa: E402
-from tests.remediator_helpers import alert, payload  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RTOKEN = "bench-fleet-token"
 HEADERS = {"Authorization": f"Bearer {RTOKEN}"}

@@ -14,8 +14,8 @@ once both have run: CUDA OOMs of each, the guard's never-fit answers (HTTP 400 n
 parameter and the limit), the requests it lost otherwise, and its goodput against the defaults'
 (do no harm: >= 99 %). One trace and configuration per call keeps each run under ten minutes.
 
-Usage: python bench/guard.py [--quick]   (writes bench/results/guard.json)
-       python bench/guard.py --trace prompt-logprobs --config default
+Usage: python -m bench.guard [--quick]   (writes bench/results/guard.json)
+       python -m bench.guard --trace prompt-logprobs --config default
 """
 
 from __future__ import annotations
@@ -25,18 +25,16 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import record
+from oomguard.vllm_plugin.admission import Guard
 
-from bench import record  # noqa: E402
-from oomguard.vllm_plugin.admission import Guard  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "guard.json"
 TRACE_CONFIGS = ("default", "guard")

@@ -15,7 +15,7 @@ no OOM with oomguard (with and without the step guard), recovery <= 60 s with no
 cells of memory taken within seconds: vLLM alone dies, none with the step guard (the alerts'
 drain cannot outrun the next chunk there, and is not required to).
 
-Usage: python bench/matrix.py [--quick] [--real | --real-only] [--gpus ...] [--traces ...]
+Usage: python -m bench.matrix [--quick] [--real | --real-only] [--gpus ...] [--traces ...]
 (writes bench/results/matrix.json; the real subset is merged into bench/results/matrix-real.json)
 --quick runs three GPUs (24 GB, 48 GB, 80 GB) at the default gmu 0.92.
 --real also runs those three GPUs at 0.92 on the real vLLM twin (lab/runner.py: vLLM 0.33's
@@ -35,11 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import record  # noqa: E402
-from oomguard.lab.matrix import (  # noqa: E402
+from bench import record
+from oomguard.lab.matrix import (
     GMUS,
     INCIDENT_TRACES,
     STEP_TRACES,
@@ -49,8 +46,10 @@ from oomguard.lab.matrix import (  # noqa: E402
     scaled_trace,
     simulate,
 )
-from oomguard.twin.gpu import GPU_MODELS  # noqa: E402
-from oomguard.twin.traces import Trace  # noqa: E402
+from oomguard.twin.gpu import GPU_MODELS
+from oomguard.twin.traces import Trace
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def judge(cell: Cell) -> bool:

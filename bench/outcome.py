@@ -43,7 +43,7 @@ engine out of vllm-router's rotation through its admin API); the clients then re
 clients retry, after Retry-After, and every non-200 answer they saw is counted (`answers`).
 Results behind a router are recorded as "<trace>@<router>".
 
-Usage: python bench/outcome.py [--quick] [--trace NAME ...] [--inflight N] [--merge] [--router R]
+Usage: python -m bench.outcome [--quick] [--trace NAME ...] [--inflight N] [--merge] [--router R]
 (writes bench/results/outcome.json after every trace). --quick: two traces at twice the time
 compression (the CI smoke run).
 """
@@ -59,14 +59,11 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import record  # noqa: E402
-from oomguard.handoff import AllocatorReport, InvalidReport  # noqa: E402
-from oomguard.lab.matrix import STEP_TRACES  # noqa: E402  (the same traces, simulated)
-from oomguard.lab.routers import ROUTERS  # noqa: E402
-from oomguard.lab.runner import (  # noqa: E402
+from bench import record
+from oomguard.handoff import AllocatorReport, InvalidReport
+from oomguard.lab.matrix import STEP_TRACES  # (the same traces, simulated)
+from oomguard.lab.routers import ROUTERS
+from oomguard.lab.runner import (
     CONFIGS,
     NO_STEP_GUARD,
     ClosedLoop,
@@ -75,8 +72,10 @@ from oomguard.lab.runner import (  # noqa: E402
     Outcome,
     _Sent,
 )
-from oomguard.twin.physics import Physics, Step  # noqa: E402
-from oomguard.twin.traces import Phase, Trace, names  # noqa: E402
+from oomguard.twin.physics import Physics, Step
+from oomguard.twin.traces import Phase, Trace, names
+
+ROOT = Path(__file__).resolve().parents[1]
 
 QUICK = ("neighbour-growth", "do-no-harm")
 # STEP_TRACES (lab/matrix.py: memory taken within seconds under heavy prefill load, issue 27)

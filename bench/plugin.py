@@ -11,7 +11,7 @@ step is pure scheduler and engine work: the worst case for relative overhead).
 2. Cap change to effect: PUT /oomguard/v1/admission under load. The utility call runs in the
    engine loop between two steps, so its return is when the next step sees the new cap.
 
-Usage: python bench/plugin.py [--quick]   (writes bench/results/plugin.json)
+Usage: python -m bench.plugin [--quick]   (writes bench/results/plugin.json)
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ from typing import Any
 import httpx
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import record
+from oomguard.vllm_plugin.engine import _wrap_schedule
+from tests.vllm_server import AUTH, VllmServer, complete
 
-from bench import record  # noqa: E402
-from oomguard.vllm_plugin.engine import _wrap_schedule  # noqa: E402
-from tests.vllm_server import AUTH, VllmServer, complete  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def steps(server: VllmServer) -> float:

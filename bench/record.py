@@ -29,80 +29,153 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The package's import roots (issue 28: one per component, the core's in core/).
+PACKAGE: tuple[str, ...] = (
+    "core/oomguard",
+    "alerts/oomguard",
+    "dashboards/oomguard",
+    "exporter/oomguard",
+    "forensics/oomguard",
+    "lab/oomguard",
+    "manifests/oomguard",
+    "remediator/oomguard",
+    "sizing/oomguard",
+    "twin/oomguard",
+    "vllm_plugin/oomguard",
+    "vllm_seam/oomguard",
+)
+COMPONENTS = (
+    "alerts",
+    "dashboards",
+    "exporter",
+    "forensics",
+    "lab",
+    "manifests",
+    "remediator",
+    "sizing",
+    "twin",
+    "vllm_plugin",
+    "vllm_seam",
+)
+
+# Results recorded before the move name paths under src/oomguard/. The move changed no file's
+# content by itself, so such a result is compared as it was recorded: the files now under the
+# new paths, each named in the digest by its old path (`as_recorded`).
+OLD_PACKAGE = "src/oomguard"
+
+
+def current_paths(path: str) -> list[str]:
+    """Where a measured path is now: itself, or under the import roots for an old path."""
+    if path == OLD_PACKAGE:
+        return list(PACKAGE)
+    if not path.startswith(OLD_PACKAGE + "/"):
+        return [path]
+    rest = path.removeprefix(OLD_PACKAGE + "/")
+    comp = rest.split("/", 1)[0]
+    return [f"{comp}/oomguard/{rest}" if comp in COMPONENTS else f"core/oomguard/{rest}"]
+
+
+def as_recorded(path: str) -> str:
+    """A file's path in the old layout: the inverse of `current_paths` for files."""
+    if path.startswith("core/oomguard/"):
+        return OLD_PACKAGE + "/" + path.removeprefix("core/oomguard/")
+    comp = path.split("/", 1)[0]
+    if comp in COMPONENTS and path.startswith(f"{comp}/oomguard/{comp}/"):
+        return OLD_PACKAGE + "/" + path.removeprefix(f"{comp}/oomguard/")
+    return path
+
+
+def is_old_layout(paths: tuple[str, ...] | list[str]) -> bool:
+    """Old paths in a moved tree (src/oomguard/ may linger there, emptied or holding ignored
+    caches: the old package's __init__.py is what tells)."""
+    return (
+        any(p == OLD_PACKAGE or p.startswith(OLD_PACKAGE + "/") for p in paths)
+        and not (ROOT / OLD_PACKAGE / "__init__.py").is_file()
+    )
+
+
 # What each benchmark measures: a result is stale once any file under these paths changes. Keyed
 # by the `benchmark` name its record carries. Keep each list to the code whose change can move the
 # figures (the bench script itself, the product code it drives, the fixtures it replays).
 MEASURES: dict[str, tuple[str, ...]] = {
     "exporter": (
         "bench/exporter.py",
-        "src/oomguard/exporter",
-        "src/oomguard/catalog.py",
-        "src/oomguard/handoff.py",
+        "exporter/oomguard/exporter",
+        "core/oomguard/catalog.py",
+        "core/oomguard/handoff.py",
     ),
-    "plugin": ("bench/plugin.py", "src/oomguard/vllm_plugin", "src/oomguard/twin/executor.py"),
-    "remediator": ("bench/remediator.py", "src/oomguard/remediator", "src/oomguard/vllm_plugin"),
+    "plugin": (
+        "bench/plugin.py",
+        "vllm_plugin/oomguard/vllm_plugin",
+        "twin/oomguard/twin/executor.py",
+    ),
+    "remediator": (
+        "bench/remediator.py",
+        "remediator/oomguard/remediator",
+        "vllm_plugin/oomguard/vllm_plugin",
+    ),
     "detection": (
         "bench/detection.py",
-        "src/oomguard/exporter",
-        "src/oomguard/alerts",
-        "src/oomguard/remediator",
-        "src/oomguard/thresholds.py",
-        "src/oomguard/twin/gpu.py",
+        "exporter/oomguard/exporter",
+        "alerts/oomguard/alerts",
+        "remediator/oomguard/remediator",
+        "core/oomguard/thresholds.py",
+        "twin/oomguard/twin/gpu.py",
     ),
     # the whole loop on real vLLM twins: every part of the product can move its figures
-    "outcome": ("bench/outcome.py", "src/oomguard"),
+    "outcome": ("bench/outcome.py", *PACKAGE),
     "matrix": (
         "bench/matrix.py",
-        "src/oomguard/twin",
-        "src/oomguard/lab",
-        "src/oomguard/exporter",
-        "src/oomguard/alerts",
-        "src/oomguard/remediator",
-        "src/oomguard/thresholds.py",
+        "twin/oomguard/twin",
+        "lab/oomguard/lab",
+        "exporter/oomguard/exporter",
+        "alerts/oomguard/alerts",
+        "remediator/oomguard/remediator",
+        "core/oomguard/thresholds.py",
     ),
-    "matrix-real": ("bench/matrix.py", "src/oomguard"),
-    "matrix-real-subset": ("bench/matrix.py", "src/oomguard"),
+    "matrix-real": ("bench/matrix.py", *PACKAGE),
+    "matrix-real-subset": ("bench/matrix.py", *PACKAGE),
     "recovery": (
         "bench/recovery.py",
-        "src/oomguard/twin",
-        "src/oomguard/lab",
-        "src/oomguard/alerts",
-        "src/oomguard/remediator",
-        "src/oomguard/thresholds.py",
+        "twin/oomguard/twin",
+        "lab/oomguard/lab",
+        "alerts/oomguard/alerts",
+        "remediator/oomguard/remediator",
+        "core/oomguard/thresholds.py",
     ),
     "guard": (
         "bench/guard.py",
-        "src/oomguard/vllm_plugin",
-        "src/oomguard/twin",
-        "src/oomguard/lab",
+        "vllm_plugin/oomguard/vllm_plugin",
+        "twin/oomguard/twin",
+        "lab/oomguard/lab",
     ),
     "step_guard": (
         "bench/step_guard.py",
-        "src/oomguard/vllm_plugin",
-        "src/oomguard/twin",
-        "src/oomguard/lab",
+        "vllm_plugin/oomguard/vllm_plugin",
+        "twin/oomguard/twin",
+        "lab/oomguard/lab",
     ),
-    "fleet": ("bench/fleet.py", "src/oomguard/remediator"),
+    "fleet": ("bench/fleet.py", "remediator/oomguard/remediator"),
     # scripts/gpu-check on a GPU machine: the code that reads a real GPU, and the checks
     "gpu-check": (
         "scripts/gpu-check",
-        "src/oomguard/gpucheck.py",
-        "src/oomguard/exporter/collectors/nvml.py",
-        "src/oomguard/exporter/collectors/allocator.py",
-        "src/oomguard/exporter/pressure.py",
-        "src/oomguard/handoff.py",
-        "src/oomguard/forensics",
-        "src/oomguard/vllm_plugin/allocator.py",
-        "src/oomguard/vllm_plugin/oom.py",
-        "src/oomguard/vllm_plugin/engine.py",
-        "src/oomguard/vllm_plugin/guard.py",
+        "core/oomguard/gpucheck.py",
+        "exporter/oomguard/exporter/collectors/nvml.py",
+        "exporter/oomguard/exporter/collectors/allocator.py",
+        "exporter/oomguard/exporter/pressure.py",
+        "core/oomguard/handoff.py",
+        "forensics/oomguard/forensics",
+        "vllm_plugin/oomguard/vllm_plugin/allocator.py",
+        "vllm_plugin/oomguard/vllm_plugin/oom.py",
+        "vllm_plugin/oomguard/vllm_plugin/engine.py",
+        "vllm_plugin/oomguard/vllm_plugin/guard.py",
     ),
     "routers": (
         "bench/routers.py",
         "tests/test_routers.py",
-        "src/oomguard/vllm_plugin",
-        "src/oomguard/lab/routers.py",
-        "src/oomguard/twin/executor.py",
+        "vllm_plugin/oomguard/vllm_plugin",
+        "lab/oomguard/lab/routers.py",
+        "twin/oomguard/twin/executor.py",
     ),
 }
 
@@ -142,6 +215,9 @@ def tree_digest(paths: tuple[str, ...] | list[str], commit: str | None = None) -
             return None
         entries = [ln.split("\t", 1) for ln in out.splitlines()]  # "<mode> blob <hash>\t<path>"
         return digest_lines([f"{path} {meta.split()[2]}" for meta, path in entries])
+    old = is_old_layout(paths)
+    if old:
+        paths = [q for p in paths for q in current_paths(p)]
     listed = _git("ls-files", "-s", "--", *paths)
     if listed is None:
         return None
@@ -155,6 +231,8 @@ def tree_digest(paths: tuple[str, ...] | list[str], commit: str | None = None) -
                 blobs[path] = hashed.strip() if hashed else "unreadable"
             else:
                 del blobs[path]  # deleted in the working tree: not part of what ran
+    if old:
+        blobs = {as_recorded(path): blob for path, blob in blobs.items()}
     return digest_lines([f"{path} {blob}" for path, blob in blobs.items()])
 
 

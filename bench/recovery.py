@@ -18,31 +18,29 @@ Targets: recovery <= 45 s (issue 30; 60 s before) with no re-trigger on every tr
 defaults, both paths.
 The real check is bench/outcome.py on the real vLLM twin; this one runs in seconds.
 
-Usage: python bench/recovery.py   (writes bench/results/recovery.json)
+Usage: python -m bench.recovery   (writes bench/results/recovery.json)
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import record  # noqa: E402
-from bench.outcome import with_horizon  # noqa: E402
-from oomguard.lab.matrix import trace_levels  # noqa: E402
-from oomguard.lab.recovery import (  # noqa: E402
+from bench import record
+from bench.outcome import with_horizon
+from oomguard.lab.matrix import trace_levels
+from oomguard.lab.recovery import (
     AlertPath,
     alertmanager_path,
     simulate_recovery,
     standalone_path,
 )
-from oomguard.remediator.policy import PolicyConfig  # noqa: E402
-from oomguard.twin.traces import Trace  # noqa: E402
+from oomguard.remediator.policy import PolicyConfig
+from oomguard.twin.traces import Trace
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TRACES = ("neighbour-growth", "long-context-burst")
 SHIPPED = PolicyConfig()

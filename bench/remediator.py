@@ -15,7 +15,7 @@ server with the plugin (CPU platform, model-free executor) under steady load.
    dropped; reset the cap between rounds. Side by side in the same run: the same change made by a
    direct PUT to the plugin (the floor the remediator adds to).
 
-Usage: python bench/remediator.py [--quick]   (writes bench/results/remediator.json)
+Usage: python -m bench.remediator [--quick]   (writes bench/results/remediator.json)
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import record
+from oomguard.lab.processes import RemediatorProcess
+from tests.remediator_helpers import alert, payload
+from tests.vllm_server import AUTH, TOKEN, SteadyLoad, VllmServer
 
-from bench import record  # noqa: E402
-from oomguard.lab.processes import RemediatorProcess  # noqa: E402
-from tests.remediator_helpers import alert, payload  # noqa: E402
-from tests.vllm_server import AUTH, TOKEN, SteadyLoad, VllmServer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RTOKEN = "bench-remediator-token"
 HEADERS = {"Authorization": f"Bearer {RTOKEN}"}

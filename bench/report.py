@@ -15,7 +15,7 @@ Template syntax:
   {{target:text}}              a target, as the issue states it (kept by hand: a requirement,
                                not a measurement)
 
-Usage: python bench/report.py [--check]   (the same as `oomguard generate` for this one file)
+Usage: python -m bench.report [--check]   (the same as `oomguard generate` for this one file)
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Each cell records the requests lost (short ones apart: those no deferral concern
 router still had both engines afterwards, and what 8 short requests sent right after the burst
 lost with OpenAI's default 2 retries (a router whose breakers the burst opened fails them).
 
-Usage: python bench/routers.py [--quick] [--out bench/results/routers.json]
+Usage: python -m bench.routers [--quick] [--out bench/results/routers.json]
 (--quick: the 429/503 deferral cells behind vllm-router and nginx only).
 """
 
@@ -31,18 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import record  # noqa: E402
-from oomguard.lab.processes import start_all  # noqa: E402
-from oomguard.lab.routers import (  # noqa: E402
+from bench import record
+from oomguard.lab.processes import start_all
+from oomguard.lab.routers import (
     Nginx,
     NginxSettings,
     VllmRouter,
     VllmRouterSettings,
 )
-from tests import test_routers as scenario  # noqa: E402
+from tests import test_routers as scenario
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def engines(tmp: Path, defer_status: int) -> scenario.Engines:

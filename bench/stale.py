@@ -9,14 +9,14 @@ For each stale result this lists the commits that touched its measured paths sin
 Exit status: 1 when a result has no provenance or no commit (nothing can tell whether it is
 stale), or with `--since REV` when code measured by a result changed in REV..HEAD (or in the
 working tree) and the result was not re-recorded after: run it on a branch before it is merged,
-`python bench/stale.py --since main`, so that an issue that changes measured code re-records the
+`python -m bench.stale --since main`, so that an issue that changes measured code re-records the
 result before it is resolved. Otherwise stale results are listed and the exit status is 0: the
 long benchmarks (outcome, matrix, recovery, fleet) cannot be re-recorded on every change, and
 `make check` must not fail for a change elsewhere; the list is the to-do.
 
 Results kept as history (`previous`, `earlier_runs`, *.previous.json) are never listed as stale.
 
-Usage: python bench/stale.py [--since REV] [--results DIR]
+Usage: python -m bench.stale [--since REV] [--results DIR]
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import record
 
-from bench import record  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
 HISTORY_KEYS = ("previous", "earlier_runs")  # runs kept for comparison, replaced on purpose
@@ -98,6 +97,7 @@ def parts_of(file: str, data: Any) -> list[Part]:
 def check(part: Part, head: str | None) -> None:
     p = part.provenance
     commit, measures = str(p.get("commit") or ""), p.get("measures") or []
+    here = _with_moves(measures)
     if not part.problem and not commit:
         part.problem = "no commit recorded"
     if not part.problem and not measures:
@@ -117,17 +117,31 @@ def check(part: Part, head: str | None) -> None:
             "--date=format:%Y-%m-%d %H:%M",
             f"{commit}..HEAD",
             "--",
-            *measures,
+            *here,
         )
         part.commits = (log or "").splitlines()
-    diff = record._git("diff", "--name-only", "HEAD", "--", *measures) or ""
+    diff = record._git("diff", "--name-only", "HEAD", "--", *here) or ""
     part.uncommitted = diff.split()
 
 
+def _with_moves(measures: list[str]) -> list[str]:
+    """The measured paths and, for a result recorded before the move, where they are now."""
+    return list(dict.fromkeys([*measures, *(q for m in measures for q in record.current_paths(m))]))
+
+
 def changed_since(rev: str, part: Part) -> list[str]:
-    """Measured files changed between `rev` and the working tree."""
-    out = record._git("diff", "--name-only", rev, "--", *part.provenance.get("measures", []))
-    return (out or "").split()
+    """Measured files changed between `rev` and the working tree; a file only moved (same
+    content, another path: issue 28's move) is not a change."""
+    out = record._git(
+        "diff",
+        "--name-status",
+        "--find-renames=100%",
+        rev,
+        "--",
+        *_with_moves(part.provenance.get("measures", [])),
+    )
+    lines = [ln.split("\t") for ln in (out or "").splitlines() if ln]
+    return [f[-1] for f in lines if f[0] != "R100"]
 
 
 def load(results: Path) -> list[Part]:
@@ -147,7 +161,7 @@ def rerecord_hint(part: Part) -> str:
     script = next((m for m in part.provenance.get("measures", []) if m.startswith("bench/")), "")
     if not script:
         return ""
-    return f"python {script}"
+    return f"python -m {script.removesuffix('.py').replace('/', '.')}"
 
 
 def report_file(file: str, stale: list[Part], blocking: list[Part]) -> None:

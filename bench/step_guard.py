@@ -19,7 +19,7 @@ Phases, each `--seconds` long on a fresh engine:
 Reported per phase: decisions, mean and worst cost per step (us), the mean step (ms), the cost's
 share of a step, shrinks by kind, requests served and failed.
 
-Usage: python bench/step_guard.py [--quick] [--seconds S] [--clients N]
+Usage: python -m bench.step_guard [--quick] [--seconds S] [--clients N]
        (writes bench/results/step_guard.json)
 """
 
@@ -37,12 +37,11 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import record
+from oomguard.lab.processes import MODELS, VllmProcess
+from oomguard.twin.physics import Physics
 
-from bench import record  # noqa: E402
-from oomguard.lab.processes import MODELS, VllmProcess  # noqa: E402
-from oomguard.twin.physics import Physics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "step_guard.json"
 MODEL = MODELS / "llama-3-8b"

@@ -14,6 +14,8 @@ import pytest
 import yaml
 from fastapi import FastAPI
 
+import oomguard
+import oomguard.actions
 from oomguard import actions
 from oomguard.actions import (
     ACTION_ALERTS,
@@ -41,7 +43,12 @@ from oomguard.remediator.standalone import RULES as STANDALONE_RULES
 from oomguard.remediator.standalone import durations
 from oomguard.thresholds import AlertThresholds
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "oomguard"
+ROOT = Path(__file__).resolve().parent.parent
+# the package's folders in this checkout: one per import root (core/oomguard, exporter/...)
+PACKAGE = sorted(
+    p for p in (Path(d).resolve() for d in oomguard.__path__) if p.is_relative_to(ROOT)
+)
+REGISTRY = Path(oomguard.actions.__file__).resolve()
 
 
 # -- one table of action facts ------------------------------------------------------------------
@@ -89,8 +96,8 @@ def test_no_second_table_of_actions_in_the_code():
     or more of them, no module-level constant or Literal naming two: such a table is a second
     copy of the registry's facts. A policy's own test of one or two actions is fine."""
     found = []
-    for path in sorted(SRC.rglob("*.py")):
-        if path == SRC / "actions.py":
+    for path in sorted(p for root in PACKAGE for p in root.rglob("*.py")):
+        if path == REGISTRY:
             continue
         tree = ast.parse(path.read_text())
         module_level = set()
@@ -98,7 +105,7 @@ def test_no_second_table_of_actions_in_the_code():
             if isinstance(stmt, ast.Assign | ast.AnnAssign) and stmt.value is not None:
                 module_level |= {id(n) for n in ast.walk(stmt.value)}
         found += [
-            (str(path.relative_to(SRC)), *hit) for hit in _action_literals(tree, module_level)
+            (str(path.relative_to(ROOT)), *hit) for hit in _action_literals(tree, module_level)
         ]
     assert found == [], f"a second table of action facts (use oomguard.actions): {found}"
 

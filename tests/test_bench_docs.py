@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench import report
 from oomguard.cli import benchmark_docs, main
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench import report  # noqa: E402
 
 
 def test_the_committed_page_is_what_the_results_give() -> None:

@@ -36,8 +36,8 @@ class Scratch:
         for name in ("__init__.py", "record.py", "stale.py"):
             shutil.copy(REPO / "bench" / name, root / "bench" / name)
         (root / "bench" / "fleet.py").write_text("# the fleet benchmark\n")
-        (root / "src" / "oomguard" / "remediator").mkdir(parents=True)
-        self.code = root / "src" / "oomguard" / "remediator" / "controller.py"
+        (root / "remediator" / "oomguard" / "remediator").mkdir(parents=True)
+        self.code = root / "remediator" / "oomguard" / "remediator" / "controller.py"
         self.code.write_text("PASS_SECONDS = 1\n")
         (root / "README.md").write_text("not measured\n")
         self.git("init", "-q", "-b", "main")
@@ -69,7 +69,7 @@ class Scratch:
 
     def stale(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "bench/stale.py", *args],
+            [sys.executable, "-m", "bench.stale", *args],
             cwd=self.root,
             capture_output=True,
             text=True,
@@ -90,7 +90,7 @@ def test_a_record_carries_commit_tree_state_machine_and_load(scratch: Scratch) -
     prov = rec["provenance"]
     assert prov["commit"] == head
     assert prov["dirty"] is False and prov["dirty_measured"] == []
-    assert prov["measures"] == ["bench/fleet.py", "src/oomguard/remediator"]
+    assert prov["measures"] == ["bench/fleet.py", "remediator/oomguard/remediator"]
     assert prov["measured_digest"]
     assert len(prov["load_average"]["at_start"]) == 3 and len(prov["load_average"]["at_end"]) == 3
     assert prov["started"] <= prov["when"]
@@ -104,7 +104,7 @@ def test_a_dirty_run_names_the_uncommitted_measured_files(scratch: Scratch) -> N
     scratch.code.write_text("PASS_SECONDS = 2\n")
     prov = scratch.record()["provenance"]
     assert prov["dirty"] is True
-    assert prov["dirty_measured"] == ["src/oomguard/remediator/controller.py"]
+    assert prov["dirty_measured"] == ["remediator/oomguard/remediator/controller.py"]
     # it measured the edited file: current while the edit stays, and once it is committed
     assert "1 current, 0 stale" in scratch.stale().stdout
     scratch.commit("pass of two seconds")
@@ -127,8 +127,8 @@ def test_a_result_is_stale_once_its_measured_code_changes(scratch: Scratch) -> N
     r = scratch.stale()
     assert r.returncode == 0, r.stdout
     assert "STALE  bench/results/fleet.json" in r.stdout
-    assert "uncommitted changes: src/oomguard/remediator/controller.py" in r.stdout
-    assert "re-record: python bench/fleet.py" in r.stdout
+    assert "uncommitted changes: remediator/oomguard/remediator/controller.py" in r.stdout
+    assert "re-record: python -m bench.fleet" in r.stdout
 
     # committed: the commit that changed it is listed
     scratch.commit("controller: a three-second pass")
@@ -198,7 +198,6 @@ def test_an_unknown_benchmark_name_is_refused_before_writing(scratch: Scratch) -
 
 # -- the repository's own results ----------------------------------------------------------------
 def test_every_declared_measured_path_exists() -> None:
-    sys.path.insert(0, str(REPO))
     from bench import record
 
     missing = [p for paths in record.MEASURES.values() for p in paths if not (REPO / p).exists()]
@@ -206,7 +205,6 @@ def test_every_declared_measured_path_exists() -> None:
 
 
 def test_every_recorded_result_carries_its_commit_and_measured_paths() -> None:
-    sys.path.insert(0, str(REPO))
     from bench import record, stale
 
     files = sorted(RESULTS.glob("*.json"))

@@ -328,7 +328,8 @@ def test_detection_quick_lane(tmp_path: Path) -> None:
     require_vllm()
     out = tmp_path / "detection.json"
     r = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "detection.py"), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.detection", "--quick", "--out", str(out)],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=540,

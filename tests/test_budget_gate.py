@@ -25,7 +25,7 @@ from oomguard.sizing.deploy import from_command_line, parse_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "deploy" / "kubernetes" / "vllm-example.yaml"
-LLAMA3 = ROOT / "src" / "oomguard" / "twin" / "models" / "llama-3-8b"
+LLAMA3 = ROOT / "twin" / "oomguard" / "twin" / "models" / "llama-3-8b"
 FIXTURES = Path(__file__).parent / "fixtures" / "hf-configs"
 LLAMA31 = FIXTURES / "Llama-3.1-8B-Instruct.json"
 

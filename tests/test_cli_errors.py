@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA = ROOT / "src" / "oomguard" / "twin" / "models" / "llama-3-8b"
+LLAMA = ROOT / "twin" / "oomguard" / "twin" / "models" / "llama-3-8b"
 
 
 def oomguard(

@@ -36,7 +36,7 @@ from oomguard.engine_state import EngineCoreState, EngineState, SinceCapChange
 pytestmark = pytest.mark.slow  # hundreds of command runs: `make test`, not `make check`
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA = ROOT / "src" / "oomguard" / "twin" / "models" / "llama-3-8b" / "config.json"
+LLAMA = ROOT / "twin" / "oomguard" / "twin" / "models" / "llama-3-8b" / "config.json"
 CASE_TIMEOUT = 40.0  # a loaded 2-core box; a hang is far longer, a normal case ~0.1 s
 MAX_LINE = 600  # an error line quotes a long value shortened, not whole
 BAD_NAME = "\udcff\udcfe"  # what a non-UTF-8 file name becomes in argv (surrogateescape)
@@ -475,7 +475,12 @@ def run_cases(cases: list[Case]) -> dict[str, dict]:
         text=True,
         cwd=ROOT,
         timeout=CASE_TIMEOUT * 4 + 30 * len(cases),
-        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [*sorted(str(p.parent) for p in ROOT.glob("*/oomguard")), str(ROOT)]
+            ),
+        },
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return {res["id"]: res for res in json.loads(r.stdout)}

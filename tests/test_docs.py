@@ -215,7 +215,8 @@ def test_single_box_walkthrough(tmp_path):
     )
     folder = Path(str(root) + provider["providers"][0]["options"]["path"])
     assert sorted(p.name for p in folder.glob("*.json")) == sorted(
-        p.name for p in (ROOT / "src" / "oomguard" / "dashboards" / "generated").glob("*.json")
+        p.name
+        for p in (ROOT / "dashboards" / "oomguard" / "dashboards" / "generated").glob("*.json")
     )
     assert (root / "etc/grafana/provisioning/datasources/oomguard.yaml").is_file()
 
@@ -228,7 +229,7 @@ def test_single_box_walkthrough(tmp_path):
     assert "-c requirements/gpu-lock.txt" in pip[0]
     assert f"vllm=={vllm_seam.newest().VERSION}" in pip[0]
     assert (root / "etc/oomguard/vllm.env").is_file()
-    site_rules = root / "etc/oomguard/site/src/oomguard/alerts/generated/oomguard.rules.yaml"
+    site_rules = root / "etc/oomguard/site/alerts/oomguard/alerts/generated/oomguard.rules.yaml"
     assert "https://wiki.example.com/oomguard/runbooks/" in site_rules.read_text()
     assert (root / "etc/prometheus/oomguard.rules.yaml").read_text() == site_rules.read_text()
 
@@ -292,7 +293,7 @@ PLACEHOLDERS = {
     "<GPU>": "H100",
     "<len>": "8192",
     "<n>": "256",
-    "config.json": "src/oomguard/twin/models/llama-3-8b/config.json",
+    "config.json": "twin/oomguard/twin/models/llama-3-8b/config.json",
 }
 
 
@@ -489,7 +490,7 @@ def test_the_exporter_config_table_is_the_loader():
         "docs/configuration.md",
         {
             "## `oomguard exporter`": "",
-            "### `pressure` (also `src/oomguard/thresholds.py`)": "pressure.",
+            "### `pressure` (also `core/oomguard/thresholds.py`)": "pressure.",
         },
     )
     assert "pressure.kv_budget_margin" in documented and "vllm[].url" in documented

@@ -25,7 +25,9 @@ from oomguard.thresholds import AlertThresholds
 from tests.kube_semantics import pod_of
 
 T = AlertThresholds()
-RULES = Path(__file__).resolve().parent.parent / "src/oomguard/alerts/generated/oomguard.rules.yaml"
+RULES = (
+    Path(__file__).resolve().parent.parent / "alerts/oomguard/alerts/generated/oomguard.rules.yaml"
+)
 CLUSTER = {T.cluster_label: "prod-eu-1"}
 POD = "vllm-llama-3-8b-6f7d9-x8k2m"
 

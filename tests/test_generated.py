@@ -34,7 +34,7 @@ def test_thresholds_file_changes_the_rules(tmp_path):
     assert main(["generate", "--root", str(tmp_path), "--thresholds", str(t)]) == 0
     assert (
         "oomguard_vllm_kv_cache_usage_ratio > 0.8"
-        in (tmp_path / "src/oomguard/alerts/generated/oomguard.rules.yaml").read_text()
+        in (tmp_path / "alerts/oomguard/alerts/generated/oomguard.rules.yaml").read_text()
     )
 
 
@@ -48,7 +48,7 @@ def test_job_names_and_cluster_label_flow_into_rules_configs_and_manifests(tmp_p
         "exporter_job: gpu-exporter\nremediator_job: gpu-fixer\ncluster_label: k8s_cluster\n"
     )
     assert main(["generate", "--root", str(tmp_path), "--thresholds", str(t)]) == 0
-    rules = (tmp_path / "src/oomguard/alerts/generated/oomguard.rules.yaml").read_text()
+    rules = (tmp_path / "alerts/oomguard/alerts/generated/oomguard.rules.yaml").read_text()
     assert 'job="gpu-exporter"' in rules and 'job="gpu-fixer"' in rules
     assert 'job="oomguard-exporter"' not in rules
     assert "by (k8s_cluster, " in rules
@@ -62,5 +62,5 @@ def test_job_names_and_cluster_label_flow_into_rules_configs_and_manifests(tmp_p
                     if r["targetLabel"] == "job":
                         jobs.add(r["replacement"])
     assert jobs == {"gpu-exporter", "gpu-fixer"}
-    fleet = (tmp_path / "src/oomguard/dashboards/generated/oomguard-fleet.json").read_text()
+    fleet = (tmp_path / "dashboards/oomguard/dashboards/generated/oomguard-fleet.json").read_text()
     assert 'k8s_cluster=~\\"$cluster\\"' in fleet and 'job=\\"gpu-exporter\\"' in fleet

@@ -11,7 +11,7 @@ Layers (docs/architecture.md):
   lab module;
 - the lab (`oomguard.lab`: runner, processes, routers, demo, report, charts, matrix, recovery)
   sits above everything: nothing outside the lab imports it except the CLI (`oomguard demo`);
-- the core (`src/oomguard/*.py`) imports no component, except the few listed in CORE_ALLOWED
+- the core (`core/oomguard/*.py`) imports no component, except the few listed in CORE_ALLOWED
   with the reason each may; the packages in FOUNDATION sit below the core (anyone may import
   them; they import no component).
 """
@@ -50,8 +50,8 @@ FOUNDATION: dict[str, str] = {
 
 
 def roots() -> list[Path]:
-    """The checkout's folders that hold `oomguard`: src/oomguard today; one per import root
-    (core/oomguard, exporter/oomguard, ...) once `oomguard` is a namespace package over them."""
+    """The checkout's folders that hold `oomguard`: one per import root (core/oomguard,
+    exporter/oomguard, ...), the namespace package's parts."""
     found = sorted({Path(p).resolve() for p in oomguard.__path__})
     return [p for p in found if p.is_relative_to(ROOT)]
 
@@ -171,7 +171,7 @@ def _circle(graph: dict[str, set[str]], members: list[str]) -> list[str]:
 
 
 def _component(name: str) -> str | None:
-    """`exporter` for oomguard.exporter.x; None for a core module (src/oomguard/*.py)."""
+    """`exporter` for oomguard.exporter.x; None for a core module (core/oomguard/*.py)."""
     parts = name.split(".")
     is_package = name in MODULES and MODULES[name][1]
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and is_package) else None

@@ -5,7 +5,7 @@ Records are written by the real writers: the plugin's out-of-memory observer
 (`OomRecorder.observe`, as PyTorch calls it) with allocator figures of a real engine, and the
 `oomguard serve` supervisor around a stand-in child that dies the way vLLM dies (the same
 stand-ins as tests/test_supervisor_inputs.py). Figures, where they come from:
-- Llama-3-8B has a 128,256-token vocabulary (src/oomguard/twin/models/llama-3-8b/config.json);
+- Llama-3-8B has a 128,256-token vocabulary (twin/oomguard/twin/models/llama-3-8b/config.json);
   the prompt_logprobs logits of 8,192 prompt tokens peak at 10.5 GB at BF16 (oomguard.logits:
   vLLM computes prompt logprobs over the whole vocabulary, https://github.com/vllm-project/vllm/issues/5907).
 - An H100 80GB has 79.11 GiB of capacity as PyTorch reports it ("GPU 0 has a total capacity of

@@ -2,7 +2,7 @@
 evidence (issue 16, proof of item 3). Types 1 and 2 are in tests/test_incidents.py.
 
 Every case runs the real parts: `vllm serve` (vLLM 0.33, CPU platform) with the twin executor
-(src/oomguard/twin/executor.py) on a twin H100 simulating Llama-3-8B, the oomguard plugin's
+(twin/oomguard/twin/executor.py) on a twin H100 simulating Llama-3-8B, the oomguard plugin's
 out-of-memory observer writing the OOM record from the dying EngineCore, and the `oomguard serve`
 supervisor (in this process) writing the exit record with the reason. The records are then
 classified by `oomguard.incidents` as the CLI and the exporter classify them. What each case
@@ -23,7 +23,7 @@ changes, and only that, is a twin knob or an action of the kernel (docs/twin.md,
   memory page fault, what an illegal address logs: https://docs.nvidia.com/deploy/xid-errors/)
   for that GPU, read by the exporter's own collectors.
 
-Figures: the twin's physics (src/oomguard/twin/physics.py), computed here with the same code
+Figures: the twin's physics (twin/oomguard/twin/physics.py), computed here with the same code
 the worker runs, so each threshold is placed, not guessed.
 """
 

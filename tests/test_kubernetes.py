@@ -172,7 +172,7 @@ def test_the_pieces_fit_together(repo_root):
     assert exporter["spec"]["template"]["spec"]["hostPID"] is True
     dashboards = docs(repo_root, "dashboards.yaml")
     assert len(dashboards) == len(
-        list((repo_root / "src" / "oomguard" / "dashboards" / "generated").glob("*.json"))
+        list((repo_root / "dashboards" / "oomguard" / "dashboards" / "generated").glob("*.json"))
     )
     for cm in dashboards:
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"

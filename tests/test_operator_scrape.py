@@ -284,7 +284,7 @@ def test_every_label_a_rule_uses_reaches_prometheus(scraped, repo_root):
 
 def _generated(repo_root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     rules = yaml.safe_load(
-        (repo_root / "src/oomguard/alerts/generated/oomguard.rules.yaml").read_text()
+        (repo_root / "alerts/oomguard/alerts/generated/oomguard.rules.yaml").read_text()
     )
     alertmanager = yaml.safe_load((repo_root / "deploy/alertmanager/alertmanager.yml").read_text())
     return rules, alertmanager

@@ -24,7 +24,8 @@ def test_quick_outcome_benchmark_on_the_neighbour_trace(repo_root, tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            str(repo_root / "bench" / "outcome.py"),
+            "-m",
+            "bench.outcome",
             "--trace",
             "neighbour-growth",
             # the trace's own clock (x20): at --quick's x40 the alerting path's wall seconds
@@ -36,6 +37,7 @@ def test_quick_outcome_benchmark_on_the_neighbour_trace(repo_root, tmp_path):
             "--out",
             str(out),
         ],
+        cwd=repo_root,
         capture_output=True,
         text=True,
         timeout=1200,

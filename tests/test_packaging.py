@@ -28,8 +28,8 @@ VLLM = vllm_seam.newest()
 VLLM_ENV = ROOT / "requirements" / f"vllm-{VLLM.MINOR}-env.txt"
 # The folders whose non-Python files the package reads, and where the wheel puts them.
 DATA_DIRS = {
-    "src/oomguard/twin": "oomguard/twin",
-    "src/oomguard/alerts": "oomguard/alerts",
+    "twin/oomguard/twin": "oomguard/twin",
+    "alerts/oomguard/alerts": "oomguard/alerts",
     "deploy": "oomguard/deploy",
     "runbooks": "oomguard/runbooks",
 }
@@ -242,7 +242,7 @@ def test_wheel_carries_every_data_file(wheel):
                 and not path.relative_to(ROOT).as_posix().startswith(NOT_DATA)
             ):
                 expected.add(f"{target}/{path.relative_to(ROOT / folder).as_posix()}")
-    for path in (ROOT / "src" / "oomguard" / "dashboards" / "generated").glob("*.json"):
+    for path in (ROOT / "dashboards" / "oomguard" / "dashboards" / "generated").glob("*.json"):
         expected.add(f"oomguard/dashboards/generated/{path.name}")
     missing = sorted(expected - names)
     assert not missing, f"files the package reads are missing from the wheel: {missing}"
@@ -316,10 +316,10 @@ def test_installed_wheel_generates_the_committed_files(installed, tmp_path):
     # the rules, Alertmanager routes, dashboards and manifests at least (a partial generator
     # that wrote nothing would otherwise pass the comparison below)
     for rel in (
-        "src/oomguard/alerts/generated/oomguard.rules.yaml",
+        "alerts/oomguard/alerts/generated/oomguard.rules.yaml",
         "deploy/prometheus/prometheus.yml",
         "deploy/alertmanager/alertmanager.yml",
-        "src/oomguard/dashboards/generated/oomguard-fleet.json",
+        "dashboards/oomguard/dashboards/generated/oomguard-fleet.json",
         "deploy/kubernetes/monitoring.yaml",
     ):
         assert rel in written

@@ -244,7 +244,7 @@ def test_preflight_finds_the_twin_limit_without_an_oom(
 
 
 # -- a server's answers are untrusted -----------------------------------------------------------
-# The plugin's state document (src/oomguard/engine_state.py), one engine core serving.
+# The plugin's state document (core/oomguard/engine_state.py), one engine core serving.
 STATE = EngineState.of(
     [
         EngineCoreState(

@@ -1,5 +1,6 @@
 """The plugin's smoke test (tests/test_vllm_plugin.py: the real `vllm serve` with the model-free
-executor) on vLLM 0.32, the oldest release oomguard supports (src/oomguard/vllm_seam/v0_32.py).
+executor) on vLLM 0.32, the oldest release oomguard supports
+(vllm_seam/oomguard/vllm_seam/v0_32.py).
 
 It runs in the second vLLM lane, .venv-vllm032 (Makefile `setup-vllm032`, a prerequisite of
 `make test`): a virtualenv that holds vLLM 0.32.0 and reads every other package from .venv. Where

@@ -1,7 +1,7 @@
 """The oomguard plugin on the real vLLM server (vLLM 0.33, CPU platform, model-free executor).
 
 Nothing of vLLM is mocked: its API server, EngineCore, V1 scheduler and KV cache manager run;
-only the model is absent (src/oomguard/twin/executor.py returns one token per scheduled request).
+only the model is absent (twin/oomguard/twin/executor.py returns one token per scheduled request).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""One vLLM seam (issue 28): what depends on vLLM's version lives in src/oomguard/vllm_seam/ only.
+"""One vLLM seam (issue 28): what depends on vLLM's version lives in vllm_seam/oomguard/vllm_seam/
+only.
 
-An AST scan of every other module under src/oomguard/ fails on
+An AST scan of every other module of the oomguard package (every import root) fails on
 - an import of `vllm` or `vllm.*` (patch points are loaded through `vllm_seam.load`);
 - a string constant that names a vLLM metric (`vllm:...`) or a vLLM module path (`vllm.v1...`);
 - a string constant that names the supported vLLM release (`0.33`, `vllm==0.33.0`, ...);
@@ -22,8 +23,7 @@ from oomguard import vllm_seam
 from oomguard.vllm_seam import v0_33
 
 ROOT = Path(__file__).resolve().parents[1]
-# every folder of the oomguard package (one today, src/oomguard; one per component once each
-# component is an import root of the namespace)
+# every folder of the oomguard package: one per import root (core/oomguard, exporter/oomguard, ...)
 PACKAGE = [Path(p).resolve() for p in oomguard.__path__]
 SEAM = Path(vllm_seam.__file__).resolve().parent
 METRIC = re.compile(r"\bvllm:[a-z_]")
