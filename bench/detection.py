@@ -35,6 +35,7 @@ Usage: python -m bench.detection [--rounds N] [--quick] [--out FILE]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -144,7 +145,8 @@ class Bench:
         work = self.work
         self.engines = start_all(
             [
-                lambda i=i: VllmProcess(
+                functools.partial(
+                    VllmProcess,
                     "--max-num-seqs",
                     "16",
                     "--max-model-len",

@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,7 +148,7 @@ class Scenario:
     servers: int
     page: str  # each server's /metrics
     ranks: list[AllocatorReport]
-    engine_gpus: dict[str, list[str]] = field(default_factory=dict)
+    engine_gpus: dict[str, Sequence[str]] = field(default_factory=dict)
     shape: dict[str, int] = field(default_factory=dict)  # what it holds, for the record
 
 
@@ -453,7 +453,8 @@ def measure_render(
 
 def _registered(registry: CollectorRegistry) -> Iterator[tuple[Any, str]]:
     """(metric object, catalog name) of every metric in a registry made by plain_registry."""
-    for metric in list(registry._collector_to_names):
+    for collector in list(registry._collector_to_names):
+        metric: Any = collector  # a Counter, Gauge...: their names are private attributes
         name = metric._name  # Counter drops _total from the name it was given
         yield metric, name + "_total" if metric._type == "counter" else name
 

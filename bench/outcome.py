@@ -226,7 +226,11 @@ def engine0(fleet: Fleet, trace: Trace, o: Outcome, crash_s: float | None = None
             first_action = at_s if first_action is None else first_action
             cap = (e.get("after") or {}).get("cap")
             steps.append(f"{at_s:.1f} {e['action']}" + (f" {cap}" if cap is not None else ""))
-    at = crash_s if crash_s is not None else (fleet.crash_times or [first_action])[0]
+    at = (
+        crash_s
+        if crash_s is not None
+        else (fleet.crash_times[0] if fleet.crash_times else first_action)
+    )
     if at is None:  # neither a crash nor an action: the trouble itself
         at = incident_s(trace) if incident_s(trace) is not None else pressure_phase_s(trace)
     views = list(fleet.history)

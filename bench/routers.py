@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import tempfile
@@ -52,9 +53,11 @@ def engines(tmp: Path, defer_status: int) -> scenario.Engines:
     states = [tmp / f"gpu{i}.json" for i in range(2)]
     for s in states:
         s.write_text("{}")
-    servers = start_all([lambda i=i: scenario.start_engine(tmp, i, states[i]) for i in range(2)])
-    for s in servers:
-        scenario.wait_for_headroom(s.url)
+    servers = start_all(
+        [functools.partial(scenario.start_engine, tmp, i, states[i]) for i in range(2)]
+    )
+    for server in servers:
+        scenario.wait_for_headroom(server.url)
     return scenario.Engines(servers, states)
 
 
@@ -121,7 +124,7 @@ FRONTS_QUICK = FRONTS[:2]
 
 
 def make_front(name: str, work: Path, urls: list[str]) -> VllmRouter | Nginx:
-    checks = {"interval_s": 1, "failures": 2}
+    checks: dict[str, Any] = {"interval_s": 1, "failures": 2}
     if name == "vllm-router cache_aware":
         return VllmRouter(work, urls, VllmRouterSettings(**checks))
     if name == "vllm-router round_robin":
