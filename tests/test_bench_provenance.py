@@ -196,6 +196,45 @@ def test_an_unknown_benchmark_name_is_refused_before_writing(scratch: Scratch) -
     assert not (scratch.root / "bench" / "results" / "x.json").exists()
 
 
+def test_a_result_recorded_before_the_move_compares_at_the_new_paths(scratch: Scratch) -> None:
+    """Issue 28 moved src/oomguard/<component>/ to <component>/oomguard/<component>/. A result
+    recorded before names the old paths: a pure move leaves it current (also for --since), a
+    change to the moved code makes it stale."""
+    old = scratch.root / "src" / "oomguard" / "remediator"
+    old.mkdir(parents=True)
+    scratch.git("mv", "remediator/oomguard/remediator/controller.py", str(old / "controller.py"))
+    (old.parent / "__init__.py").write_text('__version__ = "0.1.0"\n')
+    before = scratch.commit("the old layout")
+    code = (
+        "import json; from bench import record; "
+        "paths = ('bench/fleet.py', 'src/oomguard/remediator'); "
+        "print(json.dumps({'commit': record._git('rev-parse', 'HEAD').strip(), "
+        "'measures': list(paths), 'measured_digest': record.tree_digest(paths)}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=scratch.root, capture_output=True, text=True, check=True
+    ).stdout
+    results = scratch.root / "bench" / "results" / "fleet.json"
+    results.write_text(json.dumps({"benchmark": "fleet", "provenance": json.loads(out)}))
+    recorded = scratch.commit("fleet recorded under src/oomguard")
+    assert "1 current, 0 stale" in scratch.stale().stdout
+
+    scratch.git("mv", str(old / "controller.py"), str(scratch.code))
+    scratch.git("rm", "-q", str(old.parent / "__init__.py"))
+    scratch.commit("issue 28: the move")
+    # git leaves the emptied folders (and, in a used checkout, their ignored caches) behind
+    assert (scratch.root / "src" / "oomguard").is_dir()
+    r = scratch.stale("--since", recorded)
+    assert r.returncode == 0 and "1 current, 0 stale" in r.stdout, r.stdout
+    assert scratch.stale("--since", before).returncode == 0
+
+    scratch.code.write_text("PASS_SECONDS = 5\n")
+    scratch.commit("controller: a five-second pass")
+    r = scratch.stale("--since", recorded)
+    assert r.returncode == 1 and "0 current, 1 stale" in r.stdout, r.stdout
+    assert "controller: a five-second pass" in r.stdout
+
+
 # -- the repository's own results ----------------------------------------------------------------
 def test_every_declared_measured_path_exists() -> None:
     from bench import record
