@@ -1,7 +1,7 @@
 """The fleet runner behind a real router (issue 27 item 3): the outcome benchmark's and the
 demo's fleet with vllm-router in front (readiness health checks, as docs/vllm-plugin.md sets it
 up) instead of the twin's gateway; every request goes through the router and is served. The
-incidents behind each router are recorded by `bench/outcome.py --router ...`
+incidents behind each router are recorded by `python -m bench.outcome --router ...`
 (docs/benchmarks.md)."""
 
 from __future__ import annotations
