@@ -168,6 +168,7 @@ def test_cli_json_report_and_exit_status_against_a_twin(
         ]
     )
     captured = capsys.readouterr()
+    assert captured.out, f"exit {code}, no report; stderr: {captured.err[-2000:]}"
     report = json.loads(captured.out)
     assert code == 0 and report["exit_code"] == 0 and report["safe_at_target"]
     assert report["longest_safe_prompt_logprobs"] == 4096

@@ -71,6 +71,15 @@ def test_the_plugin_smoke_test_passes_on_vllm_032(tmp_path):
         "--basetemp",
         str(tmp_path / "lane"),
         "-rxX",
+        # Left out of the lane: the two tests that flood the engine until it preempts. Whether 64
+        # requests preempt depends on the machine's load (0.32 did not preempt in one full CI run
+        # while the suite's other worker ran), and each costs a minute that `make test`'s 30 does
+        # not have. The cap itself is checked on 0.32 by the admission and clamping tests, and
+        # 0.32's drain gap by the strict xfail of test_drain_finishes_running_...
+        "--deselect",
+        f"{SMOKE}::test_lowering_the_cap_under_load_keeps_the_engine_alive_and_cuts_preemptions",
+        "--deselect",
+        f"{SMOKE}::test_requests_preempted_while_draining_go_elsewhere_too",
         timeout=900,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
