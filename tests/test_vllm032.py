@@ -2,10 +2,11 @@
 executor) on vLLM 0.32, the oldest release oomguard supports
 (vllm_seam/oomguard/vllm_seam/v0_32.py).
 
-It runs in the second vLLM lane, .venv-vllm032 (Makefile `setup-vllm032`, a prerequisite of
-`make test`): a virtualenv that holds vLLM 0.32.0 and reads every other package from .venv. Where
-the lane is absent it skips on a developer machine and fails under CI; `make check`'s fast lane
-leaves it out (slow: it starts vLLM).
+It runs in the second vLLM lane, .venv-vllm032: a virtualenv that holds vLLM 0.32.0 and reads
+every other package from .venv. `make test-vllm032` sets the lane up and runs this file, and there
+a missing lane fails. `make test` does not set it up: its vLLM server, running beside the suite's
+own on two cores, cost 2.5 minutes and slowed the latency-sensitive tests past their limits (the
+demo's TTFT burn, preflight). Without the lane this file skips.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ SMOKE = "tests/test_vllm_plugin.py"
 def lane() -> Path:
     if LANE.exists():
         return LANE
-    if os.environ.get("CI"):
-        pytest.fail(f"{LANE} is missing; `make test` sets it up (make setup-vllm032)")
+    if os.environ.get("OOMGUARD_VLLM032_LANE") == "required":
+        pytest.fail(f"{LANE} is missing (make setup-vllm032)")
     pytest.skip("the vLLM 0.32 lane is not set up (run `make setup-vllm032`)")
 
 
@@ -71,6 +72,11 @@ def test_the_plugin_smoke_test_passes_on_vllm_032(tmp_path):
         "--basetemp",
         str(tmp_path / "lane"),
         "-rxX",
+        # hypothesis' pytest plugin imports hypothesis in the terminal summary; pytest's assertion
+        # rewriting of it crashed CPython 3.11.7 there (SystemError: AST constructor recursion
+        # depth mismatch) after every test had passed. This file uses no hypothesis.
+        "-p",
+        "no:hypothesispytest",
         # Left out of the lane: the two tests that flood the engine until it preempts. Whether 64
         # requests preempt depends on the machine's load (0.32 did not preempt in one full CI run
         # while the suite's other worker ran), and each costs a minute that `make test`'s 30 does
