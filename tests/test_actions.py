@@ -29,7 +29,6 @@ from oomguard.actions import (
     STEPS,
     Action,
     StepKind,
-    seconds,
 )
 from oomguard.alerts.generate import DOCS, DOCS_BEGIN, DOCS_END, RULES, alerts_table
 from oomguard.alerts.rules import all_alerts
@@ -42,6 +41,7 @@ from oomguard.remediator.router import RoutedActuator
 from oomguard.remediator.standalone import RULES as STANDALONE_RULES
 from oomguard.remediator.standalone import durations
 from oomguard.thresholds import AlertThresholds
+from oomguard.units import parse_duration
 
 ROOT = Path(__file__).resolve().parent.parent
 # the package's folders in this checkout: one per import root (core/oomguard, exporter/...)
@@ -193,8 +193,8 @@ def _watch_as_rules(root: Path, d: StandaloneConfig) -> None:
     shipped, local = alertmanager_path(), standalone_path()
     assert set(STANDALONE_RULES) == set(rules)
     for name, rule in rules.items():
-        for_s = seconds(rule.get("for", "0s"))
-        keep_s = seconds(rule.get("keep_firing_for", "0s"))
+        for_s = parse_duration(rule.get("for", "0s"))
+        keep_s = parse_duration(rule.get("keep_firing_for", "0s"))
         alert = STANDALONE_RULES[name]
         for level in (-1, 0, 1, 2, 3):
             assert alert.condition(level) == _rule_level_holds(rule["expr"], level), (name, level)

@@ -9,26 +9,30 @@ import pytest
 from oomguard.lab.matrix import trace_levels
 from oomguard.lab.recovery import (
     alertmanager_path,
-    seconds,
     simulate_recovery,
     standalone_path,
 )
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.thresholds import AlertThresholds
 from oomguard.twin.traces import Trace
+from oomguard.units import parse_duration
 
 
 def test_durations_parse_as_prometheus_writes_them():
-    assert seconds("30s") == 30 and seconds("2m") == 120 and seconds("1m30s") == 90
-    assert seconds("500ms") == 0.5
+    assert (
+        parse_duration("30s") == 30
+        and parse_duration("2m") == 120
+        and parse_duration("1m30s") == 90
+    )
+    assert parse_duration("500ms") == 0.5
 
 
 def test_the_alerting_path_is_what_the_generator_writes():
     shipped = alertmanager_path()
     t = AlertThresholds()
-    assert shipped.keep_firing_s == seconds(t.action_keep_firing_for)
-    assert shipped.eval_s == seconds(t.action_rule_interval)
-    assert shipped.deliver_s == seconds(t.remediator_group_interval)
+    assert shipped.keep_firing_s == parse_duration(t.action_keep_firing_for)
+    assert shipped.eval_s == parse_duration(t.action_rule_interval)
+    assert shipped.deliver_s == parse_duration(t.remediator_group_interval)
     slower = alertmanager_path(t.model_copy(update={"action_keep_firing_for": "2m"}))
     assert slower.keep_firing_s == 120
     assert standalone_path().deliver_s == 0  # no Alertmanager hop

@@ -22,11 +22,11 @@ gets its own actuator method (remediator/actuator.py) and plugin handler (vllm_p
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal, cast
 
 from oomguard.thresholds import AlertThresholds
+from oomguard.units import parse_duration
 
 # What an alert may ask the remediator to do (its `oomguard_action` label), and the steps the
 # remediator takes on an engine. tests/test_actions.py ties both to `ACTIONS`.
@@ -198,11 +198,11 @@ class ActionAlert:
         return out + (f"; keeps firing {keep}" if keep else "; fires and clears at once")
 
     def for_seconds(self, t: AlertThresholds) -> float:
-        return seconds(self.for_duration(t))
+        return parse_duration(self.for_duration(t))
 
     def keep_seconds(self, t: AlertThresholds) -> float:
         keep = self.keep_duration(t)
-        return 0.0 if keep is None else seconds(keep)
+        return 0.0 if keep is None else parse_duration(keep)
 
 
 _ENGINE = "engine {{ $labels.engine }} of {{ $labels.target }} on {{ $labels.instance }}"
@@ -251,9 +251,3 @@ ACTION_ALERTS: tuple[ActionAlert, ...] = (
         doc="carries `reason`",
     ),
 )
-
-
-def seconds(duration: str) -> float:
-    """A Prometheus duration ("30s", "1m30s") in seconds."""
-    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
-    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", duration))

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from oomguard.actions import ACTION_ALERTS, DISRUPTIVE, ActionAlert, seconds
+from oomguard.actions import ACTION_ALERTS, DISRUPTIVE, ActionAlert
 from oomguard.remediator.decision import Context, EngineInput, decide_fleet
 from oomguard.remediator.flags import FlagLimits
 from oomguard.remediator.policy import Observed, PolicyConfig
@@ -35,6 +35,7 @@ from oomguard.remediator.webhook import Alert
 from oomguard.thresholds import AlertThresholds
 from oomguard.twin.physics import Physics, Step
 from oomguard.twin.traces import Trace, requests
+from oomguard.units import parse_duration
 
 EXPORTER_POLL_S = 1.0  # the exporter's default interval_seconds
 EXPORTER_SCRAPE_S = 1.0  # Prometheus scrapes the exporters every second (generated config)
@@ -61,12 +62,12 @@ def alertmanager_path(t: AlertThresholds | None = None) -> AlertPath:
     return AlertPath(
         "prometheus+alertmanager",
         staleness_s=EXPORTER_POLL_S + EXPORTER_SCRAPE_S,
-        eval_s=seconds(t.action_rule_interval),  # the work orders' own rule group
+        eval_s=parse_duration(t.action_rule_interval),  # the work orders' own rule group
         # every alert is its own group on the remediator route; a re-fire within its group's
         # life waits at most the route's group_interval
-        deliver_s=seconds(t.remediator_group_interval),
+        deliver_s=parse_duration(t.remediator_group_interval),
         for_s={a.name: a.for_seconds(t) for a in ACTION_ALERTS},
-        keep_firing_s=seconds(t.action_keep_firing_for),
+        keep_firing_s=parse_duration(t.action_keep_firing_for),
     )
 
 

@@ -17,7 +17,6 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from oomguard import bounded
-from oomguard.actions import seconds
 from oomguard.config import load_yaml, validate
 from oomguard.errors import ConfigError
 from oomguard.remediator.attention import AttentionConfig
@@ -30,6 +29,7 @@ from oomguard.remediator.router import RouterConfig
 from oomguard.remediator.safety import SafetyConfig
 from oomguard.remediator.targets import TargetConfig
 from oomguard.thresholds import AlertThresholds
+from oomguard.units import parse_duration
 
 log = logging.getLogger("oomguard.remediator")
 
@@ -139,13 +139,13 @@ class StandaloneConfig(BaseModel):
     interval_seconds: float = Field(1.0, gt=0)
     # defaults: the generated rules' (oomguard.actions.ACTION_ALERTS at AlertThresholds' defaults)
     pressure_for_seconds: float = Field(
-        seconds(_RULES.pressure_for), ge=0, description="Level 2 held this long acts."
+        parse_duration(_RULES.pressure_for), ge=0, description="Level 2 held this long acts."
     )
     critical_for_seconds: float = Field(
-        seconds(_RULES.critical_for), ge=0, description="Level 3 held this long acts."
+        parse_duration(_RULES.critical_for), ge=0, description="Level 3 held this long acts."
     )
     keep_firing_seconds: float = Field(
-        seconds(_RULES.action_keep_firing_for),
+        parse_duration(_RULES.action_keep_firing_for),
         ge=0,
         description="Hysteresis after a condition clears (the rules' keep_firing_for on action "
         "alerts; recovery starts only when the alert resolves).",
