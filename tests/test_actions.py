@@ -5,14 +5,17 @@ all come from the same definition."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
 import shutil
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import httpx
 import pytest
 import yaml
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
 
 import oomguard
 import oomguard.actions
@@ -33,13 +36,22 @@ from oomguard.actions import (
 from oomguard.alerts.generate import DOCS, DOCS_BEGIN, DOCS_END, RULES, alerts_table
 from oomguard.alerts.rules import all_alerts
 from oomguard.cli import main
-from oomguard.contract import API_PREFIX
+from oomguard.contract import API_PREFIX, PLUGIN_TOKEN_ENV
 from oomguard.lab.recovery import alertmanager_path, standalone_path
-from oomguard.remediator.actuator import Actuator, DryRunActuator, PluginActuator, Target
+from oomguard.remediator.actuator import (
+    Actuator,
+    ActuatorError,
+    DryRunActuator,
+    PluginActuator,
+    Target,
+)
+from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.config import StandaloneConfig
+from oomguard.remediator.controller import Controller
 from oomguard.remediator.router import RoutedActuator
 from oomguard.remediator.standalone import RULES as STANDALONE_RULES
 from oomguard.remediator.standalone import durations
+from oomguard.remediator.webhook import parse as parse_webhook
 from oomguard.thresholds import AlertThresholds
 from oomguard.units import parse_duration
 
@@ -274,3 +286,110 @@ def test_an_action_with_only_a_route_and_an_engine_call_needs_no_code_of_its_own
     monkeypatch.setattr(actuator, "state", lambda target: {})
     dry.act(Target("e", "http://engine"), "shed")
     assert dry.intended == [("e", "shed", None)]
+
+
+class ShedBody(BaseModel):
+    """A scratch action's body: what share of the queue to shed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    fraction: float = Field(ge=0, le=1)
+    why: str = "pressure"
+
+
+def test_an_action_with_a_body_needs_only_its_model_in_the_registry(monkeypatch, tmp_path):
+    """A new action with parameters: its `body` model in the registry gives it the step's
+    params through the convergence, the actuator's generic `act` (checked before sending) and
+    the plugin's generic route (checked again, handed to the engine utility in field order)."""
+    from fastapi.testclient import TestClient
+
+    from oomguard.remediator import convergence
+    from oomguard.remediator.decision import Step, Verdict
+    from oomguard.vllm_plugin import api
+    from tests.remediator_helpers import Engines, alert, config, payload
+
+    spec = actions.ActionSpec(
+        "shed", "scratch", step=True, route="POST /shed", engine_call="x", body=ShedBody
+    )
+    monkeypatch.setattr(actions, "ACTIONS", (*ACTIONS, spec))
+    monkeypatch.setattr(api, "ACTIONS", (*ACTIONS, spec))
+    monkeypatch.setitem(actions.BY_NAME, "shed", spec)
+
+    # the plugin: the route exists, checks the body, and hands its fields to the engines
+    monkeypatch.setenv(PLUGIN_TOKEN_ENV, "scratch-token")
+    plugin = api.OomguardEndpointPlugin()
+    called: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def call_engines(method: str, *args: Any) -> list[Any]:
+        called.append((method, args))
+        raise HTTPException(599, "stop here: the call is what is checked")
+
+    monkeypatch.setattr(plugin, "call_engines", call_engines)
+    app = FastAPI()
+    plugin.attach_router(app)
+    url = f"{API_PREFIX}/shed"
+    assert TestClient(app).post(url, json={"fraction": 0.25}).status_code == 401
+    client = TestClient(app, headers={"Authorization": "Bearer scratch-token"})
+    assert client.post(url, json={"fraction": 0.25}).status_code == 599
+    assert called == [("x", (0.25, "pressure"))]
+    bad = client.post(url, json={"fraction": 2})
+    assert bad.status_code == 400 and "fraction" in bad.text
+    assert client.post(url, json={"fraction": 0.5, "extra": 1}).status_code == 400
+    assert client.post(url, content=b"{not json").status_code == 400
+    assert len(called) == 1  # nothing refused reached an engine
+
+    # the actuator: params checked before anything is sent, then sent as the body
+    sent: list[Any] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json={})
+
+    actuator = PluginActuator(httpx.Client(transport=httpx.MockTransport(handler)), attempts=1)
+    actuator.act(Target("e", "http://engine"), "shed", {"fraction": 0.5})
+    assert sent == [{"fraction": 0.5, "why": "pressure"}]
+    with pytest.raises(ActuatorError) as refused:
+        actuator.act(Target("e", "http://engine"), "shed", {"fraction": "half"})
+    assert refused.value.reason == "rejected" and len(sent) == 1
+    with pytest.raises(ActuatorError):  # a body-less action takes no params
+        actuator.act(Target("e", "http://engine"), "resume", {"fraction": 0.5})
+
+    # the convergence: a decision's step carries its params to the actuator and the audit
+    class Acting(Engines):
+        def act(self, target: Target, action: str, params: Any = None) -> dict[str, Any]:
+            self.calls.append((target.name, action, params))
+            return self.state(target)
+
+    real = convergence.decide_fleet
+
+    def with_shed(*args: Any, **kwargs: Any) -> list[Verdict]:
+        out = real(*args, **kwargs)
+        return [
+            dataclasses.replace(
+                v, steps=(Step("shed", params={"fraction": 0.5}, reason="scratch"),)
+            )
+            if v.target == "a" and v.desired is not None
+            else v
+            for v in out
+        ]
+
+    monkeypatch.setattr(convergence, "decide_fleet", with_shed)
+    engines = Acting(Engines.of("a").engines)
+    c = Controller(config(tmp_path, "a"), engines, AuditLog(tmp_path / "audit.jsonl"))
+    try:
+        c.receive(parse_webhook(payload(alert("OomguardMemoryPressure", "a"))))
+        c.reconcile()
+        assert ("a", "shed", {"fraction": 0.5}) in engines.calls
+        intent = [e for e in c.audit.entries() if e["event"] == "intent"]
+        assert intent[-1]["action"] == "shed"
+        assert intent[-1]["after"] == {"params": {"fraction": 0.5}}
+    finally:
+        c.close()
+
+
+def test_every_body_model_refuses_what_it_does_not_name():
+    for spec in ACTIONS:
+        if spec.body is not None:
+            assert spec.body.model_config.get("extra") == "forbid", spec.name
+    with pytest.raises(ValueError):
+        actions.body_of("resume", {"anything": 1})
+    assert actions.body_of("resume", None) is None

@@ -16,14 +16,18 @@ condition, `for`, `keep_firing_for`, severity and action. The Prometheus rules
 Adding an action: an entry in `ACTIONS` (and its name in `Action`/`StepKind`), the plugin's
 EngineCore utility (vllm_plugin/engine.py), and the policy that asks for it (remediator/policy.py
 and its plan in decision.py). With a route and an `engine_call`, the actuator's generic `act` and
-the plugin's generic handler take it; an action that needs a body or more than one engine call
-gets its own actuator method (remediator/actuator.py) and plugin handler (vllm_plugin/api.py).
+the plugin's generic handler take it, with a request body when the entry names its `body` model
+(the step's `params`, checked by the model on both sides of the wire). Only an action that needs
+more than one engine call, or work around it (drain: the router, shedding the queue), has its own
+actuator method (remediator/actuator.py) and plugin handler (vllm_plugin/api.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal, cast
+
+from pydantic import BaseModel
 
 from oomguard.thresholds import AlertThresholds
 from oomguard.units import parse_duration
@@ -56,6 +60,11 @@ class ActionSpec:
     # The EngineCore utility (vllm_plugin/engine.py UTILITIES) the plugin's generic handler of
     # `route` calls on every engine. None: the plugin has a handler of its own (api.py).
     engine_call: str | None = None
+    # The request body of a generic route (None: no body). The remediator's step carries its
+    # fields (decision.Step.params); the actuator validates them with it before sending, the
+    # plugin again on arrival (a 400 naming the field), and hands them to `engine_call` in the
+    # model's field order. tests/test_actions.py holds each to extra="forbid".
+    body: type[BaseModel] | None = None
     told: str = ""  # a step taken, as a sentence: "{target}", "{cap}" (the demo's timeline)
 
     @property
@@ -142,6 +151,18 @@ CAP_ONLY: frozenset[str] = frozenset(a.name for a in ACTIONS if a.cap_only)
 ROUTES: frozenset[tuple[str, str]] = frozenset(
     (m, p) for a in ACTIONS if a.route for m, p in [a.route.split(" ", 1)]
 )
+
+
+def body_of(action: str, params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON body of a generic action's route from its step's `params`, checked by the
+    action's `body` model: ValueError (pydantic's ValidationError) naming the field when they do
+    not fit it, or when an action without a body model is given any."""
+    model = next(a.body for a in ACTIONS if a.name == action)  # ACTIONS, as route() reads it
+    if model is None:
+        if params:
+            raise ValueError(f"{action} takes no parameters, got {sorted(params)}")
+        return None
+    return model.model_validate(params or {}).model_dump(mode="json")
 
 
 def route(call: str) -> tuple[str, str]:

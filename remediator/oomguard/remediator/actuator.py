@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from oomguard.actions import route
+from oomguard.actions import body_of, route
 from oomguard.contract import API_PREFIX
 from oomguard.engine_state import EngineState, StateError
 from oomguard.engine_state import parse as parse_state
@@ -62,8 +62,11 @@ class Actuator(Protocol):
 
     def resume(self, target: Target) -> dict[str, Any]: ...
 
-    # an action with a route and no method of its own (oomguard.actions): sent with no body
-    def act(self, target: Target, action: str) -> dict[str, Any]: ...
+    # an action with a route and no method of its own (oomguard.actions): its step's params
+    # are the body its `body` model allows (none without one)
+    def act(
+        self, target: Target, action: str, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]: ...
 
 
 RETRIED = frozenset({"timeout", "unreachable", "http_status"})  # may help to ask again
@@ -273,9 +276,17 @@ class PluginActuator:
     def resume(self, target: Target) -> dict[str, Any]:
         return self._call(target, *route("resume"))
 
-    def act(self, target: Target, action: str) -> dict[str, Any]:
-        """An action the registry routes with no method of its own here (oomguard.actions)."""
-        return self._call(target, *route(action))
+    def act(
+        self, target: Target, action: str, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """An action the registry routes with no method of its own here (oomguard.actions),
+        with the body its `body` model makes of `params`: params that do not fit it are refused
+        here, before the engine is called."""
+        try:
+            body = body_of(action, params)
+        except ValueError as exc:
+            raise ActuatorError("rejected", f"{action}: bad parameters: {exc}") from None
+        return self._call(target, *route(action), body)
 
 
 @dataclass
@@ -311,8 +322,10 @@ class DryRunActuator:
     def resume(self, target: Target) -> dict[str, Any]:
         return self._intend(target, "resume")
 
-    def act(self, target: Target, action: str) -> dict[str, Any]:
-        return self._intend(target, action)
+    def act(
+        self, target: Target, action: str, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return self._intend(target, action, params)
 
 
 def read_states(

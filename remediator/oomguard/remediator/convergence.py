@@ -313,7 +313,14 @@ class Convergence:
                 self.status[name].mode = "restarting"
                 return
             result = self._act(
-                name, step.kind, step.cap, observed, desired, list(v.fingerprints), last
+                name,
+                step.kind,
+                step.cap,
+                observed,
+                desired,
+                list(v.fingerprints),
+                last,
+                step.params,
             )
             if result is None:
                 break
@@ -370,6 +377,7 @@ class Convergence:
         desired: Desired,
         fps: list[str],
         before: EngineState,
+        params: dict[str, Any] | None = None,
     ) -> EngineState | None:
         """Take one step, write-ahead: its intent is durable before the engine is called, and
         counted against the safety limits from then on; the answer commits it. Returns the
@@ -387,7 +395,7 @@ class Convergence:
                 target=name,
                 action=kind,
                 before=brief,
-                after={"cap": cap} if cap is not None else None,
+                after=_intended(cap, params),
                 result="pending",
                 reason=desired.reason,
                 fingerprints=fps,
@@ -403,7 +411,7 @@ class Convergence:
         try:
             spec = BY_NAME[kind]  # the registry's call, or the generic one with its route
             if spec.call is None:
-                response = self.actuator.act(target, kind)
+                response = self.actuator.act(target, kind, params)
             else:
                 call = getattr(self.actuator, spec.call)
                 response = call(target) if cap is None else call(target, cap)
@@ -418,7 +426,7 @@ class Convergence:
                 target=name,
                 action=kind,
                 before=brief,
-                after={"cap": cap} if cap is not None else None,
+                after=_intended(cap, params),
                 result=exc.reason,
                 reason=f"{desired.reason}: {exc}",
                 fingerprints=fps,
@@ -584,3 +592,13 @@ def _brief(observed: Observed) -> dict[str, Any]:
         "mode": "draining" if observed.draining else "serving",
         "startup": observed.startup_max_num_seqs,
     }
+
+
+def _intended(cap: int | None, params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a step asks of the engine, for its intent in the audit log."""
+    after: dict[str, Any] = {}
+    if cap is not None:
+        after["cap"] = cap
+    if params:
+        after["params"] = params
+    return after or None

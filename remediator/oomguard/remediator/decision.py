@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from oomguard.actions import BY_NAME, DISRUPTIVE
 from oomguard.contract import FRAGMENTATION_REASON
@@ -92,6 +93,8 @@ class Step:
     # restart: come back at the re-admission start (staged) or, False, at full admission (a
     # restart that gives back what took the memory: the engine starts as it first did)
     staged: bool = True
+    # a generic action's parameters: the body its `body` model in oomguard.actions allows
+    params: dict[str, Any] | None = None
 
     def describe(self) -> str:
         what = self.kind

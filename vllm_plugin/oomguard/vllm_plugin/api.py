@@ -368,7 +368,7 @@ class OomguardEndpointPlugin:
         for spec in ACTIONS:  # actions the registry routes straight to an engine utility
             if spec.route and spec.engine_call:
                 method, path = spec.route.split(" ", 1)
-                handler = engine_call_route(self, spec.engine_call)
+                handler = engine_call_route(self, spec.engine_call, spec.body)
                 router.add_api_route(path, handler, methods=[method])
 
         app.include_router(router)
@@ -384,13 +384,27 @@ class OomguardEndpointPlugin:
             )
 
 
-def engine_call_route(plugin: OomguardEndpointPlugin, name: str) -> Any:
+def engine_call_route(
+    plugin: OomguardEndpointPlugin, name: str, body: type[BaseModel] | None = None
+) -> Any:
     """The handler of an action's route that is one call of `name` on every engine (its
-    `engine_call` in oomguard.actions): authorized, no body, the engines' state as the answer."""
+    `engine_call` in oomguard.actions): authorized; the body its `body` model checks (400 naming
+    the field; none without a model), handed to the engines in the model's field order; the
+    engines' state as the answer."""
 
     async def call(request: Request) -> dict[str, Any]:
         authorize(request)
-        return aggregate(await plugin.call_engines(name))
+        args: tuple[Any, ...] = ()
+        data = await _json_body(request, empty={})
+        if body is None:
+            if data != {}:
+                raise _bad_request(f"{request.url.path} takes no body")
+        else:
+            try:
+                args = tuple(body.model_validate(data).model_dump().values())
+            except ValidationError as exc:
+                raise _bad_request(f"bad request: {_problems(exc)}") from None
+        return aggregate(await plugin.call_engines(name, *args))
 
     return call
 
