@@ -116,6 +116,8 @@ bench: setup setup-vllm system-deps
 	$(BIN)/python -m bench.recovery
 	$(BIN)/python -m bench.guard
 	$(BIN)/python -m bench.fleet
+	$(BIN)/python -m bench.step_guard
+	$(BIN)/python -m bench.routers
 
 demo: setup setup-vllm system-deps
 	$(BIN)/oomguard demo
