@@ -4,6 +4,7 @@ real process (a shell standing in for vLLM's output and exit); the full disk is 
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -173,3 +174,42 @@ def test_a_dead_log_reader_is_restarted_and_the_pipe_stays_drained(tmp_path, mon
         assert (Path(tmp_path) / "vllm.log").read_text().splitlines()[-1] == "last"
     finally:
         sup.stop()
+
+
+def test_a_vllm_that_outlives_sigkill_is_not_doubled_by_a_restart(tmp_path, monkeypatch):
+    """A process in uninterruptible sleep (the GPU driver) survives SIGKILL for a while. The
+    restart answered 500 (TimeoutExpired out of the wait) and a stop raised; now the restart is
+    a 503 that starts nothing beside it (the GPU and the port are still taken), and stop goes on."""
+    from oomguard import children
+    from oomguard.remediator import supervisor
+
+    real = children.signal_group
+    undelivered: list[int] = []
+
+    def kill_not_delivered(pid: int, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            undelivered.append(pid)  # as if the process were in uninterruptible sleep
+            return
+        real(pid, sig)
+
+    monkeypatch.setattr(children, "signal_group", kill_not_delivered)
+    monkeypatch.setattr(supervisor, "KILL_WAIT_SECONDS", 0.5)
+    stubborn = shell("trap '' TERM; echo up; while :; do sleep 1; done")
+    sup = Supervisor(stubborn, tmp_path, stop_timeout=0.5, cgroup_dir="")
+    sup.start()
+    assert sup.child is not None
+    pid = sup.child.pid
+    try:
+        with TestClient(create_app(sup, OPEN), raise_server_exceptions=False) as client:
+            r = client.post("/v1/restart", json={"reason": "test"})
+            assert r.status_code == 503, r.text
+            assert "after SIGKILL" in r.json()["error"] and r.headers["Retry-After"] == "30"
+            status = client.get("/v1/status").json()
+        assert undelivered == [pid]
+        assert sup.generation == 1 and status["pid"] == pid and sup.child.poll() is None
+        sup.stop()  # logs what is left behind instead of raising
+        assert sup.child.poll() is None
+    finally:
+        monkeypatch.setattr(children, "signal_group", real)
+        real(pid, signal.SIGKILL)
+        sup.child.wait(10)

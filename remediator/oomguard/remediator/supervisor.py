@@ -149,6 +149,14 @@ class StateUnavailable(Exception):
     """The state directory cannot take a record the restart needs: nothing was restarted."""
 
 
+class ChildStuck(Exception):
+    """The old vLLM did not exit after SIGKILL (uninterruptible, most often in the GPU driver):
+    no new one is started beside it, where it would find the GPU memory and the port taken."""
+
+
+KILL_WAIT_SECONDS = 30.0  # after SIGKILL; a process in the GPU driver can take a while to go
+
+
 class RestartBudget:
     """Requested restarts within the window, on the monotonic clock, recorded in a state file
     (restarts.json) before each restart, so the limit survives a restart of this process. A
@@ -534,7 +542,13 @@ class Supervisor:
         except subprocess.TimeoutExpired:
             log.warning("vLLM did not stop in %.0f s: SIGKILL", self.stop_timeout)
             children.signal_group(child.pid, signal.SIGKILL)
-            child.wait(10)
+            try:
+                child.wait(KILL_WAIT_SECONDS)
+            except subprocess.TimeoutExpired:
+                raise ChildStuck(
+                    f"vLLM (pid {child.pid}) still runs {KILL_WAIT_SECONDS:.0f} s after SIGKILL "
+                    "(uninterruptible: the GPU driver?); nothing new started"
+                ) from None
 
     def clamp_cap(self, initial_cap: int | None, flags: Flags | None) -> int | None:
         """An initial cap within 1..max_num_seqs of the flags the child will start with."""
@@ -548,6 +562,8 @@ class Supervisor:
         and the flags saved first; only then is anything changed. Returns the generation.
 
         Raises ValueError for flags outside the limits, RateLimited beyond the restart budget,
+        ChildStuck when the old vLLM outlives SIGKILL (nothing new started; the monitor takes
+        its exit as any other once it goes),
         StateUnavailable when the state directory cannot take the records (nothing restarted,
         the old flags in force and reported).
         """
@@ -589,7 +605,10 @@ class Supervisor:
     def stop(self) -> None:
         with self._lock:
             self._stopping = True
-            self._stop_child()
+            try:
+                self._stop_child()
+            except ChildStuck as exc:  # shutting down all the same: say what is left behind
+                log.error("%s", exc)
 
     def ready(self) -> bool:
         child = self.child
@@ -715,6 +734,8 @@ def create_app(sup: Supervisor, auth: AuthConfig) -> Starlette:
                 503,
                 headers={"Retry-After": "30"},
             )
+        except ChildStuck as exc:
+            return JSONResponse({"error": str(exc)}, 503, headers={"Retry-After": "30"})
         return JSONResponse(
             {
                 "generation": generation,
