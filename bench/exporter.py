@@ -41,6 +41,7 @@ Usage: python -m bench.exporter [--quick] [--scenario node|small ...] [--series 
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import http.client
 import json
@@ -69,6 +70,7 @@ from oomguard.exporter.collectors.base import Collector
 from oomguard.exporter.collectors.cgroup import CgroupCollector
 from oomguard.exporter.collectors.nvml import NvmlCollector
 from oomguard.exporter.collectors.vllm import VllmCollector
+from oomguard.exporter.main import settle_gc
 from oomguard.exporter.poller import Forms, Poller
 from oomguard.exporter.render import Family
 from oomguard.exporter.server import MetricsServer
@@ -685,6 +687,8 @@ def poll_cpu_percent(
     every `interval` by a thread of this process (whose client CPU is counted too)."""
     p = poller.build(interval)  # type: ignore[attr-defined]
     p.start()
+    threshold = gc.get_threshold()
+    settle_gc()  # as the exporter process does once started (main.run)
     server = MetricsServer(("127.0.0.1", 0), lambda: p.latest, max_snapshot_age=1e9)
     stop = threading.Event()
 
@@ -711,6 +715,8 @@ def poll_cpu_percent(
         else:
             server.server_close()
         p.stop()
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
     return 100 * (c1 - c0) / (w1 - w0)
 
 
