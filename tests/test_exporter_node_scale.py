@@ -357,6 +357,19 @@ def test_forms_expected_from_the_gap_between_requests() -> None:
     assert forms.expected(1.0) == []  # the scraper stopped
 
 
+def test_plain_text_is_joined_before_publishing_only_for_a_scraper_that_asks_for_it() -> None:
+    from oomguard.exporter.poller import Poller
+
+    poller = Poller([], interval=1.0)
+    snapshot = poller.render()
+    assert snapshot._text is None  # nobody asked: kept in pieces
+    assert snapshot.text == TextRenderer().render(snapshot.families)
+    poller.render().text  # noqa: B018  a scrape every cycle
+    snapshot = poller.render()
+    assert snapshot._text is not None  # expected: joined before it was published
+    assert snapshot.text == TextRenderer().render(snapshot.families)
+
+
 @pytest.mark.slow  # serves the scenario's 16 vLLM pages from a subprocess
 def test_a_scraped_snapshot_is_made_before_it_is_published_and_never_stale() -> None:
     from bench.exporter import node, running

@@ -82,7 +82,8 @@ class CollectorState:
 
 
 class Forms:
-    """The encodings of a poller's snapshots other than plain text, and who asks for them.
+    """The forms of a poller's snapshots made after its text's pieces (the plain text joined,
+    gzip, OpenMetrics), and who asks for them.
 
     Each form is made once per snapshot, on first request, from cached pieces (PartsGzip). A
     form that scrapes keep asking for (Prometheus asks for gzipped OpenMetrics) is made in the
@@ -92,7 +93,7 @@ class Forms:
     at most a few snapshots around each expected scrape.
     """
 
-    FORMS = ("text_gzip", "openmetrics", "openmetrics_gzip")
+    FORMS = ("text", "text_gzip", "openmetrics", "openmetrics_gzip")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -153,6 +154,10 @@ class Snapshot:
 
     @property
     def text(self) -> bytes:
+        self._asked("text")
+        return self._make_text()
+
+    def _make_text(self) -> bytes:
         text = self._text
         if text is None:
             with self._lock:
@@ -190,7 +195,7 @@ class Snapshot:
             with self._lock:
                 if self._gzip is None:
                     if self._parts is None or self._forms is None:
-                        self._gzip = gzip.compress(self.text, compresslevel=GZIP_LEVEL)
+                        self._gzip = gzip.compress(self._make_text(), compresslevel=GZIP_LEVEL)
                     else:
                         self._gzip = self._forms.text_gzip.compress(self._parts)
         return self._gzip
