@@ -89,7 +89,10 @@ def test_exporter_quick_lane() -> None:
         "poll cycle CPU, ms", cycle["total"], rec["poll_cycle_cpu_ms"]["total"], slack=10.0
     )
     if "prometheus_scrape_ms" in rec:
-        assert set(prom) == set(rec["prometheus_scrape_ms"])
+        # every recorded figure is still measured; one added since (the lean client's) is
+        # recorded by the next run
+        assert set(rec["prometheus_scrape_ms"]) <= set(prom)
+        assert {"oomguard_lean_client_p50", "oomguard_lean_client_p99"} <= set(prom)
         assert_within(
             "CPU per Prometheus scrape of a new snapshot, ms",
             prom["oomguard_cpu_ms_p50"],

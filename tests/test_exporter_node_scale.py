@@ -120,6 +120,33 @@ def test_negative_zero_after_zero_is_not_served_from_the_cache() -> None:
     assert renderer.render([negative]).endswith(b"oomguard_exporter_polls_total -0.0\n")
 
 
+def test_a_family_with_zeros_is_reused_while_each_zero_keeps_its_sign() -> None:
+    """An engine's empty queue, a counter of OOMs, a pressure level: families with zeros are
+    kept too (their text reused), and rendered afresh when any zero changes its sign."""
+    text, openmetrics = TextRenderer(), OpenMetricsRenderer()
+
+    def family(*values: float) -> Family:
+        f = Family("oomguard_vllm_requests_running")
+        f.samples = [((f"t{i}", "m", "0"), v) for i, v in enumerate(values)]
+        return f
+
+    def body(renderer: TextRenderer | OpenMetricsRenderer, f: Family) -> str:
+        return next(t for name, t in renderer.render_parts([f]) if name)
+
+    for renderer in (text, openmetrics):
+        first = body(renderer, family(0.0, 3.0, -0.0, 0.0))
+        assert body(renderer, family(0.0, 3.0, -0.0, 0.0)) is first  # reused
+        flipped = body(renderer, family(0.0, 3.0, 0.0, 0.0))  # the third zero's sign
+        assert flipped is not first and "-0.0" not in flipped
+        assert body(renderer, family(-0.0, 3.0, 0.0, 0.0)).startswith(
+            'oomguard_vllm_requests_running{engine="0",model_name="m",target="t0"} -0.0\n'
+            if renderer is openmetrics
+            else 'oomguard_vllm_requests_running{target="t0",model_name="m",engine="0"} -0.0\n'
+        )
+        for f in (family(0.0, -0.0), family(-0.0, 0.0), family(-0.0, 0.0), family(0.0, 0.0)):
+            assert body(renderer, f) == body(type(renderer)(), f)
+
+
 # -- the NVML collector's kept series ---------------------------------------------------------
 def process_series(collector: NvmlCollector) -> dict[tuple[str, ...], float]:
     out = FamilyBuilder()
@@ -328,6 +355,19 @@ def test_forms_expected_from_the_gap_between_requests() -> None:
     assert forms.expected(1.0) == ["text_gzip"]
     now[0] += 200.0
     assert forms.expected(1.0) == []  # the scraper stopped
+
+
+def test_plain_text_is_joined_before_publishing_only_for_a_scraper_that_asks_for_it() -> None:
+    from oomguard.exporter.poller import Poller
+
+    poller = Poller([], interval=1.0)
+    snapshot = poller.render()
+    assert snapshot._text is None  # nobody asked: kept in pieces
+    assert snapshot.text == TextRenderer().render(snapshot.families)
+    poller.render().text  # noqa: B018  a scrape every cycle
+    snapshot = poller.render()
+    assert snapshot._text is not None  # expected: joined before it was published
+    assert snapshot.text == TextRenderer().render(snapshot.families)
 
 
 @pytest.mark.slow  # serves the scenario's 16 vLLM pages from a subprocess

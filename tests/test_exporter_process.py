@@ -144,3 +144,19 @@ def test_port_in_use_is_a_clear_error():
             env={**os.environ},
         )
     assert r.returncode == 2 and "cannot listen" in r.stderr
+
+
+def test_the_started_exporter_moves_what_it_holds_out_of_the_collectors_sight():
+    import gc
+
+    from oomguard.exporter.main import YOUNG_COLLECTION_AFTER, settle_gc
+
+    threshold = gc.get_threshold()
+    try:
+        settle_gc()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (YOUNG_COLLECTION_AFTER, *threshold[1:])
+        assert gc.collect() >= 0  # collections still run, over what was made since
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -57,6 +58,22 @@ def build_collectors(config: ExporterConfig, nvml_backend: object = None) -> lis
     return collectors
 
 
+YOUNG_COLLECTION_AFTER = 10_000  # net new container objects before a young collection
+
+
+def settle_gc() -> None:
+    """Once the exporter is started (its first snapshot rendered, its caches filled): what
+    exists now lives as long as the process, and is moved out of the cyclic collector's sight
+    (gc.freeze). A full collection walked it all, holding the GIL, at node scale 30-60 ms on a
+    loaded node, during which a scrape waits; young collections now come after 10,000 net new
+    objects instead of 700 (a poll cycle makes fewer: 0.4-0.6 ms of collections a cycle before,
+    none after, bench node). Objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_AFTER, middle, old)
+
+
 class Exporter:
     """The exporter process: poller plus HTTP server, started and stopped together."""
 
@@ -109,6 +126,7 @@ def run(config: ExporterConfig, nvml_backend: object = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     exporter.start()
+    settle_gc()
     done.wait()
     exporter.stop()
     return 0

@@ -82,7 +82,8 @@ class CollectorState:
 
 
 class Forms:
-    """The encodings of a poller's snapshots other than plain text, and who asks for them.
+    """The forms of a poller's snapshots made after its text's pieces (the plain text joined,
+    gzip, OpenMetrics), and who asks for them.
 
     Each form is made once per snapshot, on first request, from cached pieces (PartsGzip). A
     form that scrapes keep asking for (Prometheus asks for gzipped OpenMetrics) is made in the
@@ -92,7 +93,7 @@ class Forms:
     at most a few snapshots around each expected scrape.
     """
 
-    FORMS = ("text_gzip", "openmetrics", "openmetrics_gzip")
+    FORMS = ("text", "text_gzip", "openmetrics", "openmetrics_gzip")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -126,26 +127,45 @@ class Forms:
 
 class Snapshot:
     """One rendered snapshot. Gzip and OpenMetrics forms are made on first request (or in the
-    render pass, when a scrape is expected to ask: Forms)."""
+    render pass, when a scrape is expected to ask: Forms). The plain text may come in pieces
+    (`text`, a list of bytes: the render pass encoded them), joined on first request: at node
+    scale that is a 2 MB copy each snapshot, which Prometheus (it asks for OpenMetrics) never
+    reads."""
 
     def __init__(
         self,
         timestamp: float,
         families: list[Family],
-        text: bytes,
+        text: bytes | list[bytes],
         parts: Parts | None = None,
         forms: Forms | None = None,
     ) -> None:
         self.timestamp = timestamp
         self.families = families
-        self.text = text
+        self._text = text if isinstance(text, bytes) else None
+        self._text_pieces = None if isinstance(text, bytes) else text
         self._parts = parts  # the text in pieces, when rendered by a Poller
         self._forms = forms
         self._gzip: bytes | None = None
         self._openmetrics_parts: Parts | None = None
         self._openmetrics: bytes | None = None
         self._openmetrics_gzip: bytes | None = None
-        self._lock = threading.Lock()  # one making of each form, however many scrapes wait
+        self._lock = threading.RLock()  # one making of each form, however many scrapes wait
+
+    @property
+    def text(self) -> bytes:
+        self._asked("text")
+        return self._make_text()
+
+    def _make_text(self) -> bytes:
+        text = self._text
+        if text is None:
+            with self._lock:
+                if self._text is None:
+                    self._text = b"".join(self._text_pieces or ())
+                    self._text_pieces = None
+                text = self._text
+        return text
 
     def _asked(self, form: str) -> None:
         if self._forms is not None:
@@ -175,7 +195,7 @@ class Snapshot:
             with self._lock:
                 if self._gzip is None:
                     if self._parts is None or self._forms is None:
-                        self._gzip = gzip.compress(self.text, compresslevel=GZIP_LEVEL)
+                        self._gzip = gzip.compress(self._make_text(), compresslevel=GZIP_LEVEL)
                     else:
                         self._gzip = self._forms.text_gzip.compress(self._parts)
         return self._gzip
@@ -438,7 +458,7 @@ class Poller:
         families = out.families()
         t0 = time.perf_counter()
         parts = self.renderer.render_parts(families)
-        text = self._text_bytes.join(parts)
+        text = self._text_bytes.pieces(parts)  # joined when a scrape asks for plain text
         render_seconds = time.perf_counter() - t0
         self._last_render_seconds = render_seconds
         snapshot = Snapshot(now, families, text, parts, self.forms)

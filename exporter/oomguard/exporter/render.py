@@ -117,6 +117,11 @@ class PartsBytes:
         self._bodies: dict[str, tuple[str, bytes]] = {}
 
     def join(self, parts: Parts) -> bytes:
+        return b"".join(self.pieces(parts))
+
+    def pieces(self, parts: Parts) -> list[bytes]:
+        """The rendering's bytes in pieces (each large body's cached bytes, the small pieces
+        between them joined): what `join` joins, for a caller that joins only when asked."""
         out: list[bytes] = []
         small: list[str] = []
         for name, text in parts:
@@ -132,7 +137,7 @@ class PartsBytes:
             out.append(cached[1])
         if small:
             out.append("".join(small).encode())
-        return b"".join(out)
+        return out
 
 
 # -- gzip from cached pieces --------------------------------------------------------------------
@@ -233,6 +238,26 @@ class PartsGzip:
 
 _INF, _NINF = float("inf"), float("-inf")
 
+# The zeros of a family's samples as rendered: (index, negative) of each. A body cache hit needs
+# the samples equal (==, blind to a zero's sign) and each of these zeros of the same sign.
+_Zeros = tuple[tuple[int, bool], ...]
+
+
+def _zeros(samples: list[tuple[tuple[str, ...], float]]) -> _Zeros | None:
+    """Where the samples' zeros are, with their signs; None when a value is not a float (such
+    a family is not cached)."""
+    try:
+        return tuple((i, math.copysign(1.0, v) < 0) for i, (_, v) in enumerate(samples) if v == 0.0)
+    except _BAD_SAMPLE:
+        return None
+
+
+def _same_zeros(samples: list[tuple[tuple[str, ...], float]], zeros: _Zeros) -> bool:
+    """Whether each zero of the last rendering is a zero of the same sign in `samples` (which
+    compare equal to that rendering's: the zeros are in the same places)."""
+    copysign = math.copysign
+    return all((copysign(1.0, samples[i][1]) < 0) == negative for i, negative in zeros)
+
 
 def format_value(value: float) -> str:
     """Exposition value: Python's shortest repr parses identically in Prometheus (Go's
@@ -261,9 +286,11 @@ class TextRenderer:
     Most of a node's series hold still between polls (a process's memory, a GPU's identity,
     an engine's KV pool), so at thousands of per-process series most families render to what
     they rendered last time: comparing a family's samples with the last ones (in C) costs a
-    fraction of formatting them again. A family with a zero is always rendered afresh, since
-    0.0 == -0.0 yet they print differently; one with a sample that could not be rendered too,
-    so that every render counts its drops.
+    fraction of formatting them again. Since 0.0 == -0.0 yet they print differently, a family
+    with zeros is kept with the sign of each (its zeros' places, few: an engine's queue, a
+    counter of OOMs, a pressure level) and reused only while each zero keeps its sign; one with
+    a sample that could not be rendered is always rendered afresh, so that every render counts
+    its drops.
     """
 
     CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -272,7 +299,7 @@ class TextRenderer:
         self._prefixes: dict[tuple[str, tuple[str, ...]], str] = {}
         self._headers: dict[str, str] = {}
         # family name -> (its samples as last rendered, their text); bounded by the catalog
-        self._bodies: dict[str, tuple[list[tuple[tuple[str, ...], float]], str]] = {}
+        self._bodies: dict[str, tuple[list[tuple[tuple[str, ...], float]], str, _Zeros]] = {}
         self._max = max_cached_series
         self.dropped: Counter[str] = Counter()  # samples refused, over the renderer's life
 
@@ -311,14 +338,19 @@ class TextRenderer:
                 continue
             name = family.spec.name
             last = self._bodies.get(name)
-            if last is not None and last[0] == family.samples:
+            if (
+                last is not None
+                and last[0] == family.samples
+                and _same_zeros(family.samples, last[2])
+            ):
                 body = last[1]  # the same samples: the same text
             else:
                 self._bodies.pop(name, None)
                 try:
                     body, zero = self._body(family)
-                    if not zero:
-                        self._bodies[name] = (list(family.samples), body)
+                    zeros = _zeros(family.samples) if zero else ()
+                    if zeros is not None:
+                        self._bodies[name] = (list(family.samples), body, zeros)
                 except _BAD_SAMPLE:
                     # Rare: a sample added around FamilyBuilder's checks. Redo the family one
                     # sample at a time and drop only the bad ones.
@@ -404,7 +436,7 @@ class OpenMetricsRenderer:
     def __init__(self) -> None:
         self._prefixes: dict[tuple[str, tuple[str, ...]], str] = {}
         self._headers: dict[str, str] = {}
-        self._bodies: dict[str, tuple[list[tuple[tuple[str, ...], float]], str]] = {}
+        self._bodies: dict[str, tuple[list[tuple[tuple[str, ...], float]], str, _Zeros]] = {}
         self._lock = threading.Lock()  # scrapes render concurrently; the caches are shared
         self.dropped: Counter[str] = Counter()
 
@@ -433,15 +465,18 @@ class OpenMetricsRenderer:
     def _cached_body(self, family: Family) -> str:
         name = family.spec.name
         last = self._bodies.get(name)
-        if last is not None and last[0] == family.samples:
-            return last[1]  # the same samples: the same text (none was zero, none dropped)
+        if last is not None and last[0] == family.samples and _same_zeros(family.samples, last[2]):
+            return last[1]  # the same samples, zeros of the same signs: the same text
         self._bodies.pop(name, None)
-        body, cacheable = self._body(family)
-        if cacheable:
-            self._bodies[name] = (list(family.samples), body)
+        body, cacheable, zero = self._body(family)
+        zeros = _zeros(family.samples) if cacheable and zero else ()
+        if cacheable and zeros is not None:
+            self._bodies[name] = (list(family.samples), body, zeros)
         return body
 
-    def _body(self, family: Family) -> tuple[str, bool]:
+    def _body(self, family: Family) -> tuple[str, bool, bool]:
+        """The family's text, whether it may be reused (no value dropped), and whether any
+        value is zero (either sign)."""
         spec = family.spec
         counter = spec.type == "counter"
         name = spec.name
@@ -449,6 +484,7 @@ class OpenMetricsRenderer:
         parts: list[str] = []
         append = parts.append
         cacheable = True
+        zero = False
         for labels, value in family.samples:
             try:
                 prefix = prefixes.get((name, labels))  # kept: its labels were all strings
@@ -467,11 +503,11 @@ class OpenMetricsRenderer:
             if counter and (number != number or number < 0):
                 continue
             if number == 0.0:
-                cacheable = False  # 0.0 == -0.0, which prints differently
+                zero = True  # 0.0 == -0.0, which prints differently: _zeros
             append(prefix)
             append(go_float(number))
             append("\n")
-        return "".join(parts), cacheable
+        return "".join(parts), cacheable, zero
 
     def _prefix(self, spec: MetricSpec, labels: tuple[str, ...]) -> str:
         key = (spec.name, labels)
