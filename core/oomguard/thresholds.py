@@ -203,10 +203,11 @@ class AlertThresholds(BaseModel):
         "2m", pattern=_DURATION, description="Hysteresis on GPU and on-call alerts."
     )
     action_keep_firing_for: str = Field(
-        "30s",
+        "15s",
         pattern=_DURATION,
         description="Hysteresis on alerts that carry an action (the remediator's recovery "
-        "starts only once they resolve, so keep it short).",
+        "starts only once they resolve, so keep it short: the staged re-admission, not this, "
+        "guards against memory that comes back only for a moment).",
     )
     fragmentation_growth_bytes: int = Field(2 * GIB, gt=0)
     leak_growth_bytes: int = Field(1 * GIB, gt=0)

@@ -883,6 +883,7 @@ def remediator_timings(compression: float) -> dict[str, Any]:
             "step_seconds": policy.step_seconds / c,
             "restart_after_drain_seconds": policy.restart_after_drain_seconds / c,
             "fragmentation_settle_seconds": policy.fragmentation_settle_seconds / c,
+            "readmit_idle_seconds": policy.readmit_idle_seconds / c,
         },
         "safety": {
             "cooldown_seconds": safety.cooldown_seconds / c,

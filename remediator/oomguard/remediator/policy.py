@@ -23,6 +23,9 @@ Defaults from the field:
   the next request is let in only once the last one's prefill ran; the cap itself carries the
   count (a restarted remediator carries on), and a preemption holds the stage, for at most
   `readmit_stall_seconds` (preemption is vLLM's answer to a full KV cache, not memory danger).
+  Under light traffic a stage that held nobody back for `readmit_idle_seconds` (nothing
+  waiting, nothing in prefill) counts as one clean admission: the stages advance with time,
+  not only with requests that may come seconds apart.
 KV-cache usage alone never leads to an action.
 """
 
@@ -76,8 +79,17 @@ class PolicyConfig(BaseModel):
         ge=0,
         description="A drained engine idle this long whose fragmentation alert still fires is "
         "restarted. The fragments its finished requests made coalesce within seconds once it "
-        "is idle, and the alert resolves after its keep_firing_for (30 s): then it resumes "
+        "is idle, and the alert resolves after its keep_firing_for (15 s): then it resumes "
         "without a reload. What is still there after this only a new process gives back.",
+    )
+    readmit_idle_seconds: float = Field(
+        3.0,
+        ge=0,
+        description="A re-admission stage held this long with nothing waiting, nothing in "
+        "prefill, no preemption and no alert counts as one clean admission: under light "
+        "traffic (one request every few seconds) the cap holds nobody back, and waiting for "
+        "readmit_successes new requests would keep a healthy engine capped for a minute. "
+        "0: stages advance on admissions only.",
     )
     readmit_stall_seconds: float = Field(
         300.0,
@@ -227,6 +239,17 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
             "no alert: full admission",
         )
     clean = observed.clean_admissions
+    # Light traffic: a stage that held nobody back for readmit_idle_seconds (nothing waiting,
+    # nothing in prefill, no preemption, no alert) is as clean as one admission.
+    idle_stage = (
+        policy.readmit_idle_seconds > 0
+        and observed.waiting == 0
+        and observed.preemptions_since_cap_change == 0
+        and observed.admitted_since_cap_change <= clean
+        and observed.seconds_since_cap_change >= policy.readmit_idle_seconds
+    )
+    if idle_stage:
+        clean = max(clean, 1)
     if policy.readmit_stages == "doubling":
         if clean >= policy.readmit_successes:
             grown = max(current + 1, math.ceil(current * policy.readmit_growth))
