@@ -504,6 +504,7 @@ class Fleet:
         (w / "rtoken").write_text("twin-remediator-token")
         for s in self.states:
             s.write_text(json.dumps({}))
+            Path(f"{s}.started").unlink(missing_ok=True)  # the first start loads no model twice
 
         # the request guard: enforcing in `guard`, vLLM as shipped in default and static, and
         # oomguard's own default (observe) in `oomguard` unless the caller chose a mode
@@ -537,10 +538,14 @@ class Fleet:
                     "OOMGUARD_TWIN_MODEL": trace.model,
                     "OOMGUARD_TWIN_STATE_FILE": str(self.states[i]),
                     "OOMGUARD_TWIN_TIME_COMPRESSION": str(c),
+                    # the model reload of every restart, crashed or requested (the twin's
+                    # worker waits it out on each start after the first): a requested restart
+                    # is not free
+                    "OOMGUARD_TWIN_RELOAD_SECONDS": str(trace.reload_s / c),
                     ALLOCATOR_DIR_ENV: str(w / "allocator"),
                     TARGET_ENV: self.names[i],
                 },
-                restart_delay=trace.reload_s / c,
+                restart_delay=1.0,  # the reload itself is the twin worker's (above)
                 max_crashes=1000 if self.config not in WITH_OOMGUARD else 20,
                 keep_flags_on_crash=self.config not in WITH_OOMGUARD,
                 timeout=self.start_timeout,

@@ -37,6 +37,11 @@ every one is off by default:
   fragmentation_bytes_per_hour  OOMGUARD_TWIN_FRAGMENTATION_BYTES_PER_HOUR  reserved-but-unusable
                                 memory added per simulated hour, on top of the state file's
                                 (default 0)
+  reload_seconds                OOMGUARD_TWIN_RELOAD_SECONDS  a model load this long (wall s) on
+                                every start after the first on this state file (a marker
+                                beside it says an engine started there): the reload a restart
+                                costs, crashed or requested alike; at most 270 s, inside vLLM's
+                                5-minute engine handshake (default 0: none)
   cuda_error_at_step            OOMGUARD_TWIN_CUDA_ERROR_AT_STEP  that step raises a CUDA error
                                 that is not out-of-memory ("an illegal memory access was
                                 encountered", as PyTorch raises it), killing the engine (default 0:
@@ -380,6 +385,25 @@ class GpuTwin:
             )
 
 
+RELOAD_MAX_S = 270.0  # under vLLM's engine handshake timeout (5 minutes)
+
+
+def _emulate_reload(state_file: str, seconds: float) -> None:
+    """A restarted engine loads its model again: on every start after the first on this GPU
+    (a marker beside its state file), wait `seconds` (capped at RELOAD_MAX_S) before vLLM
+    goes on. Whatever restarted it (an OOM crash or a requested restart) pays the same."""
+    if not state_file or seconds <= 0:
+        return
+    marker = Path(state_file + ".started")
+    if marker.exists():
+        log.info("twin: emulating a model reload of %.1f s", min(seconds, RELOAD_MAX_S))
+        time.sleep(min(seconds, RELOAD_MAX_S))
+    try:
+        marker.touch()
+    except OSError as exc:  # the twin still runs; its next start just skips the reload
+        log.warning("twin: cannot mark the engine started (%s)", exc)
+
+
 class ModelFreeWorker:
     """What collective_rpc reaches: the worker methods vLLM calls, without a model."""
 
@@ -391,6 +415,10 @@ class ModelFreeWorker:
         self.step_seconds = _setting(twin, "step_seconds", "OOMGUARD_TWIN_STEP_SECONDS", 0.005)
         self.token_id = int(_setting(twin, "token_id", "OOMGUARD_TWIN_TOKEN_ID", 7))
         self.gpu = GpuTwin(vllm_config, twin) if _text(twin, "gpu", "OOMGUARD_TWIN_GPU") else None
+        _emulate_reload(
+            _text(twin, "state_file", "OOMGUARD_TWIN_STATE_FILE"),
+            _knob(twin, "reload_seconds", "OOMGUARD_TWIN_RELOAD_SECONDS", 0, 0),
+        )
         if self.gpu is not None:
             self.kv_blocks = self.gpu.physics.kv_blocks
             log.info(
