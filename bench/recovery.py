@@ -1,18 +1,22 @@
 """Recovery benchmark: where the time goes from the end of the pressure to full admission.
 
-For each trace whose pressure ends (and that takes GPU memory away: neighbour-growth,
-long-context-burst), in simulated time (lab/recovery.py: the exporter's own level on the twin
-GPU, the action alerts' `for` and `keep_firing_for`, Alertmanager's group_interval, the
-remediator's own decision and safety limits, an engine fed by the trace's requests), the timeline
-link by link: the level falls below 2, the last action alert resolves at its rule, the remediator
-hears it, the first re-admission stage, full admission. Through both alerting paths (Prometheus +
-Alertmanager as generated, and standalone mode) and a few variants that show what each setting
-costs: the shipped defaults, the settings of the 2026-11-29 outcome run (keep_firing_for 2 m and
-doubling re-admission: it measured 241-307 s on the real twin), doubling alone, a shorter
-hysteresis, the outcome benchmark's heavy load (`--inflight 64`), that load kept on after the
-pressure ends (sustained), engines four times slower (the real twin on this loaded machine ran
-about x4 behind its clock), and an engine that reports no prefill counts (a plugin from before
-they were counted: the stage then waits for whole requests).
+For each trace whose pressure ends at a set time and that takes GPU memory away (the sudden
+neighbours neighbour-2s-24gb, neighbour-8s-48gb and neighbour-30s-80gb, neighbour-growth,
+fragmentation-spike, long-prompt-burst, long-context-burst; fragmentation-creep's ends only
+with a restart, which bench/outcome.py measures), in simulated time (lab/recovery.py: the
+exporter's own level on the twin GPU, the action alerts' `for` and `keep_firing_for`,
+Alertmanager's group_interval, the remediator's own decision and safety limits, an engine fed by
+the trace's requests), the timeline link by link: the level falls below 2, the last action alert
+resolves at its rule, the remediator hears it, the first re-admission stage, full admission.
+Through both alerting paths (Prometheus + Alertmanager as generated, and standalone mode) and a
+few variants that show what each setting costs: the shipped defaults, the settings of the
+2026-11-29 outcome run (keep_firing_for 2 m and doubling re-admission: it measured 241-307 s on
+the real twin), doubling alone, the settings before issue 30 item 4 (keep_firing_for 30 s,
+re-admission stages that advance on admissions only) and each of them alone, the outcome
+benchmark's heavy load (`--inflight 64`), that load kept on after the pressure ends (sustained),
+engines four times slower (the real twin on this loaded machine ran about x4 behind its clock),
+and an engine that reports no prefill counts (a plugin from before they were counted: the stage
+then waits for whole requests).
 
 Targets: recovery <= 45 s (issue 30; 60 s before) with no re-trigger on every trace, shipped
 defaults, both paths.
@@ -38,13 +42,22 @@ from oomguard.lab.recovery import (
     standalone_path,
 )
 from oomguard.remediator.policy import PolicyConfig
+from oomguard.twin.traces import TRACES as TRACE_DIR
 from oomguard.twin.traces import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TRACES = ("neighbour-growth", "long-context-burst")
+
+def traces() -> list[str]:
+    """Every trace whose pressure ends at a set time and that takes engine 0's GPU memory."""
+    names = sorted(p.stem for p in TRACE_DIR.glob("*.json"))
+    return [n for n in names if (t := Trace.load(n)).pressure_ends_s is not None and t.gpu_events]
+
+
+TRACES = tuple(traces())
 SHIPPED = PolicyConfig()
 DOUBLING = SHIPPED.model_copy(update={"readmit_stages": "doubling"})
+ON_ADMISSIONS = SHIPPED.model_copy(update={"readmit_idle_seconds": 0.0})
 
 TARGET_S = 45.0  # full admission this long after the pressure ends, at most (issue 30)
 
@@ -72,7 +85,11 @@ def variants(path: AlertPath) -> dict[str, Variant]:
             path, inflight=64, sustained=True, counts_prefills=False
         ),
         "doubling re-admission": Variant(path, DOUBLING),
-        "keep_firing_for 15s": Variant(replace(path, keep_firing_s=15.0)),
+        "keep_firing_for 30s": Variant(replace(path, keep_firing_s=30.0)),
+        "stages on admissions only (readmit_idle_seconds 0)": Variant(path, ON_ADMISSIONS),
+        "before issue 30 item 4 (keep_firing_for 30s, stages on admissions only)": Variant(
+            replace(path, keep_firing_s=30.0), ON_ADMISSIONS
+        ),
         "2026-11-29 (keep_firing_for 2m, doubling)": Variant(
             replace(path, keep_firing_s=120.0), DOUBLING
         ),
@@ -115,11 +132,12 @@ def main() -> int:
                     met &= (
                         r.recovery_s is not None and r.recovery_s <= TARGET_S and not r.retriggered
                     )
+                x = row  # rounded (Recovery.record)
                 print(
-                    f"{name:19s} {path.name:24s} {variant:55s} level clear {r.level_clear_s} "
-                    f"resolved {r.resolved_s} heard {r.delivered_s} stage 1 {r.resumed_s} "
-                    f"full {r.full_s}: recovery {r.recovery_s} s "
-                    f"({r.from_level_clear_s} s after the level cleared)"
+                    f"{name:19s} {path.name:24s} {variant:55s} level clear {x['level_clear_s']} "
+                    f"resolved {x['resolved_s']} heard {x['delivered_s']} stage 1 "
+                    f"{x['resumed_s']} full {x['full_s']}: recovery {x['recovery_s']} s "
+                    f"({x['from_level_clear_s']} s after the level cleared)"
                     + (" RE-TRIGGERED" if r.retriggered else ""),
                     flush=True,
                 )

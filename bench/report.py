@@ -691,7 +691,15 @@ def block_recovery(r: Results) -> str:
             "*`--inflight 64` sustained, a plugin without prefill counts*",
         ),
         ("doubling re-admission", "*doubling re-admission*"),
-        ("keep_firing_for 15s", "*`keep_firing_for` 15 s*"),
+        ("keep_firing_for 30s", "*`keep_firing_for` 30 s*"),
+        (
+            "stages on admissions only (readmit_idle_seconds 0)",
+            "*stages on admissions only (`readmit_idle_seconds` 0)*",
+        ),
+        (
+            "before issue 30 item 4 (keep_firing_for 30s, stages on admissions only)",
+            "*before issue 30 item 4 (`keep_firing_for` 30 s, stages on admissions only)*",
+        ),
         (
             "2026-11-29 (keep_firing_for 2m, doubling)",
             "*the 2026-11-29 settings (`keep_firing_for` 2 min, doubling)*",
@@ -712,12 +720,10 @@ def block_recovery(r: Results) -> str:
         text = " / ".join(f"{fmt(v, '.0f')} s" if v is not None else "–" for v in values)
         return text + (" (re-triggered)" if retrig else "")
 
+    names = list(dict.fromkeys(row["trace"] for row in rows))
     return table(
-        ["load and settings", "neighbour-growth", "long-context-burst"],
-        [
-            [label, cell("neighbour-growth", v), cell("long-context-burst", v)]
-            for v, label in wanted
-        ],
+        ["load and settings", *names],
+        [[label, *(cell(name, v) for name in names)] for v, label in wanted],
     )
 
 

@@ -231,8 +231,11 @@ def test_requests_a_drain_let_run_count_but_one_new_admission_must_run_clean():
     carried = obs(cap=1, running=40, waiting=30)
     first = decide(set(), carried, POLICY)
     assert first.cap == 41 and first.phase == "readmitting"
-    # nothing waiting: nothing to let in, and no full admission without a new clean one
-    assert decide(set(), obs(cap=1, running=40), POLICY).cap == 1
+    # nothing waiting: nothing to let in, and no full admission without a new clean one;
+    # held readmit_idle_seconds with nothing waiting, the stage advances by one, not to full
+    idle = POLICY.readmit_idle_seconds
+    assert decide(set(), obs(cap=1, running=40, seconds=idle - 0.5), POLICY).cap == 1
+    assert decide(set(), obs(cap=1, running=40, seconds=idle), POLICY).cap == 2
     assert decide(set(), obs(cap=41, admitted=1, prefilled=0, running=41), POLICY).cap == 41
     # above the single-admission stage the cap carries no count: five clean ones at that cap
     assert decide(set(), obs(cap=41, admitted=1, prefilled=1, running=41), POLICY).cap == 41
@@ -246,6 +249,31 @@ def test_an_engine_capped_but_never_drained_needs_five_clean_admissions_at_its_c
     lowered = obs(cap=51, admitted=4, prefilled=4, running=51, waiting=10)
     assert decide(set(), lowered, POLICY).cap == 51  # 4 of 5; no one-at-a-time raise
     assert decide(set(), obs(cap=51, admitted=5, prefilled=5, running=51), POLICY).cap == 64
+
+
+def test_under_light_traffic_a_stage_that_held_nobody_back_advances_with_time():
+    """5 clean admissions cannot happen soon at one request every few seconds: a stage held
+    readmit_idle_seconds with nothing waiting and nothing in prefill counts as one."""
+    idle = POLICY.readmit_idle_seconds
+    assert idle > 0
+    caps, seconds = [1], 0.0
+    while caps[-1] < 64:
+        d = decide(set(), obs(cap=caps[-1], seconds=idle), POLICY)
+        assert d.phase == "readmitting" and not d.draining
+        caps.append(d.cap)
+        seconds += idle
+    assert caps == [1, 2, 3, 4, 5, 64] and seconds == 5 * idle
+    # not before its time, nor with an admission in prefill or a preemption at the stage
+    assert decide(set(), obs(cap=2, seconds=idle - 0.1), POLICY).cap == 2
+    for held in (
+        obs(cap=2, seconds=60.0, admitted=1, running=1),  # its prefill has not run
+        obs(cap=2, seconds=60.0, admitted=1, prefilled=1, preempted=1, running=1),
+    ):
+        assert decide(set(), held, POLICY).cap == 2
+    # an alert still asking for action wins; 0 turns it off
+    assert decide({"lower_cap"}, obs(cap=2, seconds=60.0), POLICY).cap == 1
+    off = POLICY.model_copy(update={"readmit_idle_seconds": 0.0})
+    assert decide(set(), obs(cap=2, seconds=600.0), off).cap == 2
 
 
 def test_a_plugin_without_prefill_counts_waits_for_finished_requests():

@@ -248,6 +248,9 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
         and observed.admitted_since_cap_change <= clean
         and observed.seconds_since_cap_change >= policy.readmit_idle_seconds
     )
+    # ... but only as one: requests still running from before the drain add nothing to it
+    # (they do to a new clean admission), so an idle stage raises the cap by one at a time
+    idle_only = idle_stage and clean == 0
     if idle_stage:
         clean = max(clean, 1)
     if policy.readmit_stages == "doubling":
@@ -267,7 +270,7 @@ def decide(actions: set[Action], observed: Observed, policy: PolicyConfig) -> De
     n = policy.readmit_successes
     single = current < policy.readmit_start + n
     in_prefill = observed.admitted_since_cap_change > clean
-    base = current if in_prefill or not single else max(current, observed.running)
+    base = current if in_prefill or not single or idle_only else max(current, observed.running)
     done = clean + (min(n - 1, max(0, base - policy.readmit_start)) if single else 0)
     if clean >= 1 and done >= n:
         return Desired(False, startup, "readmitting", "clean admissions: full admission")
