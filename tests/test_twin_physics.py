@@ -201,3 +201,24 @@ def test_a_restarted_process_carries_only_the_fragmentation_grown_since_its_star
     grown = creep.gpu_at(6000)[1] - creep.gpu_at(5000)[1]
     assert grown > 0
     assert fragmentation_of_process(creep, 6000, 5000) == pytest.approx(grown, abs=2)
+
+
+def test_every_restart_after_the_first_start_pays_the_model_reload(tmp_path, monkeypatch):
+    """Crashed or requested alike (the supervisor's restart_delay waited for crashes only, so
+    the remediator's own restarts came back without a reload): the twin's worker waits
+    reload_seconds on each start after the first on its GPU's state file."""
+    from oomguard.twin import executor
+
+    slept: list[float] = []
+    monkeypatch.setattr(executor.time, "sleep", slept.append)
+    state = str(tmp_path / "gpu0.json")
+    executor._emulate_reload(state, 36.0)  # the first start loads no model twice
+    assert slept == []
+    executor._emulate_reload(state, 36.0)  # a restart, whatever asked for it
+    executor._emulate_reload(state, 36.0)
+    assert slept == [36.0, 36.0]
+    executor._emulate_reload(state, 3600.0)  # inside vLLM's engine handshake
+    assert slept[-1] == executor.RELOAD_MAX_S
+    executor._emulate_reload(str(tmp_path / "gpu1.json"), 0.0)  # off by default
+    executor._emulate_reload("", 36.0)
+    assert len(slept) == 3

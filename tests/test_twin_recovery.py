@@ -91,17 +91,17 @@ def sustained(trace: Trace, inflight: int = 64) -> Trace:
     return heavy.model_copy(update={"phases": phases})
 
 
-def test_heavy_load_recovers_within_a_minute_once_prefills_count(neighbour):
+def test_heavy_load_recovers_within_45_s_once_prefills_count(neighbour):
     # reproduced first: a stage that waits for whole requests (a plugin reporting finished
-    # requests only) takes minutes under sustained long-output load; counting an admission
-    # once its prefill ran brings it within the minute, with no re-trigger
+    # requests only) takes most of a minute under sustained long-output load; counting an
+    # admission once its prefill ran brings it within issue 30's 45 s, with no re-trigger
     trace, levels = neighbour
     heavy = sustained(trace)
     waits = simulate_recovery(heavy, levels, path=alertmanager_path(), counts_prefills=False)
-    assert waits.recovery_s is not None and waits.recovery_s > 60
+    assert waits.recovery_s is not None and waits.recovery_s > 45
     for slowdown in (1.0, 4.0):
         r = simulate_recovery(heavy, levels, path=alertmanager_path(), slowdown=slowdown)
-        assert r.recovery_s is not None and r.recovery_s <= 60, r.actions
+        assert r.recovery_s is not None and r.recovery_s <= 45, r.actions
         assert not r.retriggered
         stages = [a.split()[-1] for a in r.actions if "raise_cap" in a]
         assert stages[-1] == str(trace.engine.max_num_seqs)  # one at a time, then full
