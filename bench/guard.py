@@ -6,7 +6,7 @@ headroom of `engines` engines, and the Prometheus counter. Requests are a mix: p
 prompts (the common case, no extra transient), prompt_logprobs prompts up to 16K tokens, and n/top
 logprobs requests. Pure CPU in one process: what each request pays, whatever the GPU.
 
-With `--trace NAME --config default|guard` it runs one twin trace instead (lab/runner.py: two
+With `--trace NAME --config default|guard` it runs one twin trace instead (oomguard.lab.runner: two
 real vLLM engines on twin GPUs serving the trace's model with its tokenizer) with vLLM's defaults
 (`default`, the guard off) or with the guard enforcing and nothing else of oomguard (`guard`: no
 exporter, no remediator), and merges the outcome into the same file under `traces`. Per trace,

@@ -3,12 +3,12 @@
 Every twin GPU (24 GB to 192 GB, MIG slices) x gpu_memory_utilization {0.85, 0.90, 0.92, 0.95}
 x {steady heavy load, each memory incident trace scaled to the GPU, each trace of memory taken
 within seconds (STEP_TRACES, 0.1 s ticks)}, in simulated time
-(lab/matrix.py: the twin's memory physics, the exporter's own NVML collector and pressure
+(oomguard.lab.matrix: the twin's memory physics, the exporter's own NVML collector and pressure
 evaluator, the remediation the alerts carry). Reported per cell: the highest level and why,
 remediator actions, when vLLM alone would hit a CUDA OOM, whether it does with oomguard, and the
 lead time (OOM minus the first level 2), and where the trace's pressure ends, the recovery: the
 end of the pressure to full admission through the shipped alert hysteresis and the remediator's
-own decision (lab/recovery.py), and the plugin's step guard on top (the same plan before each
+own decision (oomguard.lab.recovery), and the plugin's step guard on top (the same plan before each
 step: the ticks it shrank, and any OOM despite it, at a step's start or end). Targets: steady
 cells at level 0 with zero actions and no shrink; incident cells at level >= 2 before the OOM,
 no OOM with oomguard (with and without the step guard), recovery <= 60 s with no re-trigger;
@@ -18,7 +18,7 @@ drain cannot outrun the next chunk there, and is not required to).
 Usage: python -m bench.matrix [--quick] [--real | --real-only] [--gpus ...] [--traces ...]
 (writes bench/results/matrix.json; the real subset is merged into bench/results/matrix-real.json)
 --quick runs three GPUs (24 GB, 48 GB, 80 GB) at the default gmu 0.92.
---real also runs those three GPUs at 0.92 on the real vLLM twin (lab/runner.py: vLLM 0.33's
+--real also runs those three GPUs at 0.92 on the real vLLM twin (oomguard.lab.runner: vLLM 0.33's
 server and scheduler, the exporter, the standalone remediator), each incident trace with vLLM
 alone and with oomguard and the do-no-harm trace with oomguard, and checks that the simulation
 agrees: vLLM alone crashes where the simulation says it would, oomguard prevents the crash where

@@ -1,14 +1,14 @@
 """Outcome benchmark: what a crash costs, and what oomguard saves, on the real vLLM scheduler.
 
-For each trace (twin/traces/*.json) three configurations run one after the other on the same
-two-engine twin fleet (lab/runner.py): vLLM's flags with no oomguard (`default`), a static
-conservative `max_num_seqs` 48 (`static`), and oomguard with its default policy (`oomguard`:
-the exporter, the remediator in standalone mode with its shipped defaults, restart backends
-on both engines, and the plugin's request guard enforcing: `--guard-mode`, recorded per run).
-Every configuration is measured over the same **fixed horizon** that includes
-recovery: the trace is extended (its steady traffic goes on) to the end of its GPU events plus
-the trace's model reload time (`reload_s`, 12 minutes) plus two minutes, so a crash's reload is
-counted, not cut off by the end of the trace.
+For each trace (twin/oomguard/twin/traces/*.json) three configurations run one after the other on
+the same two-engine twin fleet (oomguard.lab.runner): vLLM's flags with no oomguard (`default`), a
+static conservative `max_num_seqs` 48 (`static`), and oomguard with its default policy
+(`oomguard`: the exporter, the remediator in standalone mode with its shipped defaults, restart
+backends on both engines, and the plugin's request guard enforcing: `--guard-mode`, recorded per
+run). Every configuration is measured over the same **fixed horizon** that includes recovery: the
+trace is extended (its steady traffic goes on) to the end of its GPU events plus the trace's model
+reload time (`reload_s`, 12 minutes) plus two minutes, so a crash's reload is counted, not cut off
+by the end of the trace.
 
 Reported per trace and configuration: CUDA OOM crashes, requests lost (and why), goodput
 (output tokens/s, over the horizon, of requests whose first token came within the trace's TTFT
@@ -38,10 +38,10 @@ recorded (`inflight_decode_slowdown`: the in-flight requests' decode time agains
 roofline at that batch; 1.0 is keeping up).
 
 `--router vllm-router|nginx` puts a real router in front of the engines instead of the twin's
-gateway (lab/routers.py, configured as docs/vllm-plugin.md says; the remediator takes a drained
-engine out of vllm-router's rotation through its admin API); the clients then retry what OpenAI's
-clients retry, after Retry-After, and every non-200 answer they saw is counted (`answers`).
-Results behind a router are recorded as "<trace>@<router>".
+gateway (oomguard.lab.routers, configured as docs/vllm-plugin.md says; the remediator takes a
+drained engine out of vllm-router's rotation through its admin API); the clients then retry what
+OpenAI's clients retry, after Retry-After, and every non-200 answer they saw is counted
+(`answers`). Results behind a router are recorded as "<trace>@<router>".
 
 Usage: python -m bench.outcome [--quick] [--trace NAME ...] [--inflight N] [--merge] [--router R]
 (writes bench/results/outcome.json after every trace). --quick: two traces at twice the time
@@ -78,7 +78,7 @@ from oomguard.twin.traces import Phase, Trace, names
 ROOT = Path(__file__).resolve().parents[1]
 
 QUICK = ("neighbour-growth", "do-no-harm")
-# STEP_TRACES (lab/matrix.py: memory taken within seconds under heavy prefill load, issue 27)
+# STEP_TRACES (oomguard.lab.matrix: memory taken within seconds under heavy prefill load, issue 27)
 # run here at time compression 1 (each step takes its roofline time: the race is real) and in a
 # fourth configuration, oomguard with the plugin's step guard off.
 # The plugin's step guard in the `oomguard` configuration: enforcing, as an operator who deploys
@@ -408,7 +408,7 @@ def run(
     # oomguard: the fleet's remediator, shipped defaults + restarts, the request guard in
     # `guard_mode` and the step guard in `step_guard_mode` (off without the step guard);
     # default and static: vLLM alone (guards off). `router`: what is in front of the engines
-    # (the twin's gateway, vllm-router or nginx: lab/routers.py)
+    # (the twin's gateway, vllm-router or nginx: oomguard.lab.routers)
     mode = guard_mode if config in ("oomguard", NO_STEP_GUARD) else None
     step_mode = step_guard_mode if config == "oomguard" else None
     fleet = Fleet(

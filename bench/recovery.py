@@ -3,7 +3,7 @@
 For each trace whose pressure ends at a set time and that takes GPU memory away (the sudden
 neighbours neighbour-2s-24gb, neighbour-8s-48gb and neighbour-30s-80gb, neighbour-growth,
 fragmentation-spike, long-prompt-burst, long-context-burst; fragmentation-creep's ends only
-with a restart, which bench/outcome.py measures), in simulated time (lab/recovery.py: the
+with a restart, which bench/outcome.py measures), in simulated time (oomguard.lab.recovery: the
 exporter's own level on the twin GPU, the action alerts' `for` and `keep_firing_for`,
 Alertmanager's group_interval, the remediator's own decision and safety limits, an engine fed by
 the trace's requests), the timeline link by link: the level falls below 2, the last action alert
