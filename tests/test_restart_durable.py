@@ -142,6 +142,17 @@ def test_kill_9_at_each_crash_point_of_a_restart_restarts_once_per_episode(
     At most once, not exactly once: a restart killed before the supervisor was asked is not
     tried again for its episode (its intent answered the episode, and counts)."""
     until(lambda: engine.status()["ready"] and plugin_state(engine), 300, "the engine serving")
+    # the module's engine at full admission: an earlier case's restart brings it back at the
+    # first re-admission stage, and a fresh remediator would take its next stage (an action: it
+    # would reach this case's crash point before the alert is even sent)
+    full = plugin_state(engine)["startup_max_num_seqs"]
+    r = httpx.put(
+        f"{engine.url}/oomguard/v1/admission",
+        json={"cap": full},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=10,
+    )
+    r.raise_for_status()
     before = engine.status()
     audit = tmp_path / "audit.jsonl"
     config = remediator_config(tmp_path, engine)
