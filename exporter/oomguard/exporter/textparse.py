@@ -127,22 +127,19 @@ def _family_candidates(name: str) -> tuple[str, ...]:
     return (name,)
 
 
-# The sample names a caller wants, with each name's candidate families in order of preference
-_PLANS: dict[frozenset[str], dict[str, tuple[str, ...]]] = {}
+# The sample names a caller wants: each name's candidate families in order of preference, and
+# every family any of them may be in (worked out once per set of names)
+_Plan = tuple[dict[str, tuple[str, ...]], set[str]]
+_PLANS: dict[frozenset[str], _Plan] = {}
 
 
-# and every family any of them may be in
-_PLAN_FAMILIES: dict[frozenset[str], set[str]] = {}
-
-
-def _plan(wanted: frozenset[str]) -> dict[str, tuple[str, ...]]:
+def _plan(wanted: frozenset[str]) -> _Plan:
     plan = _PLANS.get(wanted)
     if plan is None:
         if len(_PLANS) >= 64:  # callers use a few fixed sets; bounded all the same
             _PLANS.clear()
-            _PLAN_FAMILIES.clear()
-        plan = _PLANS[wanted] = {name: _family_candidates(name) for name in wanted}
-        _PLAN_FAMILIES[wanted] = {f for candidates in plan.values() for f in candidates}
+        candidates = {name: _family_candidates(name) for name in wanted}
+        plan = _PLANS[wanted] = (candidates, {f for fs in candidates.values() for f in fs})
     return plan
 
 
@@ -175,10 +172,7 @@ def _wanted_lines(text: str, wanted: frozenset[str]) -> list[str]:
     """Sample lines of the wanted names. Exposition text groups a family's samples under its
     `# TYPE` line, so only the wanted families' blocks are split into lines; names without a
     TYPE line fall back to one regex scan of the whole page."""
-    plan = _plan(wanted)
-    families = _PLAN_FAMILIES.get(wanted)
-    if families is None:  # another thread's new plan cleared the table meanwhile
-        families = {f for candidates in plan.values() for f in candidates}
+    plan, families = _plan(wanted)
     blocks = _blocks(text, families)
     by_block: dict[str, set[str]] = {}
     untyped: set[str] = set()
