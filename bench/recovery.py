@@ -42,8 +42,7 @@ from oomguard.lab.recovery import (
     standalone_path,
 )
 from oomguard.remediator.policy import PolicyConfig
-from oomguard.twin.traces import TRACES as TRACE_DIR
-from oomguard.twin.traces import Trace
+from oomguard.twin.traces import Trace, names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,12 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def traces() -> list[str]:
     """Every trace whose pressure ends at a set time and that takes engine 0's GPU memory;
     neighbour-growth first (the docs' chain, and the first row's pressure end, are its)."""
-    names = sorted(p.stem for p in TRACE_DIR.glob("*.json"))
-    found = [n for n in names if (t := Trace.load(n)).pressure_ends_s is not None and t.gpu_events]
+    every = [Trace.load(name) for name in names()]
+    found = [t.name for t in every if t.pressure_ends_s is not None and t.gpu_events]
     return sorted(found, key=lambda n: n != "neighbour-growth")
 
 
-TRACES = tuple(traces())
 SHIPPED = PolicyConfig()
 DOUBLING = SHIPPED.model_copy(update={"readmit_stages": "doubling"})
 ON_ADMISSIONS = SHIPPED.model_copy(update={"readmit_idle_seconds": 0.0})
@@ -115,7 +113,7 @@ def main() -> int:
     started = time.perf_counter()
     rows: list[dict[str, object]] = []
     met = True
-    for name in TRACES:
+    for name in traces():
         base = Trace.load(name)
         levels = trace_levels(with_horizon(base))  # the GPU events are the same with any load
         for path in (alertmanager_path(), standalone_path()):
