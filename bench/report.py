@@ -1137,6 +1137,77 @@ def block_routers(r: Results) -> str:
     )
 
 
+def _gib(value: float | None) -> str:
+    return "–" if value is None else f"{fmt(value / 2**30, '.2f')} GiB"
+
+
+def block_gpu_check(r: Results) -> str:
+    """scripts/gpu-check on a real GPU: each check, what it compared, and how close."""
+    doc = r.file("gpu-check")
+    gpu = doc["gpu"]
+    checks = {c["name"]: c for c in doc["checks"]}
+
+    def shown(name: str) -> str:
+        c = checks.get(name)
+        if c is None:
+            return "not run"
+        status = "passed" if c["status"] == "pass" else f"**{c['status']}**"
+        return status + (f": {c['detail']}" if c.get("detail") else "")
+
+    def compared(name: str) -> str:
+        m = (checks.get(name) or {}).get("measured") or {}
+        passed = (checks.get(name) or {}).get("status") == "pass"
+        if name == "nvml":
+            per_gpu = [v for v in m.values() if isinstance(v, dict) and "total_ours_bytes" in v]
+            return (
+                "; ".join(
+                    f"total {_gib(g['total_ours_bytes'])} vs {_gib(g['total_reference_bytes'])}, "
+                    f"free {_gib(g['free_ours_bytes'])} vs {_gib(g['free_reference_bytes'])}, "
+                    f"used {_gib(g['used_ours_bytes'])} vs {_gib(g['used_reference_bytes'])}"
+                    for g in per_gpu
+                )
+                + f"; this process listed: {fmt(m.get('this_process_listed'), 'yes')}"
+            )
+        if name == "allocator":
+            return (
+                f"allocated {_gib(m.get('allocated_bytes'))}, reserved "
+                f"{_gib(m.get('reserved_bytes'))}, inactive split "
+                f"{_gib(m.get('inactive_split_bytes'))}"
+                + (": every field equal to torch's" if passed else "")
+            )
+        if name == "oom":
+            return (
+                f"asked {_gib(m.get('requested_bytes'))} of {_gib(m.get('device_limit_bytes'))}; "
+                f"classified `{m.get('type')}`, {m.get('confidence')}"
+            )
+        if name == "headroom":
+            return (
+                f"{_gib(m.get('now_ours_bytes'))} ours vs {_gib(m.get('now_reference_bytes'))} "
+                f"from torch"
+                + (
+                    f"; 95 % of it ({_gib(m.get('allocated_95_percent_bytes'))}) allocated"
+                    if passed
+                    else ""
+                )
+            )
+        if name == "pressure":
+            return ", ".join(
+                f"{s['stage']}: level {s['level']} at {_gib(s['headroom_bytes'])} headroom"
+                for s in m.get("stages", [])
+            )
+        return "–"
+
+    head = (
+        f"Run on {', '.join(gpu.get('devices') or ['?'])} (driver {gpu.get('driver')}, "
+        f"torch {gpu.get('torch')}, CUDA {gpu.get('torch_cuda')}, Python {gpu.get('python')}): "
+        f"{fmt(len(checks))} checks in {fmt(doc.get('seconds'), '.1f')} s.\n\n"
+    )
+    return head + table(
+        ["check", "result", "oomguard vs the GPU's own figures"],
+        [[f"`{n}`", shown(n), compared(n)] for n in checks],
+    )
+
+
 BLOCKS: dict[str, Callable[[Results], str]] = {
     name.removeprefix("block_"): fn for name, fn in globals().items() if name.startswith("block_")
 }

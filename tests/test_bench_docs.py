@@ -159,3 +159,23 @@ def test_the_step_traces_summary_says_what_held(tmp_path: Path) -> None:
     assert "lost the race (a CUDA OOM) on neighbour-2s-24gb " in text
     assert "`without_step_guard_lost_at_least_one` met" in text
     assert "`with_step_guard_no_oom_nothing_lost` **missed**" in text
+
+
+def test_the_gpu_check_table_shows_a_failed_check_without_claiming_it_agreed(
+    tmp_path: Path,
+) -> None:
+    """A GPU run's table says what passed and what disagreed; a failed check's row never keeps
+    the words that only a pass earns ("every field equal")."""
+    results = tmp_path / "results"
+    results.mkdir()
+    recorded = json.loads((REPO / "bench" / "results" / "gpu-check.json").read_text())
+    (results / "gpu-check.json").write_text(json.dumps(recorded))
+    passed = report.block_gpu_check(report.Results(results))
+    assert passed.count("| passed |") == sum(c["status"] == "pass" for c in recorded["checks"])
+    allocator = next(c for c in recorded["checks"] if c["name"] == "allocator")
+    allocator.update(status="fail", detail="reserved_bytes: 6 GiB vs torch 7 GiB")
+    (results / "gpu-check.json").write_text(json.dumps(recorded))
+    text = report.block_gpu_check(report.Results(results))
+    row = next(line for line in text.splitlines() if line.startswith("| `allocator`"))
+    assert "**fail**: reserved_bytes: 6 GiB vs torch 7 GiB" in row
+    assert "every field equal" not in row
