@@ -919,13 +919,15 @@ def block_matrix_real(r: Results) -> str:
             end = rep.get("from_s", 0) + rep.get("duration_s", 0)
             at = fmt(rep.get("time_compression"), ".1f")
             replayed = f"{fmt(rep.get('from_s'), '.0f')}-{fmt(end, '.0f')} s at ×{at}"
-        o, d = c["oomguard"], c["default"]
+        o, d = c["oomguard"], c.get("default")
+        # a steady cell runs oomguard alone, which must take no action
+        alone = "not run (steady)" if d is None else "crash" if d["crashes"] else "no crash"
         rows.append(
             [
                 c["gpu"],
                 c["trace"],
                 replayed,
-                "crash" if d["crashes"] else "no crash",
+                alone,
                 f"{o['crashes']} crashes, {o['lost']} lost, {len(o['actions'])} actions",
                 fmt(c["agrees"], "yes"),
                 f"{FORMS['hm'](c.get('when'))} ({fmt(c.get('load_average'), '.1f')})",

@@ -179,3 +179,19 @@ def test_the_gpu_check_table_shows_a_failed_check_without_claiming_it_agreed(
     row = next(line for line in text.splitlines() if line.startswith("| `allocator`"))
     assert "**fail**: reserved_bytes: 6 GiB vs torch 7 GiB" in row
     assert "every field equal" not in row
+
+
+def test_a_steady_matrix_cell_runs_oomguard_alone_and_says_so(tmp_path: Path) -> None:
+    """A do-no-harm cell has no vLLM-alone run: its row says so rather than failing the page."""
+    results = tmp_path / "results"
+    results.mkdir()
+    steady = {
+        "gpu": "L4",
+        "trace": "do-no-harm",
+        "replayed": {"from_s": 0.0, "duration_s": 600.0, "time_compression": 10.0},
+        "oomguard": {"crashes": 0, "lost": 0, "actions": []},
+        "agrees": True,
+    }
+    (results / "matrix-real.json").write_text(json.dumps({"cells": [steady]}))
+    [row] = report.block_matrix_real(report.Results(results)).splitlines()[2:]
+    assert "| not run (steady) | 0 crashes, 0 lost, 0 actions | yes |" in row
