@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.collectors.nvml import MIG_RECHECK_SECONDS, NvmlCollector
 from oomguard.exporter.render import (
     Family,
     FamilyBuilder,
@@ -166,7 +166,8 @@ def test_process_series_follow_every_change_of_the_process_lists(monkeypatch) ->
         ),
     ]
     FakeNvml(monkeypatch, gpus)
-    collector = NvmlCollector("node-1")
+    clock = [0.0]
+    collector = NvmlCollector("node-1", clock=lambda: clock[0])
     first = process_series(collector)
     assert sorted((k[0], k[6], k[8], v) for k, v in first.items()) == [
         ("0", "", "101", 40 * GIB),
@@ -185,6 +186,7 @@ def test_process_series_follow_every_change_of_the_process_lists(monkeypatch) ->
     assert sorted(k[8] for k in second) == ["101", "102", "201", "202"]
 
     gpus[1].mig[0] = FakeMig(3, "1g.10gb", 10 * GIB, 9 * GIB, GIB, processes=[(201, 9 * GIB)])
+    clock[0] += MIG_RECHECK_SECONDS  # the MIG layout is read again (tests/test_nvml.py)
     third = process_series(collector)  # the GPU re-partitioned: instance 9 became 3
     assert sorted((k[6], k[8]) for k in third if k[0] == "1") == [("3", "201")]
 
