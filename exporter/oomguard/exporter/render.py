@@ -48,10 +48,11 @@ def _count_drop(dropped: Counter[str], reason: str, name: str, exc: BaseExceptio
 class Family:
     """Samples of one catalogued metric, with label values in the catalog's label order."""
 
-    __slots__ = ("samples", "spec")
+    __slots__ = ("samples", "spec", "width")
 
     def __init__(self, name: str) -> None:
         self.spec: MetricSpec = spec(name)
+        self.width = len(self.spec.labels)  # label values per sample
         self.samples: list[tuple[tuple[str, ...], float]] = []
 
     def add(self, labels: tuple[str, ...], value: float) -> None:
@@ -80,7 +81,10 @@ class FamilyBuilder:
         if family is None:
             family = self._families[name] = Family(name)
         try:
-            family.add(labels, value)
+            # Family.add inline (a node's render pass adds some 1,300 samples one at a time)
+            if len(labels) != family.width:
+                family.add(labels, value)  # raises its ValueError
+            family.samples.append((labels, float(value)))
         except _BAD_SAMPLE as exc:
             _count_drop(self.dropped, "unrenderable", name, exc)
 
