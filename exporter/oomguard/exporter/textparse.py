@@ -265,28 +265,32 @@ class ShapedParser:
 
     def __init__(self, wanted: Iterable[str]) -> None:
         self.wanted = frozenset(wanted)
-        self._shape: tuple[list[str], list[str]] | None = None  # the last page's, as _VALUES split
-        self._plan: _ShapePlan | None = None  # the shape's, once learnt (None: not, or cannot)
-        self._learnt = False  # learning was tried for this shape
+        # The last page's shape (its _VALUES split less the values), its plan once learnt (None:
+        # not yet, or it has none), and whether learning was tried: one tuple, replaced whole,
+        # so that a plan is never read with another shape's pages.
+        self._state: tuple[list[str], list[str], _ShapePlan | None, bool] | None = None
+
+    @property
+    def _plan(self) -> _ShapePlan | None:
+        return None if self._state is None else self._state[2]
 
     def parse(self, text: str, openmetrics: bool = False) -> Parsed:
         if openmetrics:
             return parse(text, self.wanted, openmetrics=True)
         pieces = _VALUES.split(text)
-        shape = self._shape
-        if shape is None or pieces[0::3] != shape[0] or pieces[1::3] != shape[1]:
+        state = self._state
+        if state is None or pieces[0::3] != state[0] or pieces[1::3] != state[1]:
             out = parse(text, self.wanted)  # raises on a bad page: the shape is not kept
-            self._shape, self._plan, self._learnt = (pieces[0::3], pieces[1::3]), None, False
+            self._state = (pieces[0::3], pieces[1::3], None, False)
             return out
-        values = pieces[2::3]
-        if self._plan is not None:
-            read = _apply(self._plan, values)
+        heads, series, plan, learnt = state
+        if plan is not None:
+            read = _apply(plan, pieces[2::3])
             if read is not None:
                 return read
         out = parse(text, self.wanted)
-        if not self._learnt:  # the second page of this shape
-            self._learnt = True
-            self._plan = _learn(pieces, self.wanted, out)
+        if not learnt:  # the second page of this shape
+            self._state = (heads, series, _learn(pieces, self.wanted, out), True)
         return out
 
 
