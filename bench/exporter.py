@@ -674,20 +674,39 @@ def poll_cycle_ms(poller: Poller, cycles: int) -> dict[str, float]:
     return cycle
 
 
-def fake_driver_ms(poller: Poller, cycles: int) -> dict[str, float]:
+# CPU per call of the NVML functions the collector calls each poll, measured on a real H200
+# (driver 580.159.04, pynvml, one GPU with MIG off, one process holding 1 GiB; 2026-12-04), in
+# microseconds: the fake driver's own Python costs differ, and its calls are counted (below) so
+# that a poll's cost on such a GPU can be told. The process listing's C function: half of
+# pynvml's listing of that one process (46 us), which calls it twice (count, then fill), as the
+# collector does for a device that runs any.
+H200_NVML_CALL_US = {
+    "nvmlDeviceGetCount": 2.5,
+    "nvmlDeviceGetHandleByIndex": 2.9,
+    "nvmlDeviceGetMemoryInfo": 11.0,
+    "nvmlDeviceGetComputeRunningProcesses_v3": 23.0,
+    "nvmlDeviceGetMigMode": 166.0,
+}
+
+
+def fake_driver_ms(poller: Poller, cycles: int) -> dict[str, Any]:
     """The NVML collector's poll (CPU, one thread, median of `cycles`) and, within it, the fake
     driver's own Python (tests/fake_nvml.py's functions, each call timed, the timer's cost
-    included): what the C calls of a real driver take the place of."""
+    included): what the C calls of a real driver take the place of. Each function's calls per
+    poll are counted, and what those calls would cost on an H200 (H200_NVML_CALL_US, for the
+    functions measured there; `h200_unmeasured_calls_per_poll` counts the others)."""
     spent = [0.0]
+    calls: dict[str, int] = {}
 
-    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
             t0 = time.thread_time()
             try:
                 out = fn(*args, **kwargs)
             finally:
                 spent[0] += time.thread_time() - t0
-            return timed(out) if fn is lookup else out
+            return timed(args[0], out) if fn is lookup else out
 
         return call
 
@@ -703,16 +722,27 @@ def fake_driver_ms(poller: Poller, cycles: int) -> dict[str, float]:
     total, driver = [], []
     with pytest.MonkeyPatch.context() as mp:
         for name, fn in fakes.items():
-            mp.setattr(pynvml, name, timed(fn))
+            mp.setattr(pynvml, name, timed(name, fn))
         for _ in range(cycles):
             spent[0] = 0.0
             t0 = time.thread_time()
             poller.poll(state)
             total.append(time.thread_time() - t0)
             driver.append(spent[0])
+    per_poll = {
+        name: n / cycles for name, n in sorted(calls.items()) if name != "_nvmlGetFunctionPointer"
+    }
     return {
         "collector_ms": statistics.median(total) * 1e3,
         "fake_driver_ms": statistics.median(driver) * 1e3,
+        "calls_per_poll": per_poll,
+        "h200_driver_ms_modelled": sum(
+            n * H200_NVML_CALL_US[name] for name, n in per_poll.items() if name in H200_NVML_CALL_US
+        )
+        / 1e3,
+        "h200_unmeasured_calls_per_poll": sum(
+            n for name, n in per_poll.items() if name not in H200_NVML_CALL_US
+        ),
     }
 
 

@@ -1169,6 +1169,12 @@ def block_gpu_check(r: Results) -> str:
                     for g in per_gpu
                 )
                 + f"; this process listed: {fmt(m.get('this_process_listed'), 'yes')}"
+                + (
+                    f"; one exporter poll of NVML: {fmt(cost['mean'], '.0f')} µs of CPU per GPU "
+                    f"(p99 {fmt(cost['p99'], '.0f')} µs, {fmt(cost['polls'])} polls)"
+                    if (cost := m.get("poll_cpu_us_per_gpu"))
+                    else ""
+                )
             )
         if name == "allocator":
             return (

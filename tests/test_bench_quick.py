@@ -60,6 +60,9 @@ def test_exporter_quick_lane() -> None:
     with exporter.running(scenario) as poller:
         snapshot = poller.render()
         assert sum(len(f.samples) for f in snapshot.families) == rec["series"]
+        # MIG mode read when the layout is (MIG_RECHECK_SECONDS), not every poll of every GPU
+        nvml = exporter.fake_driver_ms(poller, 3)
+        assert nvml["calls_per_poll"].get("nvmlDeviceGetMigMode", 0) < len(scenario.gpus)
         registry = exporter.plain_registry(snapshot.families)
         render = exporter.measure_render(poller, registry, 2, snapshot.families)
         assert set(render) == set(rec["render_ms"])

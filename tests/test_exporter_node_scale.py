@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.collectors.nvml import MIG_RECHECK_SECONDS, NvmlCollector
 from oomguard.exporter.render import (
     Family,
     FamilyBuilder,
@@ -166,7 +166,8 @@ def test_process_series_follow_every_change_of_the_process_lists(monkeypatch) ->
         ),
     ]
     FakeNvml(monkeypatch, gpus)
-    collector = NvmlCollector("node-1")
+    clock = [0.0]
+    collector = NvmlCollector("node-1", clock=lambda: clock[0])
     first = process_series(collector)
     assert sorted((k[0], k[6], k[8], v) for k, v in first.items()) == [
         ("0", "", "101", 40 * GIB),
@@ -185,6 +186,7 @@ def test_process_series_follow_every_change_of_the_process_lists(monkeypatch) ->
     assert sorted(k[8] for k in second) == ["101", "102", "201", "202"]
 
     gpus[1].mig[0] = FakeMig(3, "1g.10gb", 10 * GIB, 9 * GIB, GIB, processes=[(201, 9 * GIB)])
+    clock[0] += MIG_RECHECK_SECONDS  # the MIG layout is read again (tests/test_nvml.py)
     third = process_series(collector)  # the GPU re-partitioned: instance 9 became 3
     assert sorted((k[6], k[8]) for k in third if k[0] == "1") == [("3", "201")]
 
@@ -278,16 +280,17 @@ def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), _crc_shift(len(b))) == zlib.crc32(a + b)
 
 
-@settings(max_examples=200, deadline=None)
-@given(valid_snapshots(), st.sampled_from([1, 40, 8192]))
+@settings(max_examples=300, deadline=None)
+@given(valid_snapshots(), st.sampled_from([1, 40, 8192]), st.sampled_from([0, 1, 40, 2048]))
 def test_gzip_from_pieces_inflates_to_the_rendering(
-    sequence: list[list[Family]], large: int
+    sequence: list[list[Family]], large: int, run: int
 ) -> None:
     from oomguard.exporter.render import PartsGzip, join_parts
 
     text, om = TextRenderer(), OpenMetricsRenderer()
     text_gzip, om_gzip = PartsGzip(), PartsGzip()
     text_gzip.LARGE = om_gzip.LARGE = large  # 1: every body spliced from the cache
+    text_gzip.RUN = om_gzip.RUN = run  # 0: every run of unchanged pieces spliced
     for families in sequence:  # long-lived: caches across snapshots, never a stale piece
         for renderer, gz in ((text, text_gzip), (om, om_gzip)):
             parts = renderer.render_parts(families)
@@ -331,6 +334,30 @@ def test_a_large_body_changed_in_place_is_compressed_again() -> None:
     assert gzip.decompress(gz.compress([("x", body)])) == body.encode()
     changed = body[:-2] + "2\n"  # same length, another object: never the cached blocks
     assert gzip.decompress(gz.compress([("x", changed)])) == changed.encode()
+
+
+def test_runs_of_unchanged_small_pieces_are_spliced_not_compressed_again() -> None:
+    from oomguard.exporter.render import Parts, PartsGzip, join_parts
+
+    def family(i: int, body: str) -> Parts:
+        return [(None, f"# TYPE f{i} gauge\n"), (f"f{i}", body)]
+
+    still = [family(i, f'f{i}{{a="x"}} {i}\n' * 100) for i in range(6)]  # 1,300 chars each
+
+    def page(poll: int) -> Parts:  # one small family moves every poll, between still ones
+        return [*still[0], *still[1], *still[2], *family(9, f"f9 {poll}\n"), *still[3], *still[4],
+                *still[5], (None, "# EOF\n")]  # fmt: skip
+
+    gz = PartsGzip()
+    for poll in range(3):
+        assert gzip.decompress(gz.compress(page(poll))) == join_parts(page(poll))
+    blocks = {key: cached[0] for key, cached in gz._runs.items()}
+    assert len(blocks) == 2  # before the moving family (its header too), and after it
+    assert gzip.decompress(gz.compress(page(3))) == join_parts(page(3))
+    assert {key: cached[0] for key, cached in gz._runs.items()} == blocks
+    assert all(gz._runs[key][0] is b for key, b in blocks.items())  # reused, not made again
+    moved = [*page(4)[:2], (page(4)[1][0], page(4)[1][1] + "f0 7\n"), *page(4)[2:]]
+    assert gzip.decompress(gz.compress(moved)) == join_parts(moved)  # a still family moves
 
 
 def test_forms_expected_from_the_gap_between_requests() -> None:

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,27 @@ def test_without_a_gpu_a_real_run_exits_2_and_records_nothing(tmp_path):
 def test_the_simulated_gpu_passes_every_check(fresh_plugin):
     outcomes = run_checks(SimDevice())
     assert {n: o["outcome"] for n, o in outcomes.items()} == dict.fromkeys(gpucheck.CHECKS, "pass")
+
+
+def test_the_nvml_check_times_the_exporter_s_poll_per_gpu(fresh_plugin):
+    """What a poll costs is read from the collector as the exporter keeps it: its figures are
+    per GPU, ordered, and move with what each poll costs."""
+
+    class Slow:
+        calls = 0
+
+        def collect(self) -> None:
+            Slow.calls += 1
+            end = time.process_time() + 0.002  # 2 ms of CPU a poll, over 2 GPUs
+            while time.process_time() < end:
+                pass
+
+    cost = gpucheck.poll_cost(Slow(), gpus=2, samples=20)
+    assert Slow.calls == 21  # one warm-up poll, then the timed ones
+    assert cost["polls"] == 20 and 900 <= cost["p50"] <= cost["p99"]
+    assert 900 <= cost["mean"] < 5000
+    [o] = run_checks(SimDevice(), ("nvml",)).values()
+    assert o["outcome"] == "pass" and o["measured"]["poll_cpu_us_per_gpu"]["polls"] > 0
 
 
 def test_nvml_check_fails_when_nvidia_smi_disagrees(fresh_plugin):

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
 import pynvml
 import pytest
 
 from oomguard.errors import CollectorError
-from oomguard.exporter.collectors.nvml import NvmlCollector
+from oomguard.exporter.collectors.nvml import MIG_RECHECK_SECONDS, NvmlCollector
 from oomguard.exporter.render import FamilyBuilder
+from oomguard.twin.gpu import TwinGpu, TwinNvml
 from tests.fake_nvml import GIB, FakeGpu, FakeMig, FakeNvml
 
 
@@ -218,3 +223,156 @@ def test_an_unchanged_process_list_is_reused_and_a_changed_one_read_again(monkey
         assert not gone.invalid
         gpus[0].processes = [(101, 40 * GIB), (102, None), (101, 2 * GIB)]
         gpus[1].mig[0].processes = [(7, GIB)]
+
+
+# -- MIG mode and layout: read rarely (MIG_RECHECK_SECONDS), through the GPU twin's NVML ---------
+MIG_SLICE = "H100-MIG-1g.10gb"  # a twin GPU of this model is the one instance of a MIG GPU
+
+
+class CountingTwin(TwinNvml):
+    """The twin's NVML, counting the calls of each function. A GPU in `failing` fails every
+    read (NVML_ERROR_UNKNOWN, as a GPU being reset does); a MIG instance's handle fails once
+    its GPU is no longer cut (a destroyed instance's handle: whatever NVML answers then, it is
+    an NVMLError). `fail_at[name] = n`: that function's n-th call from now fails."""
+
+    def __init__(self, gpus: list[TwinGpu]) -> None:
+        super().__init__(gpus)
+        self.calls: Counter[str] = Counter()
+        self.failing: set[int] = set()
+        self.fail_at: dict[str, int] = {}
+        for name in dir(TwinNvml):
+            if name.startswith("nvmlDevice"):
+                setattr(self, name, self._counted(name, getattr(self, name)))
+
+    def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(handle: Any = None, *args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            if name in self.fail_at:
+                self.fail_at[name] -= 1
+                if not self.fail_at[name]:
+                    del self.fail_at[name]
+                    raise pynvml.NVMLError_Unknown()
+            if handle is None:
+                return fn()
+            index = handle[1] if isinstance(handle, tuple) else handle
+            if index in self.failing:
+                raise pynvml.NVMLError_Unknown()
+            if isinstance(handle, tuple) and not self.gpus[index].spec.mig_profile:
+                raise pynvml.NVMLError_NotFound()
+            return fn(handle, *args, **kwargs)
+
+        return call
+
+
+def twin_collector(*models: str) -> tuple[CountingTwin, NvmlCollector, list[float]]:
+    twin = CountingTwin([TwinGpu(f"GPU-{i}", model, minor=i) for i, model in enumerate(models)])
+    clock = [0.0]
+    return twin, NvmlCollector("h", backend=twin, clock=lambda: clock[0]), clock
+
+
+def instances(reading: Any) -> list[tuple[str, str, str]]:
+    return [
+        (g.identity.gpu, g.identity.gpu_instance_id, g.identity.gpu_instance_profile)
+        for g in reading.gpus
+        if g.identity.gpu_instance_id
+    ]
+
+
+def test_mig_mode_is_read_at_most_once_per_recheck_interval():
+    twin, collector, clock = twin_collector("H100", MIG_SLICE)
+    polls = 100  # one a second
+    for second in range(polls):
+        clock[0] = float(second)
+        twin.set_process(1, 500, second * GIB)  # the instance's memory moves every poll
+        reading = collector.collect()
+        assert instances(reading) == [("1", "1", "1g.10gb")] and not reading.errors
+        assert reading.gpus[-1].used == second * GIB  # read every poll, from the cached handle
+    rechecks = -(-polls // int(MIG_RECHECK_SECONDS))  # at 0 s, 30 s, 60 s, 90 s
+    assert twin.calls["nvmlDeviceGetMigMode"] == 2 * rechecks
+    assert twin.calls["nvmlDeviceGetMaxMigDeviceCount"] == rechecks
+    assert twin.calls["nvmlDeviceGetMigDeviceHandleByIndex"] <= 2 * rechecks  # slot 0, then 1
+    assert twin.calls["nvmlDeviceGetGpuInstanceId"] == rechecks
+    assert twin.calls["nvmlDeviceGetMemoryInfo"] == 3 * polls  # two GPUs and the instance
+
+
+def test_mig_switched_on_and_off_shows_within_the_recheck_interval():
+    twin, collector, clock = twin_collector("H100", "H100")
+    assert instances(collector.collect()) == []
+    twin.gpus[1].model = MIG_SLICE  # an administrator enables MIG and cuts the GPU
+    clock[0] = MIG_RECHECK_SECONDS - 1
+    assert instances(collector.collect()) == []  # the layout read at 0 s still holds
+    clock[0] = MIG_RECHECK_SECONDS
+    assert instances(collector.collect()) == [("1", "1", "1g.10gb")]
+    assert twin.calls["nvmlDeviceGetMigMode"] == 4  # 2 GPUs, at 0 s and at 30 s
+    twin.gpus[1].model = "H100"  # and disables it again
+    clock[0] = 2 * MIG_RECHECK_SECONDS
+    reading = collector.collect()
+    assert instances(reading) == [] and not reading.errors
+    assert [g.identity.gpu for g in reading.gpus] == ["0", "1"]
+
+
+def test_an_nvml_error_makes_the_mig_layout_read_again_at_once():
+    twin, collector, clock = twin_collector("H100", "H100")
+    collector.collect()
+    twin.gpus[1].model = MIG_SLICE  # MIG enabled: the GPU is reset, its reads fail meanwhile
+    twin.failing.add(1)
+    clock[0] = 1.0
+    failed = collector.collect()
+    assert failed.errors == {"unknown": 1} and [g.identity.gpu for g in failed.gpus] == ["0"]
+    twin.failing.clear()
+    clock[0] = 2.0  # well within the interval: the error dropped the layout
+    assert instances(collector.collect()) == [("1", "1", "1g.10gb")]
+
+
+def test_a_destroyed_instance_makes_the_layout_read_again_in_the_same_poll():
+    twin, collector, clock = twin_collector(MIG_SLICE, MIG_SLICE)
+    twin.set_process(1, 500, GIB)
+    first = collector.collect()
+    assert instances(first) == [("0", "1", "1g.10gb"), ("1", "1", "1g.10gb")]
+    twin.gpus[1].model = "H100"  # GPU 1's instance destroyed, MIG disabled (its process with it)
+    twin.set_process(1, 500, None)
+    clock[0] = 1.0
+    reading = collector.collect()
+    # no failed poll, no half-read instance left behind: GPU 1 read as it is now
+    assert not reading.errors and instances(reading) == [("0", "1", "1g.10gb")]
+    assert [g.identity.gpu for g in reading.gpus] == ["0", "0", "1"]
+    assert reading.processes == [] and reading.process_runs == []
+    assert twin.calls["nvmlDeviceGetMigMode"] == 3  # both at 0 s, GPU 1's again at 1 s
+
+
+def test_mig_disabled_is_cached_too(monkeypatch):
+    # a GPU that can run MIG with MIG off answers DISABLE (the twin's whole GPUs: NotSupported)
+    fake = FakeNvml(monkeypatch, two_gpus())
+    calls = Counter[str]()
+    read = fake.nvmlDeviceGetMigMode
+
+    def counted(handle: Any) -> list[int]:
+        calls["mig_mode"] += 1
+        return read(handle)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMigMode", counted)
+    clock = [0.0]
+    collector = NvmlCollector("n", clock=lambda: clock[0])
+    for second in range(int(MIG_RECHECK_SECONDS)):
+        clock[0] = float(second)
+        collector.collect()
+    assert calls["mig_mode"] == 2
+    fake.gpus[1].mig = [FakeMig(3, "3g.40gb", 40 * GIB, GIB, 39 * GIB)]
+    clock[0] = MIG_RECHECK_SECONDS
+    reading = collector.collect()
+    assert instances(reading) == [("1", "3", "3g.40gb")] and calls["mig_mode"] == 4
+
+
+def test_a_failed_read_of_a_cached_instance_leaves_nothing_half_read():
+    twin, collector, clock = twin_collector("H100", MIG_SLICE)
+    twin.set_process(1, 500, GIB)
+    first = collector.collect()
+    assert instances(first) == [("1", "1", "1g.10gb")]
+    # the instance's memory read, then its process listing fails (GPU 0's, GPU 1's, then the
+    # instance's): the layout is read again and the instance read from it, once
+    twin.fail_at["nvmlDeviceGetComputeRunningProcesses"] = 3
+    clock[0] = 1.0
+    again = collector.collect()
+    assert not again.errors and again.gpus == first.gpus
+    assert again.processes == first.processes and again.process_runs == first.process_runs
+    assert twin.calls["nvmlDeviceGetMigMode"] == 3

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from oomguard.errors import CollectorError
-from oomguard.exporter.textparse import parse
+from oomguard.exporter.textparse import ShapedParser, parse
 from tests.conftest import VLLM_FIXTURE
 
 
@@ -204,3 +204,132 @@ def test_type_blocks_at_the_edges_of_the_page():
     assert [s.value for s in parse(text, ["g", "h"]).get("g")] == [1.0]
     assert parse(text, ["h"]).samples == {}
     assert [s.value for s in parse("x 1\n# TYPE g gauge\ng 3\n", ["g", "x"]).get("x")] == [1.0]
+
+
+# -- ShapedParser: a page of a learnt shape read by its values ----------------------------------
+def _shaped_outcome(parser: ShapedParser, text: str) -> object:
+    try:
+        p = parser.parse(text)
+    except CollectorError as exc:
+        return exc.reason
+    return {k: [(s.labels, s.value) for s in v] for k, v in p.samples.items()}, p.dropped
+
+
+def _with_values(text: str, values: list[str]) -> str:
+    """`text` with its sample lines' values (ShapedParser's split) replaced, in turn."""
+    from oomguard.exporter import textparse
+
+    pieces = textparse._VALUES.split(text)
+    pieces[2::3] = [values[i % len(values)] for i in range(len(pieces) // 3)]
+    return "".join(pieces)
+
+
+_VALUE = st.sampled_from(["1", "2.5", "-3", "0", "nan", "+Inf", "1_0", "x", "7e", "1e3", "NaN"])
+
+
+_LINE = st.sampled_from(
+    [
+        "# TYPE a gauge",
+        "# TYPE a_total counter",
+        "# HELP a some help",
+        "a",
+        'a{x="1"}',
+        'a{x="2",y="z z"}',
+        "a_total",
+        'a_total{x="1"}',
+        "b",
+        "ab",
+        "a 5",  # with the value, a timestamp follows
+        'a{x="1',
+        "",
+        "#",
+    ]
+)
+_PAGE = st.lists(st.tuples(_LINE, st.booleans()), max_size=10).map(
+    lambda lines: "".join(f"{ln} 1\n" if valued else f"{ln}\n" for ln, valued in lines)
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.one_of(_PAGE, st.text(_EXPOSITION_ALPHABET, max_size=160)),
+    polls=st.lists(st.lists(_VALUE, min_size=1, max_size=6), min_size=1, max_size=5),
+    wanted=st.sampled_from([["a"], ["a_total", "b"], ["a", "a_total", "b", "ab"]]),
+)
+def test_a_shaped_parse_is_parse_on_every_page(text, polls, wanted):
+    # the same shape poll after poll with other values (good, bad, NaN), then the page as it
+    # came: each page read as parse() reads it, hit, learnt or not
+    parser = ShapedParser(wanted)
+    for values in [*polls, *polls]:
+        page = _with_values(text, values)
+        assert _shaped_outcome(parser, page) == _outcome(page, wanted)
+    assert _shaped_outcome(parser, text) == _outcome(text, wanted)
+
+
+@pytest.mark.parametrize(
+    "value", ["1", "2.5", "-3", "nan", "NaN", "+Inf", "-Inf", "1_0", "x", "7e", "1e3", "0x7"]
+)
+def test_a_learnt_shape_reads_each_value_as_parse_does(value):
+    page = '# TYPE a gauge\na{x="1"} 1\na{x="2"} 2\n# TYPE b gauge\nb 3\n'
+    parser = ShapedParser(["a", "b"])
+    for _ in range(2):
+        parser.parse(page)
+    assert parser._plan is not None
+    for at in range(3):
+        values = ["4", "5", "6"]
+        values[at] = value
+        moved = _with_values(page, values)
+        assert _shaped_outcome(parser, moved) == _outcome(moved, ["a", "b"])
+
+
+def _moving(text: str, poll: int) -> str:
+    """The fixture with every counter and histogram sum/count grown by `poll`, as a serving
+    engine's page moves between scrapes."""
+    import re
+
+    return re.sub(
+        r"(?m)^(vllm:\S+?(?:_total|_sum|_count)(?:\{[^}]*\})?) (\S+)$",
+        lambda m: f"{m.group(1)} {float(m.group(2)) + poll!r}",
+        text,
+    )
+
+
+def test_a_vllm_page_of_a_learnt_shape_is_read_by_its_values(monkeypatch):
+    from oomguard.exporter import textparse
+    from oomguard.exporter.collectors.vllm import WANTED
+
+    text = VLLM_FIXTURE.read_text()
+    parser = ShapedParser(WANTED)
+    full = []
+    real_parse = textparse.parse
+    monkeypatch.setattr(textparse, "parse", lambda *a, **k: full.append(1) or real_parse(*a, **k))
+    for poll in range(6):
+        page = _moving(text, poll)
+        assert _shaped_outcome(parser, page) == _outcome(page, list(WANTED))
+    # the first page, the second and its learning (two indexed parses); then its values alone
+    assert len(full) == 4
+    # a bad value on a page of this shape is parse()'s error; a NaN is dropped as parse() drops it
+    lines = text.split("\n")
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("vllm:num_requests_running{"))
+    for value, expected in (("NaN", {"nan": 1}), ("1_0", "parse_error")):
+        bad = "\n".join([*lines[:at], lines[at].rpartition(" ")[0] + " " + value, *lines[at + 1 :]])
+        assert _shaped_outcome(parser, bad) == _outcome(bad, list(WANTED))
+        outcome = _outcome(bad, list(WANTED))
+        assert outcome == expected or outcome[1] == expected
+
+
+@pytest.mark.parametrize(
+    ("page", "planned"),
+    [
+        ('# TYPE a gauge\na 1 1700000000000\na{x="1"} 2\n', False),  # a timestamp: in the shape
+        ("# TYPE a gauge\na 1\na 2\n", False),  # a repeated series (a NaN first keeps the second)
+        ('# TYPE a gauge\na 1\na{x="1"} NaN\n', True),  # a NaN where the shape was learnt
+    ],
+)
+def test_a_shape_is_planned_only_where_the_plan_is_exact(page, planned):
+    parser = ShapedParser(["a"])
+    for _ in range(2):
+        assert _shaped_outcome(parser, page) == _outcome(page, ["a"])
+    assert (parser._plan is not None) == planned
+    for moved in (page.replace("1", "5"), page.replace("NaN", "3")):
+        assert _shaped_outcome(parser, moved) == _outcome(moved, ["a"])

@@ -46,6 +46,9 @@ from oomguard import children, vllm_seam
 SCHEMA = "oomguard.gpu_check.v1"
 MIB = 2**20
 GIB = 2**30
+# Polls timed for the NVML collector's cost on this GPU (issue 30: the exporter polls every
+# second, under 1 % of a core): a few hundred milliseconds on a real GPU.
+POLL_SAMPLES = 1000
 CHECKS = ("nvml", "allocator", "oom", "headroom", "pressure")
 TITLES = {
     "nvml": "NVML collector against nvidia-smi --query-gpu/--query-compute-apps",
@@ -503,7 +506,29 @@ def check_nvml(device: Device, held: list[Any]) -> dict[str, Any]:
         _near(f"process {key[0]}", our_procs[key], used, 2 * MIB)
     me = [k for k in our_procs if k[0] == os.getpid()]
     measured |= {"processes": len(smi_procs), "this_process_listed": bool(me)}
+    measured["poll_cpu_us_per_gpu"] = poll_cost(
+        NvmlCollector(platform.node(), device.nvml), len(ours)
+    )
     return measured
+
+
+def poll_cost(collector: Any, gpus: int, samples: int = POLL_SAMPLES) -> dict[str, float]:
+    """CPU time of one exporter poll of NVML on this machine's driver, per GPU (microseconds):
+    the collector kept between polls as the exporter keeps it (its caches warm)."""
+    collector.collect()
+    cpu = []
+    for _ in range(samples):
+        start = time.process_time()
+        collector.collect()
+        cpu.append(time.process_time() - start)
+    cpu.sort()
+    per = 1e6 / max(gpus, 1)
+    return {
+        "polls": samples,
+        "mean": round(sum(cpu) / samples * per, 1),
+        "p50": round(cpu[samples // 2] * per, 1),
+        "p99": round(cpu[min(samples - 1, int(samples * 0.99))] * per, 1),
+    }
 
 
 def check_allocator(device: Device, held: list[Any], tmp: Path) -> dict[str, Any]:

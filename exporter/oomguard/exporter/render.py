@@ -48,10 +48,11 @@ def _count_drop(dropped: Counter[str], reason: str, name: str, exc: BaseExceptio
 class Family:
     """Samples of one catalogued metric, with label values in the catalog's label order."""
 
-    __slots__ = ("samples", "spec")
+    __slots__ = ("samples", "spec", "width")
 
     def __init__(self, name: str) -> None:
         self.spec: MetricSpec = spec(name)
+        self.width = len(self.spec.labels)  # label values per sample
         self.samples: list[tuple[tuple[str, ...], float]] = []
 
     def add(self, labels: tuple[str, ...], value: float) -> None:
@@ -80,7 +81,10 @@ class FamilyBuilder:
         if family is None:
             family = self._families[name] = Family(name)
         try:
-            family.add(labels, value)
+            # Family.add inline (a node's render pass adds some 1,300 samples one at a time)
+            if len(labels) != family.width:
+                family.add(labels, value)  # raises its ValueError
+            family.samples.append((labels, float(value)))
         except _BAD_SAMPLE as exc:
             _count_drop(self.dropped, "unrenderable", name, exc)
 
@@ -191,46 +195,102 @@ GZIP_LEVEL = 1
 
 class PartsGzip:
     """gzip of a rendering made from its pieces, each large body compressed once while it stays
-    the same (the per-process family, most of a node's page, rarely moves).
+    the same (the per-process family, most of a node's page, rarely moves), and so is each run
+    of small pieces that did not change since the last rendering (the small families that hold
+    still, with the headers between them: most of the rest of the page, while a few families'
+    values move every poll).
 
-    One gzip member, one deflate stream: the small pieces go through one compressor; before a
-    large body's cached blocks it is flushed with Z_FULL_FLUSH, which aligns its output to a
-    byte and forgets its window, so no later block refers back into data it did not see, and
-    each large body was compressed alone (its blocks refer only to itself). The CRC is
-    combined from the pieces' CRCs. The result inflates to exactly the joined pieces.
+    One gzip member, one deflate stream: the changed pieces go through one compressor; before a
+    cached piece's blocks it is flushed with Z_FULL_FLUSH, which aligns its output to a byte and
+    forgets its window, so no later block refers back into data it did not see, and each cached
+    piece was compressed alone (its blocks refer only to itself). The CRC is combined from the
+    pieces' CRCs. The result inflates to exactly the joined pieces.
     """
 
     LARGE = 8192  # characters: smaller bodies are cheaper to recompress than to splice
+    RUN = 2048  # characters: a shorter run of unchanged pieces is compressed with the rest
 
     def __init__(self, level: int = GZIP_LEVEL) -> None:
         self.level = level
         # family name -> (body as last compressed, its deflate blocks, crc, bytes, crc shift);
         # bounded by the catalog. Read and replaced whole: concurrent scrapes need no lock.
         self._bodies: dict[str, tuple[str, bytes, int, int, int]] = {}
+        # the last rendering's small bodies (family name -> text: what "unchanged" is against)
+        # and its runs of unchanged pieces (their texts -> blocks, crc, bytes, crc shift);
+        # replaced whole by each compress: only the last rendering's are kept
+        self._small: dict[str, str] = {}
+        self._runs: dict[tuple[str, ...], tuple[bytes, int, int, int]] = {}
+
+    def _alone(self, data: bytes) -> bytes:
+        alone = zlib.compressobj(self.level, zlib.DEFLATED, -zlib.MAX_WBITS)
+        return alone.compress(data) + alone.flush(zlib.Z_FULL_FLUSH)
 
     def compress(self, parts: Parts) -> bytes:
         out = [_GZIP_HEADER]
         deflate = zlib.compressobj(self.level, zlib.DEFLATED, -zlib.MAX_WBITS)
         crc = size = 0
+        last_small, small = self._small, {}
+        last_runs, runs = self._runs, {}
+        run: list[str] = []  # unchanged small pieces, in a row
+        run_chars = 0
+
+        def stream(texts: list[str]) -> None:
+            nonlocal crc, size
+            data = "".join(texts).encode()
+            out.append(deflate.compress(data))
+            crc = zlib.crc32(data, crc)
+            size += len(data)
+
+        def splice(blocks: bytes, piece_crc: int, piece_size: int, shift: int) -> None:
+            nonlocal crc, size
+            out.append(deflate.flush(zlib.Z_FULL_FLUSH))
+            out.append(blocks)
+            crc = crc32_combine(crc, piece_crc, shift)
+            size += piece_size
+
+        def end_run() -> None:
+            nonlocal run, run_chars
+            if run_chars < self.RUN:
+                stream(run)
+            else:
+                key = tuple(run)
+                cached = last_runs.get(key)
+                if cached is None:
+                    data = "".join(run).encode()
+                    cached = (self._alone(data), zlib.crc32(data), len(data), _crc_shift(len(data)))
+                runs[key] = cached
+                splice(*cached)
+            run, run_chars = [], 0
+
         for name, text in parts:
             if name is None or len(text) < self.LARGE:
-                data = text.encode()
-                out.append(deflate.compress(data))
-                crc = zlib.crc32(data, crc)
-                size += len(data)
+                if name is not None:
+                    small[name] = text
+                    if last_small.get(name) is not text:  # changed (or new): compressed anew
+                        if run:
+                            end_run()
+                        stream([text])
+                        continue
+                run.append(text)  # a header, or a body as the last rendering had it
+                run_chars += len(text)
                 continue
+            if run:
+                end_run()
             cached = self._bodies.get(name)
             if cached is None or cached[0] is not text:
                 data = text.encode()
-                alone = zlib.compressobj(self.level, zlib.DEFLATED, -zlib.MAX_WBITS)
-                blocks = alone.compress(data) + alone.flush(zlib.Z_FULL_FLUSH)
-                cached = (text, blocks, zlib.crc32(data), len(data), _crc_shift(len(data)))
+                cached = (
+                    text,
+                    self._alone(data),
+                    zlib.crc32(data),
+                    len(data),
+                    _crc_shift(len(data)),
+                )
                 self._bodies[name] = cached
-            _, blocks, body_crc, body_size, shift = cached
-            out.append(deflate.flush(zlib.Z_FULL_FLUSH))
-            out.append(blocks)
-            crc = crc32_combine(crc, body_crc, shift)
-            size += body_size
+            splice(*cached[1:])
+        if run:
+            end_run()
+        self._small, self._runs = small, runs
         out.append(deflate.flush(zlib.Z_FINISH))
         out.append(struct.pack("<II", crc, size & 0xFFFFFFFF))
         return b"".join(out)

@@ -3,7 +3,9 @@
 The backend is the pynvml module by default; the GPU twin passes an object with the same
 functions and error classes, so the exporter reads a simulated GPU through this same code.
 Identity is cached per device index (it does not change while the driver is loaded) and the
-cache is dropped whenever NVML reports an error that may mean the GPU set changed.
+cache is dropped whenever NVML reports an error that may mean the GPU set changed. A GPU's MIG
+mode and instance layout are cached too, and read again every MIG_RECHECK_SECONDS, after such an
+error, or when a cached instance cannot be read (see _read_mig).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import contextlib
 import ctypes
 import re
 import struct
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,14 @@ from oomguard.exporter.render import FamilyBuilder
 
 _MIG_PROFILE = re.compile(r"MIG\s+(\S+)")
 _MAX_MIG_SLOTS = 7  # GPU instances per GPU at most (NVIDIA's MIG user guide: A100, H100)
+# How long a GPU's MIG mode and instance layout are used before they are read again. MIG mode
+# changes only by an administrator's command and a GPU reset (whose errors drop the cache at
+# once), the layout only by an administrator creating or destroying instances; yet
+# nvmlDeviceGetMigMode alone costs 160-173 us of CPU on an H200 (driver 580, MIG off), two thirds
+# of a GPU's poll (~1.4 ms/s on an 8-GPU node at a 1 s interval). 30 s: a new instance shows
+# within it, sooner than an engine started on it loads its weights and serves; a destroyed
+# one is noticed at its first failed read (then the layout is read again in the same poll).
+MIG_RECHECK_SECONDS = 30.0
 
 
 def _row_format() -> struct.Struct | None:
@@ -72,6 +84,15 @@ class _Device:
     handle: Any
 
 
+@dataclass
+class _MigLayout:
+    """A GPU's MIG instances as last read: (instance handle, identity) each; none when MIG is
+    off or not supported. `read_at`: the collector's clock when they were read."""
+
+    read_at: float
+    instances: list[tuple[Any, GpuIdentity]]
+
+
 class NvmlCollector:
     name = "nvml"
     target = ""
@@ -82,13 +103,17 @@ class NvmlCollector:
         backend: Any = None,
         process_metrics: bool = True,
         timeout: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.nvml = backend if backend is not None else pynvml
         self.hostname = hostname
         self.process_metrics = process_metrics
         self.timeout = timeout
+        self.clock = clock  # for MIG_RECHECK_SECONDS
         self._initialized = False
         self._identities: dict[int, GpuIdentity] = {}
+        # MIG layout per device index, dropped with its identity (see MIG_RECHECK_SECONDS)
+        self._mig_layouts: dict[int, _MigLayout] = {}
         # MIG instances as last seen: the same identity object while nothing about it changes,
         # so that an unchanged process list compares equal by reference (see families)
         self._mig_identities: dict[GpuIdentity, GpuIdentity] = {}
@@ -137,6 +162,7 @@ class NvmlCollector:
 
     def _reset(self) -> None:
         self._identities.clear()
+        self._mig_layouts.clear()
         self._mig_identities.clear()
         self._listed.clear()
         self.close()
@@ -154,11 +180,12 @@ class NvmlCollector:
         for index in range(count):
             try:
                 device = self._device(index)
-                self._read_device(device, reading)
+                self._read_device(index, device, reading)
             except nvml.NVMLError as exc:
                 # One GPU failing (lost, reset needed) must not hide the others.
                 reading.errors[_reason(exc)] += 1
                 self._identities.pop(index, None)
+                self._mig_layouts.pop(index, None)  # a reset may have switched MIG mode
         if reading.errors and not reading.gpus:
             self._reset()
         return reading
@@ -196,12 +223,12 @@ class NvmlCollector:
         m = nvml.nvmlDeviceGetMemoryInfo(handle)
         return float(m.total), float(m.used), float(m.free), None
 
-    def _read_device(self, device: _Device, reading: GpuReading) -> None:
+    def _read_device(self, index: int, device: _Device, reading: GpuReading) -> None:
         total, used, free, reserved = self._memory(device.handle)
         reading.gpus.append(GpuMemory(device.identity, total, used, free, reserved))
         if self.process_metrics:
             self._read_processes(device.identity, device.handle, reading)
-        self._read_mig(device, reading)
+        self._read_mig(index, device, reading)
 
     def _process_rows(self, handle: Any) -> tuple[Any, list[tuple[int, int | None]] | None]:
         """The device's compute processes as the driver lists them: (a key equal between two
@@ -291,14 +318,47 @@ class NvmlCollector:
         if dropped:
             reading.invalid.update(dropped)
 
-    def _read_mig(self, device: _Device, reading: GpuReading) -> None:
+    def _read_mig(self, index: int, device: _Device, reading: GpuReading) -> None:
+        """The GPU's MIG instances, by the layout read at most MIG_RECHECK_SECONDS ago. A cached
+        instance that cannot be read (destroyed, or the GPU reset, since the layout was read)
+        makes the layout read again at once and the instances read from it, what the failed
+        read added taken back: a routine reconfiguration is no failed poll. An error then is
+        the GPU's (collect counts it and drops the caches)."""
+        layout = self._mig_layouts.get(index)
+        now = self.clock()
+        if layout is not None and 0 <= now - layout.read_at < MIG_RECHECK_SECONDS:
+            if not layout.instances:
+                return
+            runs = reading.process_runs
+            mark = (
+                len(reading.gpus),
+                len(reading.processes),
+                len(runs) if runs is not None else 0,
+                Counter(reading.invalid),
+            )
+            try:
+                self._read_instances(layout.instances, reading)
+                return
+            except self.nvml.NVMLError:
+                del reading.gpus[mark[0] :], reading.processes[mark[1] :]
+                if runs is not None:
+                    del runs[mark[2] :]
+                reading.invalid.clear()
+                reading.invalid.update(mark[3])
+        self._mig_layouts.pop(index, None)
+        layout = self._mig_layouts[index] = _MigLayout(now, self._mig_instances(device))
+        self._read_instances(layout.instances, reading)
+
+    def _mig_instances(self, device: _Device) -> list[tuple[Any, GpuIdentity]]:
+        """The GPU's MIG instances from NVML: (handle, identity) each."""
         nvml = self.nvml
         try:
             current, _pending = nvml.nvmlDeviceGetMigMode(device.handle)
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound):
-            return
+            return []
         if current != nvml.NVML_DEVICE_MIG_ENABLE:
-            return
+            return []
+        instances = []
         for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(device.handle)):
             try:
                 mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(device.handle, slot)
@@ -318,7 +378,13 @@ class NvmlCollector:
             )
             if len(self._mig_identities) > 4 * _MAX_MIG_SLOTS * (len(self._identities) or 1):
                 self._mig_identities.clear()  # reconfigured again and again: start over
-            identity = self._mig_identities.setdefault(identity, identity)
+            instances.append((mig, self._mig_identities.setdefault(identity, identity)))
+        return instances
+
+    def _read_instances(
+        self, instances: list[tuple[Any, GpuIdentity]], reading: GpuReading
+    ) -> None:
+        for mig, identity in instances:
             total, used, free, reserved = self._memory(mig)
             reading.gpus.append(GpuMemory(identity, total, used, free, reserved))
             if self.process_metrics:

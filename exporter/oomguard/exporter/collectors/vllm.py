@@ -29,7 +29,7 @@ from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.base import Reading
 from oomguard.exporter.render import FamilyBuilder
 from oomguard.exporter.scrape import DEFAULT_MAX_BYTES, Scraper
-from oomguard.exporter.textparse import Parsed, is_openmetrics, parse
+from oomguard.exporter.textparse import Parsed, ShapedParser, is_openmetrics
 from oomguard.vllm_seam import (  # vLLM's metric names, by vLLM version (vllm_seam)
     CACHE_CONFIG,
     FINISHED,
@@ -149,6 +149,7 @@ class VllmCollector:
         self._scraper = Scraper(
             url, timeout, max_bytes, names=WANTED, filtered_url=filtered_url(url)
         )
+        self._parser = ShapedParser(WANTED)  # this server's page, read by its shape
 
     def close(self) -> None:
         self._scraper.close()
@@ -166,7 +167,7 @@ class VllmCollector:
 
     def _collect(self) -> VllmReading:
         text, content_type = self._scraper.get()
-        parsed = parse(text, WANTED, openmetrics=is_openmetrics(content_type))
+        parsed = self._parser.parse(text, openmetrics=is_openmetrics(content_type))
         return self.reading_from(parsed)
 
     @staticmethod
