@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# the twin's OOM in a child process, run once (test_vllm_plugin_oom.py, test_incidents.py)
+from tests.twin_oom import twin_oom_dir  # noqa: F401
+
 # the wheel and its installed virtualenv, one each per session (test_packaging.py, test_demo.py)
 from tests.wheel_env import installed, wheel  # noqa: F401
 
@@ -40,7 +43,7 @@ LONG_FIRST = (  # by their time in a 2-worker run (22:03 UTC), longest first
     "test_vllm032.py",  # the plugin smoke test on vLLM 0.32 (its own lane): 2.5 min
     "test_vllm_plugin_guard_server.py",
     "test_vllm_plugin_guard_trace.py",
-    "test_incidents.py",
+    "twin-oom-child",  # test_incidents.py and test_vllm_plugin_oom.py (tests/twin_oom.py)
     "test_remediator_e2e.py",
 )
 
