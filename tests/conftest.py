@@ -14,6 +14,9 @@ import pytest
 # the twin's OOM in a child process, run once (test_vllm_plugin_oom.py, test_incidents.py)
 from tests.twin_oom import twin_oom_dir  # noqa: F401
 
+# one plain vLLM engine per session (test_remediator_actuator.py, test_remediator_e2e.py)
+from tests.vllm_server import plain_vllm, plain_vllm_server  # noqa: F401
+
 # the wheel and its installed virtualenv, one each per session (test_packaging.py, test_demo.py)
 from tests.wheel_env import installed, wheel  # noqa: F401
 
@@ -44,7 +47,7 @@ LONG_FIRST = (  # by their time in a 2-worker run (22:03 UTC), longest first
     "test_vllm_plugin_guard_server.py",
     "test_vllm_plugin_guard_trace.py",
     "twin-oom-child",  # test_incidents.py and test_vllm_plugin_oom.py (tests/twin_oom.py)
-    "test_remediator_e2e.py",
+    "plain-vllm",  # test_remediator_e2e.py and test_remediator_actuator.py: one engine
 )
 
 
