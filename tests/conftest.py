@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +30,21 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # `oomguard budget` sizes with vLLM's own code where vLLM is importable (tens of seconds a call
 # here); its CLI tests use the pure path, and tests/test_budget_vllm.py asks for vLLM's by flag.
 os.environ.setdefault("OOMGUARD_SIZING", "python")
+
+# vLLM inspects each model architecture it meets in a subprocess of its own (a vLLM import, about
+# 10 s of CPU) and caches the answer under VLLM_CACHE_ROOT/modelinfos, keyed by a hash of the
+# model's source file. On a machine whose cache is cold (a fresh CI box) that was 21 imports in
+# tests/test_budget_vllm.py alone: 283 s there, 30 s with the cache warm. The suite brings its
+# own copy of vLLM's answers for the architectures it uses (tests/fixtures/vllm-modelinfos/, for
+# the vLLM in requirements/lock.txt; tests/test_budget_vllm.py fails when they go stale), in a
+# cache root of its own, so every run is as warm as a developer's second one. A stale or missing
+# entry is only slower: vLLM checks the hash and inspects afresh.
+MODELINFOS = Path(__file__).parent / "fixtures" / "vllm-modelinfos"
+if "VLLM_CACHE_ROOT" not in os.environ:
+    _cache_root = Path(tempfile.mkdtemp(prefix="oomguard-tests-vllm-cache-"))
+    shutil.copytree(MODELINFOS, _cache_root / "modelinfos")
+    os.environ["VLLM_CACHE_ROOT"] = str(_cache_root)  # every vLLM the tests start inherits it
+    atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
 
 # -- parallel runs (`make test`: pytest -n 2 --dist loadgroup --no-loadscope-reorder) -----------
 # xdist's unit of work is a test file (module fixtures start a vLLM or a stack once), except that
