@@ -62,7 +62,6 @@ if "VLLM_CACHE_ROOT" not in os.environ:
 # that starts a vLLM server (or a fleet of them, or vLLM's sizing) is not listed.
 UNIT_SECONDS = {
     "wheel": 480,  # the wheel, its venv, the full demo (five vLLMs), PyPI resolves (CI, earlier)
-    "test_budget_vllm.py": 300,  # one vLLM child builds the 41 corpus models on the meta device
     "test_incidents_induced.py": 200,  # six supervised vLLM starts, one per incident type
     "test_restart.py": 190,  # one supervised vLLM, restarted four times, a failing start
     "test_bench_quick.py": 160,  # a vLLM, the step guard lane's, the detection lane's stack
@@ -77,6 +76,7 @@ UNIT_SECONDS = {
     "test_vllm_plugin_step_guard_server.py": 65,
     "plain-vllm": 65,  # test_remediator_e2e.py and test_remediator_actuator.py: one vLLM
     "test_vllm_plugin_dp.py": 60,  # one data-parallel vLLM (two engines)
+    "test_budget_vllm.py": 60,  # one vLLM child builds the 41 corpus models (model info seeded)
     "test_vllm_plugin.py": 60,
     "twin-oom-child": 50,  # test_incidents.py and test_vllm_plugin_oom.py (tests/twin_oom.py)
     "test_fleet_routers.py": 50,  # two vLLMs behind vllm-router
