@@ -85,8 +85,14 @@ CPU_BUILD_GAPS = {
 }
 # Configs whose construction depends on the CPU running the test: vLLM 0.33's CPU MoE oracle
 # found no unquantized-MoE kernel for gpt-oss's experts on an AMD EPYC CI machine (2026-12-02),
-# where an earlier CI machine built it. A gap only with that error; sized on both paths otherwise.
-CPU_DEPENDENT_GAPS = {"gpt-oss-120b": "No Unquantized MoE backend supports"}
+# where an earlier CI machine built it. vLLM 0.33's CPU attention backend takes an FP8 KV cache
+# only on a CPU with AMX or AVX-512 (cpu_attn.supports_kv_cache_dtype), which an AMD EPYC
+# machine without AVX-512 lacked (2026-12-04). A gap only with that error; sized on both paths
+# otherwise.
+CPU_DEPENDENT_GAPS = {
+    "gpt-oss-120b": "No Unquantized MoE backend supports",
+    "Llama-3.1-8B-Instruct-FP8-modelopt": "is not supported by the CPU attention backend",
+}
 
 
 def _cpu_dependent_gap(name: str, sizing: vllm_path.VllmSizing) -> bool:
