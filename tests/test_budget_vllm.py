@@ -85,8 +85,14 @@ CPU_BUILD_GAPS = {
 }
 # Configs whose construction depends on the CPU running the test: vLLM 0.33's CPU MoE oracle
 # found no unquantized-MoE kernel for gpt-oss's experts on an AMD EPYC CI machine (2026-12-02),
-# where an earlier CI machine built it. A gap only with that error; sized on both paths otherwise.
-CPU_DEPENDENT_GAPS = {"gpt-oss-120b": "No Unquantized MoE backend supports"}
+# where an earlier CI machine built it. vLLM 0.33's CPU attention backend takes an FP8 KV cache
+# only on a CPU with AMX or AVX-512 (cpu_attn.supports_kv_cache_dtype), which an AMD EPYC
+# machine without AVX-512 lacked (2026-12-04). A gap only with that error; sized on both paths
+# otherwise.
+CPU_DEPENDENT_GAPS = {
+    "gpt-oss-120b": "No Unquantized MoE backend supports",
+    "Llama-3.1-8B-Instruct-FP8-modelopt": "is not supported by the CPU attention backend",
+}
 
 
 def _cpu_dependent_gap(name: str, sizing: vllm_path.VllmSizing) -> bool:
@@ -379,3 +385,31 @@ def test_deepseek_v4_is_not_sized_as_a_sliding_window_model() -> None:
     }
     with pytest.raises(BudgetError, match="cannot size this without vLLM: DeepSeek-V4"):
         shape_from_hf_config(dsv4)
+
+
+def test_the_suites_copy_of_vllms_model_info_is_current() -> None:
+    """tests/conftest.py seeds vLLM's model-info cache from tests/fixtures/vllm-modelinfos/ (a
+    cold cache cost this file 21 vLLM imports, minutes on CI's 2 cores). Each entry must still be
+    what the installed vLLM would write: same file name, and the hash of the model's source file
+    vLLM checks it by. After a vLLM upgrade: delete the folder's files, run this file with
+    VLLM_CACHE_ROOT=/tmp/vllm-cache (conftest then leaves the cache to vLLM) and copy
+    /tmp/vllm-cache/modelinfos/*.json back."""
+    import importlib.util
+
+    registry = pytest.importorskip("vllm.model_executor.models.registry")
+    from tests.conftest import MODELINFOS
+
+    files = sorted(MODELINFOS.glob("*.json"))
+    assert len(files) >= 20  # the corpus' architectures and the twin's Llama
+    # vLLM names a cache file by the model's module and class (several architectures may share
+    # one class)
+    lazy = [m for m in registry.ModelRegistry.models.values() if hasattr(m, "module_name")]
+    by_file = {m._get_cache_filename(): m for m in lazy}
+    for path in files:
+        entry = json.loads(path.read_text())
+        assert path.name in by_file, f"{path.name}: no such model class in the installed vLLM"
+        model = by_file[path.name]
+        spec = importlib.util.find_spec(model.module_name)
+        assert spec is not None and spec.origin, model.module_name
+        current = model._get_modelinfo_module_hash(Path(spec.origin))
+        assert entry["hash"] == current, f"{path.name} is stale for the installed vLLM"

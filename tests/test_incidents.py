@@ -35,6 +35,10 @@ from oomguard.forensics import reader
 from oomguard.remediator.supervisor import Supervisor
 from oomguard.vllm_plugin import oom
 from tests.conftest import DCGM_MIG
+from tests.twin_oom import GROUP
+
+# the twin OOM child runs once for this file and tests/test_vllm_plugin_oom.py (tests/twin_oom.py)
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 GIB = 2**30
 MIB = 2**20
@@ -803,15 +807,11 @@ def test_dcgm_xid_counts_are_served_per_code(tmp_path):
 
 
 # -- on the GPU twin ----------------------------------------------------------------------------
-def test_the_twins_prompt_logprobs_oom_is_classified_as_a_long_prompt_spike(tmp_path):
+def test_the_twins_prompt_logprobs_oom_is_classified_as_a_long_prompt_spike(twin_oom_dir):
     """The twin's simulated CUDA OOM (a 6,000-token prompt asking for prompt_logprobs on an H100
-    with a 6 GiB neighbour, tests/test_vllm_plugin_oom.py) goes through the real observer in a
-    process that dies at once; its record is classified as type 2."""
-    from tests.test_vllm_plugin_oom import require_vllm, run_child
-
-    require_vllm()
-    assert run_child(tmp_path) == 1
-    found = the_incident(tmp_path / "incidents")
+    with a 6 GiB neighbour, tests/twin_oom.py) goes through the real observer in a process that
+    dies at once (exit code 1, checked there); its record is classified as type 2."""
+    found = the_incident(twin_oom_dir / "incidents")
     assert (found.type, found.confidence) == ("long_prompt", "confirmed")
     assert found.target == "llama" and found.figures["steps"] == 1
     assert found.figures["requested_bytes"] >= 6000 * VOCAB * 4
@@ -823,7 +823,7 @@ def test_a_twin_engine_that_cannot_start_is_classified_as_a_startup_oom(tmp_path
     gpu_memory_utilization 0.92 vLLM refuses to start (its own free-memory check, which the twin
     runs against its neighbour). The supervisor's exit record is classified as type 1."""
     from oomguard.lab.processes import TINY_MODEL, free_port, vllm_command, vllm_env
-    from tests.test_vllm_plugin_oom import require_vllm
+    from tests.vllm_server import require_vllm
 
     require_vllm()
     gpu = tmp_path / "gpu.json"

@@ -11,21 +11,16 @@ from oomguard.remediator.actuator import ActuatorError, DryRunActuator, PluginAc
 from oomguard.remediator.policy import Observed
 from tests.conftest import free_port
 from tests.test_engine_state import CORE as STATE
-from tests.vllm_server import TOKEN, VllmServer, require_vllm
+from tests.vllm_server import PLAIN_GROUP, TOKEN
+
+# the real engine is the session's plain one (tests/vllm_server.py), shared with
+# tests/test_remediator_e2e.py: one start for both files, on one worker
+pytestmark = pytest.mark.xdist_group(PLAIN_GROUP)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    require_vllm()
-    server = VllmServer(
-        "--max-num-seqs",
-        "16",
-        "--max-model-len",
-        "2048",
-        log=tmp_path_factory.mktemp("vllm") / "vllm.log",
-    )
-    yield Target("llama", server.url, TOKEN, model="tiny")
-    server.stop()
+@pytest.fixture
+def engine(plain_vllm):
+    return Target("llama", plain_vllm.url, TOKEN, model="tiny")
 
 
 @pytest.mark.slow

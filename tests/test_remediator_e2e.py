@@ -13,9 +13,11 @@ import pytest
 
 from oomguard.catalog import exported_names
 from oomguard.lab.processes import Alertmanager, RemediatorProcess, free_port
-from tests.vllm_server import TOKEN, SteadyLoad, VllmServer, require_vllm
+from tests.vllm_server import PLAIN_GROUP, TOKEN, SteadyLoad
 
-pytestmark = pytest.mark.slow
+# the engine is the session's plain one (tests/vllm_server.py), shared with
+# tests/test_remediator_actuator.py and handed over serving at its startup cap of 16
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(PLAIN_GROUP)]
 
 REMEDIATOR_TOKEN = "am-to-remediator-7"
 LABELS = {
@@ -52,12 +54,11 @@ def wait(predicate, timeout: float, what: str):
     raise AssertionError(f"{what} did not happen within {timeout}s")
 
 
-def test_alerts_lower_the_cap_and_resolution_readmits_to_startup_across_restarts(tmp_path):
-    require_vllm()
-    engine = VllmServer(
-        "--max-num-seqs", "16", "--max-model-len", "2048", log=tmp_path / "vllm.log"
-    )
-    procs: list = [engine]
+def test_alerts_lower_the_cap_and_resolution_readmits_to_startup_across_restarts(
+    tmp_path, plain_vllm
+):
+    engine = plain_vllm
+    procs: list = []
     load = None
     try:
         (tmp_path / "rtoken").write_text(REMEDIATOR_TOKEN)

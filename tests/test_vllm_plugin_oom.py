@@ -13,67 +13,23 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.vllm_server import require_vllm
+from tests.twin_oom import GROUP
 
-CHILD = textwrap.dedent(
-    """
-    import os, sys
-    from types import SimpleNamespace
-    import torch
-    from oomguard.twin.executor import GpuTwin
-    from oomguard.twin.physics import Step
-    from oomguard.vllm_plugin import oom
-
-    directory = sys.argv[1]
-    config = SimpleNamespace(
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=64,
-                                         enable_chunked_prefill=True),
-        cache_config=SimpleNamespace(gpu_memory_utilization=0.9, block_size=16),
-        model_config=SimpleNamespace(max_model_len=32768),
-    )
-    twin = GpuTwin(config, {"gpu": "H100", "allocator_dir": directory, "target": "llama"})
-    twin.publish(force=True)  # the last periodic report: no OOM in it
-    twin.neighbour = 6 * 2**30  # another process holds 6 GiB of the H100
-    # the step the engine was running: a 6,000-token prompt asking for prompt_logprobs
-    new = SimpleNamespace(
-        req_id="cmpl-big", prompt_token_ids=list(range(6000)), prefill_token_ids=None,
-        num_computed_tokens=0,
-        sampling_params=SimpleNamespace(n=1, best_of=None, logprobs=None, prompt_logprobs=5,
-                                        max_tokens=4),
-    )
-    cached = SimpleNamespace(req_ids=["cmpl-small"], num_computed_tokens=[130])
-    oom.note_step(SimpleNamespace(
-        scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-        num_scheduled_tokens={"cmpl-big": 6000, "cmpl-small": 1},
-        total_num_scheduled_tokens=6001,
-    ))
-    try:
-        twin.step(Step(tokens=6001, logits=6000))
-    except torch.OutOfMemoryError:
-        os._exit(1)  # dies at once: no atexit, no publisher, no cleanup
-    os._exit(0)
-    """
-)
+# the twin OOM child runs once for this file and tests/test_incidents.py (tests/twin_oom.py)
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 
-def run_child(directory: Path) -> int:
-    return subprocess.run(
-        [sys.executable, "-c", CHILD, str(directory)], timeout=240, check=False
-    ).returncode
-
-
-def test_a_fatal_oom_is_on_disk_before_the_process_dies(tmp_path):
-    require_vllm()
-    assert run_child(tmp_path) == 1  # the twin's 6,000-token prompt-logprobs step did not fit
-    reports = [json.loads(p.read_text()) for p in tmp_path.glob("pid-*.json")]
+def test_a_fatal_oom_is_on_disk_before_the_process_dies(twin_oom_dir):
+    # the child ran the twin's 6,000-token prompt-logprobs step, which did not fit, and died
+    # with exit code 1 (tests/twin_oom.py, checked there)
+    reports = [json.loads(p.read_text()) for p in twin_oom_dir.glob("pid-*.json")]
     assert len(reports) == 1 and reports[0]["ooms"] == 1, reports
     assert reports[0]["target"] == "llama" and reports[0]["schema"] == "oomguard.allocator.v1"
 
-    [path] = (tmp_path / "incidents").glob("oom-*.json")
+    [path] = (twin_oom_dir / "incidents").glob("oom-*.json")
     record = json.loads(path.read_text())
     assert record["schema"] == "oomguard.oom_incident.v1" and record["kind"] == "cuda_oom"
     assert record["pid"] == reports[0]["pid"]

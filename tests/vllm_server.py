@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,50 @@ class VllmServer(VllmProcess):
 
     def state(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/oomguard/v1/state", timeout=10).json()
+
+
+# One plain engine (16 sequences, 2,048 tokens, the twin's defaults) for the test files that need
+# nothing else of it: tests/test_remediator_actuator.py and tests/test_remediator_e2e.py asked for
+# this same server each (a vLLM start is half a minute of CPU on a 2-core machine). They share an
+# xdist group, so the session fixture starts once, on the worker that runs them both.
+PLAIN_SEQS = 16
+PLAIN_GROUP = "plain-vllm"
+
+
+@pytest.fixture(scope="session")
+def plain_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    require_vllm()
+    server = VllmServer(
+        "--max-num-seqs",
+        str(PLAIN_SEQS),
+        "--max-model-len",
+        "2048",
+        log=tmp_path_factory.mktemp("plain-vllm") / "vllm.log",
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def plain_vllm(plain_vllm_server: VllmServer) -> VllmServer:
+    """The shared plain engine as a fresh one is: serving at its startup cap (what an earlier
+    test changed is put back through the plugin's own API, and checked)."""
+    url = plain_vllm_server.url
+    assert plain_vllm_server.proc.poll() is None, plain_vllm_server.tail()
+    httpx.post(f"{url}/oomguard/v1/resume", headers=AUTH, timeout=10).raise_for_status()
+    r = httpx.put(
+        f"{url}/oomguard/v1/admission", json={"cap": PLAIN_SEQS}, headers=AUTH, timeout=10
+    )
+    r.raise_for_status()
+    state = plain_vllm_server.state()
+    assert (state["mode"], state["admission_cap"], state["startup_max_num_seqs"]) == (
+        "serving",
+        PLAIN_SEQS,
+        PLAIN_SEQS,
+    ), state
+    return plain_vllm_server
 
 
 def prompt(i: int, length: int) -> list[int]:
