@@ -147,7 +147,10 @@ def test_report_shows_what_on_call_saw(demo):
     # alerts with their runbooks; the remediator acted on the guarded engine 0 only
     fired = {a["alert"] for a in summary["alerts"]}
     assert fired, "no alert fired for the incident"
-    assert all(a["runbook_url"].endswith(f"{a['alert']}.md") for a in summary["alerts"])
+    # a runbook link may point into its page (OomguardIncidentClassified.md#long_prompt)
+    assert all(
+        a["runbook_url"].split("#")[0].endswith(f"{a['alert']}.md") for a in summary["alerts"]
+    )
     assert all(a["target"] != "llama-1" for a in summary["alerts"] if a["action"])
     audit = [json.loads(x) for x in (report / "remediator-audit.jsonl").read_text().splitlines()]
     times = [e["time"] for e in audit]

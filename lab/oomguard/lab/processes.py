@@ -49,10 +49,24 @@ ALERTMANAGER_CONFIG = deploy_dir() / "alertmanager" / "alertmanager.yml"
 P = TypeVar("P", bound="Process")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Ports this process has handed out. A supervised engine keeps its port across restarts, and
+# while it is down the kernel may offer that same port again: the demo once gave a restarting
+# engine's port to the next engine it started, and both then answered as one.
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
+def free_port(attempts: int = 100) -> int:
+    """A port on 127.0.0.1 that is free now and that this process has not handed out before."""
+    with _HANDED_OUT_LOCK:
+        for _ in range(attempts):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise RuntimeError(f"no free port in {attempts} tries that was not handed out already")
 
 
 class Process:
