@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -13,6 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from oomguard.lab.processes import free_port  # noqa: F401  # tests import it from here
 
 # the twin's OOM in a child process, run once (test_vllm_plugin_oom.py, test_incidents.py)
 from tests.twin_oom import twin_oom_dir  # noqa: F401
@@ -124,12 +125,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 VLLM_FIXTURE = FIXTURES / "vllm" / "vllm-dp2-multiproc.constructed.prom"
 DCGM_K8S = FIXTURES / "dcgm" / "h100x2-k8s.prom"
 DCGM_MIG = FIXTURES / "dcgm" / "h100-mig.prom"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 Responder = Callable[[BaseHTTPRequestHandler], tuple[int, bytes, str]]
