@@ -116,6 +116,8 @@ def main() -> int:
     for name in traces():
         base = Trace.load(name)
         levels = trace_levels(with_horizon(base))  # the GPU events are the same with any load
+        # ... and without the fragments its requests made, for an engine once it runs none
+        released = trace_levels(with_horizon(base), released=True)
         for path in (alertmanager_path(), standalone_path()):
             for variant, v in variants(path).items():
                 r = simulate_recovery(
@@ -125,6 +127,7 @@ def main() -> int:
                     policy=v.policy,
                     slowdown=v.slowdown,
                     counts_prefills=v.counts_prefills,
+                    released_levels=released,
                 )
                 row = {"trace": name, "variant": variant, **r.record()}
                 rows.append(row)

@@ -9,7 +9,7 @@ import pytest
 
 from oomguard.twin.gpu import MIB
 from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
-from oomguard.twin.traces import Trace, names, requests
+from oomguard.twin.traces import Fragments, Trace, names, requests
 from tests.vllm_server import require_vllm
 
 H100 = 81559 * MIB
@@ -91,6 +91,40 @@ def test_the_executor_raises_a_cuda_oom_at_exactly_that_step(tmp_path):
     assert report["ooms"] == 1  # the exporter sees it through the hand-off
     twin._read_at = 0.0
     assert twin.step(Step(tokens=64)) >= 0  # a decode-only step still fits
+
+
+def test_an_idle_twin_engine_keeps_publishing_its_allocator_report(tmp_path):
+    """As the plugin's publisher thread does on a GPU: an engine that takes no step still
+    reports, so fragments that coalesced while it was idle leave the exporter's view (a report
+    written only by steps kept the last busy step's fragments until it went stale)."""
+    require_vllm()
+    import time
+
+    from oomguard.twin.executor import GpuTwin
+
+    state = tmp_path / "gpu.json"
+    state.write_text(json.dumps({"fragmentation_bytes": 8 * 2**30}))
+    vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+        cache_config=SimpleNamespace(gpu_memory_utilization=0.9, block_size=16),
+    )
+    GpuTwin(vllm_config, {"gpu": "H100", "state_file": str(state), "allocator_dir": str(tmp_path)})
+
+    def inactive_split(want: int) -> int:
+        deadline = time.monotonic() + 10
+        seen = -1
+        while time.monotonic() < deadline:
+            found = list(tmp_path.glob("pid-*.json"))
+            if found:
+                seen = json.loads(found[0].read_text())["inactive_split_bytes"]
+                if seen == want:
+                    break
+            time.sleep(0.1)
+        return seen
+
+    assert inactive_split(8 * 2**30) == 8 * 2**30  # no step taken: the thread wrote it
+    state.write_text(json.dumps({"fragmentation_bytes": 0}))  # the fragments coalesced
+    assert inactive_split(0) == 0
 
 
 def test_memory_taken_while_a_step_runs_kills_it_at_its_end_and_the_step_guard_reads_it(
@@ -185,22 +219,71 @@ def test_gpu_events_interpolate_linearly():
     assert t.gpu_at(900) == (0, 0)
 
 
-def test_a_restarted_process_carries_only_the_fragmentation_grown_since_its_start():
-    from oomguard.lab.runner import fragmentation_of_process
+def _frag(trace: Trace, t: float, started_at: float, idle: bool = False) -> int:
+    f = Fragments(trace)
+    if started_at:
+        f.restarted(started_at)
+    return f.at(t, idle)
 
+
+def test_a_restarted_process_carries_only_the_fragmentation_grown_since_its_start():
     spike = Trace.load("fragmentation-spike")  # 8.6 GiB of fragments for about 80 s
     top = max(spike.gpu_events, key=lambda e: e.fragmentation_gib).at_s
-    assert fragmentation_of_process(spike, top, 0.0) == spike.gpu_at(top)[1] > 0
+    assert _frag(spike, top, 0.0) == spike.gpu_at(top)[1] > 0
     # restarted inside the spike: the new process has none of it, then or after
     for t in range(int(top), int(spike.duration_s) + 1):  # not the timeline from its start
-        assert fragmentation_of_process(spike, t, top) == 0, t
+        assert _frag(spike, t, top) == 0, t
     # restarted before it: it meets the spike like the first process did
-    assert fragmentation_of_process(spike, top, 1.0) == spike.gpu_at(top)[1]
+    assert _frag(spike, top, 1.0) == spike.gpu_at(top)[1]
     # the slow creep grows again from zero after a restart, at the same rate
     creep = Trace.load("fragmentation-creep")
     grown = creep.gpu_at(6000)[1] - creep.gpu_at(5000)[1]
     assert grown > 0
-    assert fragmentation_of_process(creep, 6000, 5000) == pytest.approx(grown, abs=2)
+    assert _frag(creep, 6000, 5000) == pytest.approx(grown, abs=2)
+
+
+@pytest.mark.parametrize("name", ["fragmentation-spike", "long-prompt-burst", "long-context-burst"])
+def test_request_made_fragments_coalesce_once_the_engine_runs_none(name: str):
+    """The spikes' fragments are their requests' (on a real H200 the inactive split went to 0
+    the moment the last request finished): an engine that goes idle inside the spike holds
+    none of them after, while busy it holds the curve; a new rise after the curve fell is new
+    requests' fragments again."""
+    trace = Trace.load(name)
+    assert trace.fragments == "requests"
+    top = max(trace.gpu_events, key=lambda e: e.fragmentation_gib)
+    end = max(e.at_s for e in trace.gpu_events)
+    f = Fragments(trace)
+    assert f.at(top.at_s) == trace.gpu_at(top.at_s)[1] > 0  # busy: all of it
+    assert f.at(top.at_s, idle=True) == 0  # idle: given back
+    for t in range(int(top.at_s), int(end) + 1):  # busy again: none of it comes back
+        assert f.at(t) == 0, t
+    # after the curve is back at zero, the next spike's fragments are new requests' again
+    again = trace.model_copy(
+        update={
+            "gpu_events": [
+                *trace.gpu_events,
+                *(e.model_copy(update={"at_s": e.at_s + end}) for e in trace.gpu_events),
+            ],
+            "duration_s": trace.duration_s + end,
+        }
+    )
+    g = Fragments(again)
+    g.at(top.at_s, idle=True)
+    assert g.at(top.at_s + end) == again.gpu_at(top.at_s + end)[1] > 0
+
+
+def test_process_held_fragments_stay_while_idle():
+    """fragmentation-creep's fragments are pinned by tensors that outlive requests (a real
+    allocator keeps them while idle): only a restart gives them back."""
+    creep = Trace.load("fragmentation-creep")
+    assert creep.fragments == "process" and creep.pressure_ends_with_restart
+    f = Fragments(creep)
+    assert f.at(6000, idle=True) == creep.gpu_at(6000)[1] > 0
+    assert f.at(6100, idle=True) == creep.gpu_at(6100)[1]
+    # a request-bound copy of it ends without a restart, and gives its fragments back idle
+    held = creep.model_copy(update={"fragments": "requests"})
+    assert not held.pressure_ends_with_restart
+    assert Fragments(held).at(6000, idle=True) == 0
 
 
 def test_every_restart_after_the_first_start_pays_the_model_reload(tmp_path, monkeypatch):

@@ -117,3 +117,28 @@ def test_requests_still_running_after_the_drain_do_not_stall_the_first_stage():
     r = simulate_recovery(with_horizon(trace, 64), levels, path=alertmanager_path(), slowdown=4)
     assert r.recovery_s is not None and r.recovery_s <= 60, r.actions
     assert not r.retriggered
+
+
+@pytest.mark.parametrize("name", ["fragmentation-spike", "long-prompt-burst"])
+def test_a_drained_engine_gives_its_requests_fragments_back_once_idle(name: str):
+    """`fragments: requests`: the drain takes new requests off engine 0, the ones it runs
+    finish, and with none running the fragments are gone (twin.traces.Fragments): the alerts
+    resolve and the engine is back at full admission before the trace's curve would have let
+    go, with no second drain. With the curve as it is (an engine that never idles), the
+    re-admission waits for its end."""
+    from bench.outcome import with_horizon
+
+    trace = with_horizon(Trace.load(name))
+    levels = trace_levels(trace)
+    released = trace_levels(trace, released=True)
+    assert max(levels) == 3 and max(released) == 0  # the fragments are all of the pressure
+    assert trace.pressure_ends_s is not None
+    for path in (alertmanager_path(), standalone_path()):
+        idle = simulate_recovery(trace, levels, path=path, released_levels=released)
+        assert idle.actions[0].split()[1] == "drain"
+        assert idle.level_clear_s is not None and idle.level_clear_s < trace.pressure_ends_s - 30
+        assert idle.full_s is not None and idle.full_s <= trace.pressure_ends_s
+        assert idle.recovery_s == 0 and not idle.retriggered
+        assert sum(a.split()[1] == "drain" for a in idle.actions) == 1
+        busy = simulate_recovery(trace, levels, path=path)
+        assert busy.level_clear_s is not None and busy.level_clear_s > trace.pressure_ends_s - 10

@@ -29,7 +29,7 @@ from oomguard.lab.recovery import on_gpu, simulate_recovery
 from oomguard.thresholds import PressureThresholds
 from oomguard.twin.gpu import GPU_MODELS, TwinGpu, TwinNvml
 from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
-from oomguard.twin.traces import Phase, Trace
+from oomguard.twin.traces import Fragments, Phase, Trace
 from oomguard.vllm_plugin import step_guard
 from oomguard.vllm_plugin.step_guard import Room, StepCosts, margin_for, plan
 
@@ -122,7 +122,11 @@ def simulate(
     thresholds: PressureThresholds | None = None,
     duration_s: float = 120.0,
     levels: list[int] | None = None,
+    release: bool = True,
 ) -> Cell:
+    """One cell (see the module's docstring). `levels`: append the level of each tick to it;
+    `release`: fragments that the trace's requests made (`fragments: requests`) coalesce once
+    the drained engine is idle (False: the curve as it is, for `trace_levels`)."""
     model = model_for(gpu_name)
     p = Physics.for_model(model, gpu=gpu_name, gpu_memory_utilization=gmu)
     spec = GPU_MODELS[gpu_name]
@@ -146,9 +150,14 @@ def simulate(
     drained_at: float | None = None
     capped = False
     ticks: list[int] = [] if levels is None else levels  # the level per tick, for the recovery
+    fragments = None if trace is None else Fragments(trace)
+    idle = False  # the drained engine holds its memory idle (the last tick's step was none)
     t = 0.0
     while t <= duration_s:
-        neighbour, frag = (0, 0) if trace is None else trace.gpu_at(t)
+        neighbour, frag = 0, 0
+        if trace is not None and fragments is not None:
+            neighbour = trace.gpu_at(t)[0]
+            frag = fragments.at(t, idle=idle and release)
         neighbour, frag = int(neighbour * scale), int(frag * scale)
         # Heavy load: the allocator cache holds the planned activation peak; fragmentation
         # grows the engine's reserved memory beyond it.
@@ -193,6 +202,7 @@ def simulate(
             step = decode
         else:
             step = None  # drained and idle: no allocation, nothing to fail
+        idle = step is None
         if cell.oom_with_s is None and step is not None and not p.fits(step, frag, neighbour):
             cell.oom_with_s = t
         # ... and with the step guard looking before that step
@@ -206,9 +216,14 @@ def simulate(
     return cell
 
 
-def trace_levels(trace: Trace, dt: float = 1.0) -> list[int]:
+def trace_levels(trace: Trace, dt: float = 1.0, released: bool = False) -> list[int]:
     """Engine 0's pressure level per `dt` over the trace, on its own GPU and gmu, with its GPU
-    events as they are (not scaled): the exporter's evaluator on the twin GPU (`simulate` above)."""
+    events as they are (not scaled): the exporter's evaluator on the twin GPU (`simulate` above).
+    `released`: without the fragments that the trace's requests made (`fragments: requests`),
+    as an engine that ran idle holds it (the recovery's idle engine)."""
+    if released and trace.fragments == "requests":
+        events = [e.model_copy(update={"fragmentation_gib": 0.0}) for e in trace.gpu_events]
+        trace = trace.model_copy(update={"gpu_events": events})
     gmu = trace.engine.gpu_memory_utilization
     p = Physics.for_model(model_for(trace.gpu), gpu=trace.gpu, gpu_memory_utilization=gmu)
     worst = max(sum(trace.gpu_at(t)) for t in range(int(trace.duration_s) + 1))
@@ -218,7 +233,7 @@ def trace_levels(trace: Trace, dt: float = 1.0) -> list[int]:
     # simulate scales the events to peak at overshoot x the plan's slack: this overshoot is 1:1
     overshoot = worst / ((1 - gmu) * p.usable)
     levels_only = trace.model_copy(update={"pressure_ends_s": None})  # no recovery inside
-    simulate(trace.gpu, gmu, levels_only, dt=dt, overshoot=overshoot, levels=levels)
+    simulate(trace.gpu, gmu, levels_only, dt=dt, overshoot=overshoot, levels=levels, release=False)
     return levels
 
 

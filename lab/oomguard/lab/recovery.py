@@ -34,7 +34,7 @@ from oomguard.remediator.safety import SafetyConfig, SafetyState
 from oomguard.remediator.webhook import Alert
 from oomguard.thresholds import AlertThresholds
 from oomguard.twin.physics import Physics, Step
-from oomguard.twin.traces import Trace, requests
+from oomguard.twin.traces import Fragments, Trace, requests
 from oomguard.units import parse_duration
 
 EXPORTER_POLL_S = 1.0  # the exporter's default interval_seconds
@@ -199,13 +199,17 @@ def simulate_recovery(
     model: str | None = None,
     slowdown: float = 1.0,
     counts_prefills: bool = True,
+    released_levels: Sequence[int] | None = None,
 ) -> Recovery:
     """Replay `levels` (engine 0's pressure level per `dt_levels` trace seconds) through the
     alerting `path` and the remediator's decision; see the module's docstring. `slowdown`: the
     engine's steps take that many times as long in trace time (the real twin on a loaded
     2-core machine at `--compression 4` ran about x4 behind its clock). `counts_prefills`
     False: the engine reports no prefill counts (a plugin from before they were counted), so a
-    re-admission stage counts finished requests only."""
+    re-admission stage counts finished requests only. `released_levels`: the levels without
+    the fragments that the trace's requests made (lab.matrix.trace_levels(released=True)),
+    which the engine holds from the moment it runs no request (twin.traces.Fragments, as the
+    real twin's GPU driver does); None: the levels as given, whatever the engine does."""
     assert trace.pressure_ends_s is not None, f"{trace.name} has no end of pressure"
     path = path or alertmanager_path()
     policy, safety = policy or PolicyConfig(), safety or SafetyConfig()
@@ -231,8 +235,14 @@ def simulate_recovery(
     t, a = 0.0, 0
     was_full, became_full = True, [0.0]
     last_level_high = None
+    fragments = Fragments(trace)
+    released: list[bool] = []  # per tick: the engine's request-made fragments are gone
     while t <= end:
-        level = levels[min(len(levels) - 1, max(0, int((t - path.staleness_s) / dt_levels)))]
+        seen = t - path.staleness_s  # the level a rule reads is this old
+        source = levels
+        if released_levels is not None and released and released[_tick(seen, len(released))]:
+            source = released_levels
+        level = source[min(len(source) - 1, max(0, int(seen / dt_levels)))]
         if level >= 2:
             last_level_high = t
         wake = False
@@ -267,6 +277,10 @@ def simulate_recovery(
             eng.running.append([prefill * slowdown, total * slowdown])
             eng.admitted += 1
         eng.tick(DT)
+        if released_levels is not None:
+            # all of them gone (levels at a part of the curve are not known: a part counts
+            # as all of it, which errs towards pressure)
+            released.append(fragments.at(t, idle=not eng.running) == 0)
         full = not eng.draining and eng.cap >= startup
         if full and not was_full:
             became_full.append(t)
@@ -288,6 +302,11 @@ def simulate_recovery(
         out.retriggered = any(at > out.full_s for at in lowering)
     out.actions = [f"{at:.1f} {kind}{'' if cap is None else f' {cap}'}" for at, kind, cap in taken]
     return out
+
+
+def _tick(t: float, ticks: int) -> int:
+    """The tick of simulated time `t` among the `ticks` simulated so far."""
+    return min(ticks - 1, max(0, round(t / DT)))
 
 
 def _pass(

@@ -62,7 +62,7 @@ from oomguard.remediator.config import RemediatorConfig, StandaloneConfig
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
 from oomguard.twin.gpu import TwinGpu, TwinNvml
-from oomguard.twin.traces import Request, Trace, requests
+from oomguard.twin.traces import Fragments, Request, Trace, requests
 
 CONFIGS = ("default", "static", "oomguard")  # the outcome benchmark's three
 GUARD = "guard"  # the request guard alone (bench/guard.py)
@@ -708,15 +708,22 @@ class Fleet:
 
     def _drive(self) -> None:
         """Writes each GPU's state for the executor and the exporter's NVML, every 0.1 s wall
-        at most; never waits on an engine (the trace's GPU events must keep their time)."""
+        at most; never waits on an engine (the trace's GPU events must keep their time).
+        Engine 0's fragmentation is its process's (twin.traces.Fragments): a restart starts it
+        from none, and fragments its requests made coalesce when the last view of the engine
+        (its plugin's state, read by `_watch`) shows it running none."""
         trace = self.trace
+        fragments = [Fragments(trace) for _ in range(self.n)]
         while not self._stop.is_set():
             t = self.now()
             for i in range(self.n):
                 neighbour, frag = 0, 0
                 if i == 0:  # the trace's GPU events hit engine 0's GPU only
                     neighbour = trace.gpu_at(t)[0]
-                    frag = fragmentation_of_process(trace, t, self._restarted_at[i])
+                    if fragments[i].started_at != self._restarted_at[i]:
+                        fragments[i].restarted(self._restarted_at[i])
+                    view = self.views[i]
+                    frag = fragments[i].at(t, idle=view.up and view.running == 0)
                 self.states[i].write_text(
                     json.dumps({"neighbour_bytes": neighbour, "fragmentation_bytes": frag})
                 )
@@ -862,18 +869,6 @@ def poll_seconds(shipped: float, compression: float, slowest: float, floor: floa
     0.05 wall s; 0.25 wall s was five trace seconds per reconcile pass, and each step of a
     staged re-admission waits for one; 0.1 is two."""
     return max(floor, min(slowest, shipped / compression))
-
-
-def fragmentation_of_process(trace: Trace, t: float, started_at: float) -> int:
-    """Engine 0's allocator fragmentation at trace time `t` in a process started at
-    `started_at` (0: the first one): what the trace's fragmentation grew by since then. A new
-    process has none of its predecessor's fragments, and the requests that made a spike died
-    with it: the trace's timeline is not replayed from its start (a spike met again by every
-    new process made each restart look necessary)."""
-    frag = trace.gpu_at(t)[1]
-    if started_at <= 0:
-        return frag
-    return max(0, frag - trace.gpu_at(started_at)[1])
 
 
 def remediator_timings(compression: float) -> dict[str, Any]:

@@ -181,7 +181,7 @@ class GpuTwin:
         self.peak_seen = 0
         self._read_at = 0.0
         self._published_at = 0.0
-        if self.state_file:
+        if self.state_file or self.allocator_dir:
             threading.Thread(
                 target=self._publish_device_memory, name="twin-gpu-process", daemon=True
             ).start()
@@ -206,16 +206,20 @@ class GpuTwin:
         return p.resident + p.activation(p.max_num_batched_tokens) + self.fragmented + self.leaked
 
     def _publish_device_memory(self) -> None:
-        """Every 0.5 s, this process's device memory beside the state file (twin/gpufile.py):
-        the exporter's twin NVML lists it, as NVML lists a GPU's processes, busy or idle."""
+        """Every 0.5 s, busy or idle: this process's device memory beside the state file
+        (twin/gpufile.py), which the exporter's twin NVML lists as NVML lists a GPU's
+        processes, and the allocator report, as the plugin's publisher thread writes it on a
+        GPU (steps publish too, but an idle engine takes none, and its fragments may change)."""
         from oomguard.twin.gpufile import publish_process
 
         while True:
             self._read_state()
-            try:
-                publish_process(self.state_file, os.getpid(), self.device_bytes())
-            except OSError:
-                log.debug("twin: cannot publish the engine's device memory", exc_info=True)
+            if self.state_file:
+                try:
+                    publish_process(self.state_file, os.getpid(), self.device_bytes())
+                except OSError:
+                    log.debug("twin: cannot publish the engine's device memory", exc_info=True)
+            self.publish()
             time.sleep(0.5)
 
     # -- the twin's clock: wall time until the first step, then `clock_rate` times faster -------

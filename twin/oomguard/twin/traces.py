@@ -13,6 +13,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,6 +63,12 @@ class Trace(BaseModel):
     engine: EngineFlags = Field(default_factory=EngineFlags)
     phases: list[Phase] = Field(min_length=1)
     gpu_events: list[GpuPoint] = Field(default_factory=list)
+    fragments: Literal["process", "requests"] = Field(
+        "process",
+        description="What holds the fragmentation of `gpu_events`: `process`, tensors that "
+        "outlive requests (only a new process gives it back); `requests`, the requests running "
+        "while it grew (it coalesces once the engine runs none: Fragments).",
+    )
     pressure_ends_s: float | None = Field(
         None, description="When the trace's pressure is over (recovery is measured from here)."
     )
@@ -73,7 +80,12 @@ class Trace(BaseModel):
         (the twin starts a restarted one from zero), so the pressure ends only when a restarted
         engine is up with a clean allocator (the outcome runner measures recovery from there)."""
         last = max(self.gpu_events, key=lambda p: p.at_s, default=None)
-        return self.pressure_ends_s is None and last is not None and last.fragmentation_gib > 0
+        return (
+            self.pressure_ends_s is None
+            and self.fragments == "process"
+            and last is not None
+            and last.fragmentation_gib > 0
+        )
 
     @property
     def pressure_ends(self) -> bool:
@@ -145,6 +157,50 @@ class Trace(BaseModel):
                 else None,
             }
         )
+
+
+class Fragments:
+    """One engine's allocator fragmentation as its process lives the trace (engine 0's GPU).
+
+    A restarted process has none of its predecessor's fragments: it sees only what the trace's
+    curve grew by since it started (the curve is not replayed from the start: a spike met again
+    by every new process made each restart look necessary). With `fragments: requests` the
+    fragments belong to the requests running while they grew: once the engine runs none, the
+    allocator has freed and merged their blocks (on an H200, 1.6 GiB of inactive split went to
+    0 the moment the last request finished), so what the curve holds then is gone for this
+    process, and only what it grows by later comes back. Pure: the caller says when.
+    """
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.started_at = 0.0
+        self.released = 0  # bytes of the curve this process has given back
+        self._last_t: float | None = None
+
+    def restarted(self, t: float) -> None:
+        """A new process from trace time `t` (a crash and restart, or a requested restart)."""
+        self.started_at, self.released = t, 0
+
+    def _grown(self, t: float) -> int:
+        """What the curve grew by at `t` since this process started."""
+        frag = self.trace.gpu_at(t)[1]
+        if self.started_at > 0:
+            frag = max(0, frag - self.trace.gpu_at(self.started_at)[1])
+        return frag
+
+    def at(self, t: float, idle: bool = False) -> int:
+        """The fragmentation (bytes) at trace time `t`; `idle`: the engine runs no request now."""
+        frag = self._grown(t)
+        if self.trace.fragments != "requests":
+            return frag
+        # where the curve went below what was given back since the last call, a later rise is
+        # new requests' fragments again (the curve is linear between its points)
+        last = t if self._last_t is None else min(self._last_t, t)
+        inside = (p.at_s for p in self.trace.gpu_events if last < p.at_s < t)
+        low = min((frag, self._grown(last), *(self._grown(at) for at in inside)))
+        self._last_t = t
+        self.released = frag if idle else min(self.released, low)
+        return frag - self.released
 
 
 @dataclass(frozen=True)
