@@ -280,10 +280,12 @@ def test_process_held_fragments_stay_while_idle():
     f = Fragments(creep)
     assert f.at(6000, idle=True) == creep.gpu_at(6000)[1] > 0
     assert f.at(6100, idle=True) == creep.gpu_at(6100)[1]
-    # a request-bound copy of it ends without a restart, and gives its fragments back idle
+    # a request-bound copy of it ends without a restart, and gives its fragments back when
+    # idle once its curve stops rising (at its end)
     held = creep.model_copy(update={"fragments": "requests"})
     assert not held.pressure_ends_with_restart
-    assert Fragments(held).at(6000, idle=True) == 0
+    assert Fragments(held).at(6000, idle=True) > 0
+    assert Fragments(held).at(7200, idle=True) == 0
 
 
 def test_every_restart_after_the_first_start_pays_the_model_reload(tmp_path, monkeypatch):
@@ -306,3 +308,15 @@ def test_every_restart_after_the_first_start_pays_the_model_reload(tmp_path, mon
     executor._emulate_reload(str(tmp_path / "gpu1.json"), 0.0)  # off by default
     executor._emulate_reload("", 36.0)
     assert len(slept) == 3
+
+
+def test_an_idle_moment_while_the_curve_rises_gives_nothing_back():
+    """A rising curve is the trace's requests arriving: an engine idle for a moment before the
+    burst reached it has not had them (long-prompt-burst's vLLM alone still meets the top of
+    the ramp); idle once the curve stopped rising, it gives all of it back."""
+    burst = Trace.load("long-prompt-burst")  # 0 at 60 s, 8 GiB at 66 s, held to 110 s
+    f = Fragments(burst)
+    assert f.at(61, idle=True) == burst.gpu_at(61)[1] > 0  # rising: nothing given back
+    assert f.at(66) == burst.gpu_at(66)[1]  # busy at the top: all of it
+    assert f.at(80, idle=True) == 0  # idle on the plateau: gone
+    assert f.at(100) == 0

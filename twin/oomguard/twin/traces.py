@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 TRACES = Path(__file__).resolve().parent / "traces"
 GIB = 1024**3
+RISE_PROBE_S = 0.01  # how far ahead Fragments looks to tell a rising curve
 
 
 class Phase(BaseModel):
@@ -168,7 +169,8 @@ class Fragments:
     fragments belong to the requests running while they grew: once the engine runs none, the
     allocator has freed and merged their blocks (on an H200, 1.6 GiB of inactive split went to
     0 the moment the last request finished), so what the curve holds then is gone for this
-    process, and only what it grows by later comes back. Pure: the caller says when.
+    process, and only what it grows by later comes back. While the curve rises it is the
+    requests' arrival: an idle moment then gives nothing back. Pure: the caller says when.
     """
 
     def __init__(self, trace: Trace) -> None:
@@ -199,7 +201,11 @@ class Fragments:
         inside = (p.at_s for p in self.trace.gpu_events if last < p.at_s < t)
         low = min((frag, self._grown(last), *(self._grown(at) for at in inside)))
         self._last_t = t
-        self.released = frag if idle else min(self.released, low)
+        # while the curve rises its requests are still coming in and making fragments: an
+        # engine idle between two arrivals has not had them yet (the burst's rise is its
+        # arrival), so only an engine idle once the curve stopped rising gives them back
+        rising = self.trace.gpu_at(t + RISE_PROBE_S)[1] > self.trace.gpu_at(t)[1]
+        self.released = frag if idle and not rising else min(self.released, low)
         return frag - self.released
 
 
