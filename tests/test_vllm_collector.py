@@ -3,10 +3,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oomguard.errors import CollectorError
 from oomguard.exporter.collectors.vllm import WANTED, VllmCollector
 from oomguard.exporter.render import FamilyBuilder
+from oomguard.exporter.textparse import _VALUES as _VALUES_SPLIT
 from oomguard.exporter.textparse import parse
 from tests.conftest import VLLM_FIXTURE
 
@@ -197,3 +200,78 @@ vllm:cache_config_info{{engine="0",{CACHE}}} 1
     assert (e.kv_blocks, e.block_size, e.gpu_memory_utilization) == (None, 16, None)
     assert e.kv_capacity_tokens is None
     assert reading.invalid == {"negative": 3, "out_of_range": 2, "not_a_number": 1}
+
+
+# -- a page of a learnt shape, read by its recipe ------------------------------------------------
+_SHAPES = [
+    VLLM_FIXTURE.read_text(),
+    # the legacy gauge beside the current one, per engine; pid series; a cache config whose
+    # engine has no other series; invalid cache figures
+    f"""# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{{{M},engine="0"}} 1
+vllm:gpu_cache_usage_perc{{{M},engine="1"}} 1
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{{M},engine="1"}} 1
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{{{M},engine="0",pid="1"}} 1
+vllm:num_preemptions_total{{{M},engine="0",pid="2"}} 1
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{{M},engine="0",pid="1"}} 1
+vllm:num_requests_running{{{M},engine="0",pid="2"}} 1
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{{{M},engine="0",finished_reason="stop"}} 1
+vllm:request_success_total{{{M},engine="0",finished_reason="stop",pid="2"}} 1
+vllm:request_success_total{{{M},engine="1",finished_reason="length"}} 1
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{engine="0",{CACHE}}} 1
+vllm:cache_config_info{{engine="2",num_gpu_blocks="8",block_size="16"}} 1
+""",
+]
+_VALUES = st.sampled_from(
+    ["0", "-0.0", "0.25", "1", "1.5", "7", "2.5e9", "-3", "NaN", "+Inf", "-Inf", "1_0", "x"]
+)
+
+
+def _outcome_of(read) -> object:
+    try:
+        return read()
+    except CollectorError as exc:
+        return exc.reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.sampled_from(range(len(_SHAPES))),
+    polls=st.lists(st.lists(_VALUES, min_size=1, max_size=40), min_size=1, max_size=6),
+)
+def test_a_page_read_by_its_shape_is_read_as_sample_by_sample(shape, polls):
+    # poll after poll the same shape with other values (healthy, negative, NaN, not numbers):
+    # every reading is reading_from's of the parsed page, whether its recipe read it or not
+    collector = VllmCollector("t", "http://127.0.0.1:1/metrics")
+    pieces = _VALUES_SPLIT.split(_SHAPES[shape])
+    count = len(pieces) // 3
+    for values in [["1"], ["2"], *polls, *polls]:
+        pieces[2::3] = [values[i % len(values)] for i in range(count)]
+        page = "".join(pieces)
+        expected = _outcome_of(lambda page=page: reading_of(page))
+        assert _outcome_of(lambda page=page: collector.read(page)) == expected
+
+
+def test_a_steady_page_is_read_by_its_recipe_not_sample_by_sample(monkeypatch):
+    collector = VllmCollector("t", "http://127.0.0.1:1/metrics")
+    calls = []
+    real = VllmCollector.reading_from
+    monkeypatch.setattr(
+        VllmCollector, "reading_from", staticmethod(lambda p: calls.append(1) or real(p))
+    )
+    text = VLLM_FIXTURE.read_text()
+    for poll in range(5):
+        page = text.replace(" 2124", f" {2124 + poll}")  # a counter moves
+        reading = collector.read(page)
+        assert reading.engines[0].finished["stop"] == 2124 + poll
+    assert len(calls) == 2  # the first page and the one its shape was learnt on
+    # a page of the shape that the recipe does not read (a NaN) is read sample by sample
+    nan = text.replace("vllm:num_requests_running{", "vllm:num_requests_running{", 1)
+    at = nan.index(" ", nan.index("vllm:num_requests_running{"))
+    nan = nan[:at] + " NaN" + nan[nan.index("\n", at) :]
+    assert collector.read(nan).invalid["nan"] == 1 and len(calls) == 3

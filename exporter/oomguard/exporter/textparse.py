@@ -249,7 +249,7 @@ def parse(text: str, wanted: Iterable[str] | None = None, openmetrics: bool = Fa
 # without a space stay whole in the text between.
 _VALUES = re.compile(r"(?m)^([^#\n][^\n]* )(\S+)$")
 # A page's samples by name as parse() gives them, each by its labels and its value's index
-_ShapePlan = list[tuple[str, list[tuple[dict[str, str], int]]]]
+ShapePlan = list[tuple[str, list[tuple[dict[str, str], int]]]]
 
 
 class ShapedParser:
@@ -268,11 +268,23 @@ class ShapedParser:
         # The last page's shape (its _VALUES split less the values), its plan once learnt (None:
         # not yet, or it has none), and whether learning was tried: one tuple, replaced whole,
         # so that a plan is never read with another shape's pages.
-        self._state: tuple[list[str], list[str], _ShapePlan | None, bool] | None = None
+        self._state: tuple[list[str], list[str], ShapePlan | None, bool] | None = None
 
     @property
-    def _plan(self) -> _ShapePlan | None:
+    def _plan(self) -> ShapePlan | None:
         return None if self._state is None else self._state[2]
+
+    def shaped(self, text: str) -> tuple[ShapePlan, list[str]] | None:
+        """The learnt plan of this page's shape and the page's values, unread (what _apply
+        reads), for a caller that reads the values by the plan itself; None when the page is
+        of another shape or its shape has no plan (parse() it: that is how a shape is learnt)."""
+        state = self._state
+        if state is None or state[2] is None:
+            return None
+        pieces = _VALUES.split(text)
+        if pieces[0::3] != state[0] or pieces[1::3] != state[1]:
+            return None
+        return state[2], pieces[2::3]
 
     def parse(self, text: str, openmetrics: bool = False) -> Parsed:
         if openmetrics:
@@ -294,7 +306,7 @@ class ShapedParser:
         return out
 
 
-def _apply(plan: _ShapePlan, values: list[str]) -> Parsed | None:
+def _apply(plan: ShapePlan, values: list[str]) -> Parsed | None:
     """The plan's samples with these values, or None where parse() must say (a bad value)."""
     out = Parsed()
     samples = out.samples
@@ -317,7 +329,7 @@ def _apply(plan: _ShapePlan, values: list[str]) -> Parsed | None:
     return out
 
 
-def _learn(pieces: list[str], wanted: frozenset[str], parsed: Parsed) -> _ShapePlan | None:
+def _learn(pieces: list[str], wanted: frozenset[str], parsed: Parsed) -> ShapePlan | None:
     """The plan of this page's shape, or None. The page is parsed twice with its values replaced
     by their indices, then by their indices plus their number: a sample whose value moves by
     exactly that number takes its value from that index; any other (a value that is part of
@@ -337,7 +349,7 @@ def _learn(pieces: list[str], wanted: frozenset[str], parsed: Parsed) -> _ShapeP
             return None
         readings.append(reading)
     first, second = readings
-    plan: _ShapePlan = []
+    plan: ShapePlan = []
     for name, samples in first.samples.items():
         moved = second.samples.get(name, [])
         if len(moved) != len(samples):
