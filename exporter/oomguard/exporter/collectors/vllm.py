@@ -193,26 +193,34 @@ class _Recipe:
             config_at.append(at)  # not read, but a NaN would drop the sample: checked
         self.keys = list(keys)
         self.steps = steps
-        self.config = [(n, [getattr(e, a) for a in _CACHE_ATTRS]) for n, e in scratch.items()]
+        # each engine's cache figures, given to its EngineReading as it is made (no step
+        # touches them: the same as applying them after the steps, as reading_from does)
+        self.figures = [
+            {a: getattr(scratch[n], a) for a in _CACHE_ATTRS} if n in scratch else {}
+            for n in range(len(keys))
+        ]
         self.read_at = sorted({at for at, *_ in steps} | set(config_at))
         self.order = sorted(range(len(self.keys)), key=lambda n: self.keys[n])
 
     def read(self, values: list[str]) -> VllmReading | None:
-        numbers: dict[int, float] = {}
-        for at in self.read_at:
-            raw = values[at]
-            if "_" in raw:  # as parse() reads a value: Python's float() takes "1_0"
-                return None
-            try:
-                number = float(raw)
-            except ValueError:
-                return None
-            if not 0.0 <= number < math.inf:  # NaN, infinite or negative: reading_from says
-                return None
-            numbers[at] = number
+        raws = [values[at] for at in self.read_at]
+        if "_" in " ".join(raws):  # as parse() reads a value: Python's float() takes "1_0"
+            return None
+        try:
+            read = list(map(float, raws))
+        except ValueError:
+            return None
+        # a finite sum has no NaN or infinity in it (a sum that overflows is refused too)
+        total = sum(read)
+        if not (total == total and total < math.inf and (not read or min(read) >= 0.0)):
+            return None  # NaN, infinite or negative: reading_from says what is dropped
+        numbers = dict(zip(self.read_at, read, strict=True))
         if not self.keys:
             return None  # no engine: reading_from's no_data
-        engines = [EngineReading(model_name=m, engine=e) for m, e in self.keys]
+        engines = [
+            EngineReading(model_name=m, engine=e, **figures)
+            for (m, e), figures in zip(self.keys, self.figures, strict=True)
+        ]
         for at, n, what, attr in self.steps:
             e, value = engines[n], numbers[at]
             if what == _MAX:
@@ -222,9 +230,6 @@ class _Recipe:
                 setattr(e, attr, (getattr(e, attr) or 0.0) + value)
             else:
                 e.finished[attr] = e.finished.get(attr, 0.0) + value
-        for n, figures in self.config:
-            for attr, figure in zip(_CACHE_ATTRS, figures, strict=True):
-                setattr(engines[n], attr, figure)
         reading = VllmReading()
         if self.invalid:
             reading.invalid.update(self.invalid)
