@@ -74,6 +74,15 @@ STATIC_MAX_NUM_SEQS = 48
 EXPORTER_INTERVAL_S = ExporterConfig.model_fields["interval_seconds"].default  # shipped: 1 s
 TOKEN = "twin-plugin-token"
 NEIGHBOUR_PID = 424242
+# Wall seconds the lab's own chain takes from engine 0 running its last request to a watcher
+# level without that request's fragments: the runner's view of the engine (HTTP), the GPU
+# state it writes, the twin executor's idle publishing (0.5 s), the exporter's poll and the
+# standalone watcher's. Up to 3.4 s was seen on the 2-CPU machine with two engines busy; in the
+# field it is about a scrape interval. It does not shrink with the trace's compression, so the
+# settle before a fragmentation restart keeps at least this much beyond keep_firing_for in
+# wall seconds (remediator_timings): at x15 the scaled margin was 2 s, and an engine whose
+# fragments had coalesced was restarted anyway (a 70 s reload on this machine, 17 trace min).
+LAB_IDLE_TO_LEVEL_S = 5.0
 RECOVERY_WATCH_S = 600.0  # trace seconds to keep watching for recovery after the trace
 PATIENCE_S = 300.0  # trace seconds a client keeps retrying a request before giving up
 STREAM_CHUNKS = 8  # chunks per streamed response at most, besides the first token (each one
@@ -874,15 +883,23 @@ def poll_seconds(shipped: float, compression: float, slowest: float, floor: floa
 def remediator_timings(compression: float) -> dict[str, Any]:
     """The remediator's shipped policy and safety defaults, each clock scaled to the trace's:
     the remediator runs in wall time, so at x`compression` every trace-time default is divided
-    by it. Derived from the config models, so the twin runs what an operator gets."""
+    by it. Derived from the config models, so the twin runs what an operator gets. One floor:
+    the fragmentation settle keeps LAB_IDLE_TO_LEVEL_S of wall time beyond the alert's
+    hysteresis (unchanged at x1, where its margin is 30 s)."""
     c = compression
     policy, safety = PolicyConfig(), SafetyConfig()
     shipped_reconcile = RemediatorConfig.model_fields["reconcile_seconds"].default
+    keep = StandaloneConfig.model_fields["keep_firing_seconds"].default
+    # the settle's margin over the alert's hysteresis is the time the level has to fall once
+    # the engine is idle: the lab's part of that is wall time (LAB_IDLE_TO_LEVEL_S)
+    margin = max((policy.fragmentation_settle_seconds - keep) / c, LAB_IDLE_TO_LEVEL_S)
     return {
         "policy": {
             "step_seconds": policy.step_seconds / c,
             "restart_after_drain_seconds": policy.restart_after_drain_seconds / c,
-            "fragmentation_settle_seconds": policy.fragmentation_settle_seconds / c,
+            "fragmentation_settle_seconds": max(
+                policy.fragmentation_settle_seconds / c, keep / c + margin
+            ),
             "readmit_idle_seconds": policy.readmit_idle_seconds / c,
         },
         "safety": {
