@@ -33,6 +33,7 @@ def collector_threads() -> list[str]:
 def test_collectors_poll_on_one_thread():
     cs = [Scripted(f"c{i}") for i in range(6)]
     poller = Poller(cs, interval=0.05)
+    poller.lanes.budget = 1.0  # none is slow, even on a loaded machine
     poller.start(first_results_within=2)
     try:
         assert until(lambda: all(seq(poller, c.name) >= 3 for c in cs))
@@ -46,7 +47,7 @@ def test_collectors_poll_on_one_thread():
 def test_a_collector_that_hangs_goes_on_its_own_thread_and_the_others_go_on():
     a, hung, b = Scripted("a"), Scripted("hung", timeout=0.3), Scripted("b")
     poller = Poller([a, hung, b], interval=0.05)
-    poller.lanes.rejoin_after = 5
+    poller.lanes.budget, poller.lanes.rejoin_after = 0.25, 5
     poller.start(first_results_within=2)
     try:
         assert until(lambda: seq(poller, "b") >= 2)
@@ -101,10 +102,32 @@ def test_the_others_are_held_back_once_by_about_an_interval():
         poller.stop()
 
 
+def test_a_poll_that_took_longer_than_the_budget_moves_its_collector_off_the_lane():
+    """Slow but back before the watch looked (the render loop looks once an interval): a lane
+    of such engines would take longer than an interval each pass."""
+
+    class Slow(Scripted):
+        def collect(self):
+            time.sleep(0.3)
+            return super().collect()
+
+    slow, ok = Slow("slow"), Scripted("ok")
+    poller = Poller([slow, ok], interval=1.0)  # one watch a second: it misses most polls
+    poller.lanes.budget = 0.1
+    poller.lanes.start()  # the lane alone, no watch
+    try:
+        assert until(lambda: poller.lanes.own() == ["collector-slow-"], within=5)
+        assert until(lambda: seq(poller, "slow") >= 2, within=5)  # polled on its own thread
+    finally:
+        poller.stop()
+    assert collector_threads() == []
+
+
 def test_a_collector_that_keeps_failing_fast_stays_on_the_lane():
     broken = Scripted("broken")
     broken.error = ConnectionRefusedError("engine down")  # fails at once, every poll
     poller = Poller([broken, Scripted("ok")], interval=0.05)
+    poller.lanes.budget = 1.0
     poller.start(first_results_within=2)
     try:
         assert until(lambda: seq(poller, "broken") >= 5 and seq(poller, "ok") >= 5)

@@ -12,7 +12,9 @@ lane, and keep the isolation that own threads gave them:
   at once on a new lane thread. `watch()` decides it, called by the render loop (each interval)
   and during start-up, so the others are held back once, by at most an interval plus `budget`:
   within their `stale_after` (three intervals), so none of them is reported stale for it. The
-  left collector is reported stuck by its own `timeout`, as before.
+  left collector is reported stuck by its own `timeout`, as before. A poll that took longer
+  than `budget` but returned before the watch looked moves its collector to an own thread too,
+  so that the lane's pass stays short.
 - A collector on its own thread whose last `rejoin_after` polls each took under `budget` goes
   back to the lane (an engine that was slow during a restart does not keep a thread for ever).
 - A poll that raises what `Poller.poll` does not catch (a BaseException) is a death of the
@@ -119,14 +121,18 @@ class Lanes:
                 with self._lock:
                     lane.current = None
                     left = lane.left
-                    if death is not None and left is None and not self._stopping:
+                    # slow but back before the watch saw it: its own thread too, or a lane of
+                    # slow engines would take longer than an interval each pass
+                    slow = time.monotonic() - lane.since > self.budget
+                    out = left is None and (death is not None or slow) and not self._stopping
+                    if out:
                         self._members.remove(id(state))
                 if death is not None:
                     self.on_death(thread_name(state))
                 if left is not None:  # the lane went on without this thread: it is left's own
                     self._own(left, death)
                     return
-                if death is not None:
+                if out:
                     self._own(state, death)
             lane.stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
@@ -156,11 +162,13 @@ class Lanes:
 
     # -- own threads -------------------------------------------------------------------------
     def _own(self, state: _Polled, death: str | None = None) -> None:
-        """Start `state`'s own thread; `death`: its poll died in the lane (counted already)."""
+        """Start `state`'s own thread, which polls it next an interval from now (after a
+        death: the restart backoff); `death`: its poll died in the lane (counted already)."""
         stop = threading.Event()
+        wait = self.interval if death is None else supervised.BACKOFF_SECONDS
         t = Supervised(
             thread_name(state),
-            functools.partial(self._own_loop, state, stop, death is not None),
+            functools.partial(self._own_loop, state, stop, wait),
             stop,
             self.on_death,
             settle=self.settle,
@@ -173,9 +181,8 @@ class Lanes:
             self.threads.append(t)
         t.start()
 
-    def _own_loop(self, state: _Polled, stop: threading.Event, died: bool) -> None:
-        if died:
-            stop.wait(supervised.BACKOFF_SECONDS)  # as Supervised waits before a restart
+    def _own_loop(self, state: _Polled, stop: threading.Event, wait: float) -> None:
+        stop.wait(wait)  # its last poll just ended (or died: as Supervised waits to restart)
         in_time = 0
         while not stop.is_set():
             started = time.monotonic()
