@@ -170,6 +170,73 @@ def test_not_json(text):
     assert "not JSON" in str(refused("not_json", bounded.parse_json, text, "b"))
 
 
+_TRICKY_JSON = [
+    '{"a": 1, "b": [2, 3.5, "x"], "c": {"d": null}}',
+    "7",
+    "-" + "9" * 20,
+    "9" * 21,
+    "-" + "9" * 21,
+    '{"a": 99999999999999999999, "b": -99999999999999999999}',
+    '{"a": 100000000000000000000}',
+    '{"a": [1, ' + "9" * 5000 + "]}",
+    '{"a": ' + "9" * 30 + ', "b": 1e999}',
+    '{"a": 1e999, "b": ' + "9" * 30 + "}",
+    '{"a": ' + "9" * 30 + ", }",
+    '{"a": 0.' + "1" * 25 + "}",
+    '{"a": NaN, "b": ' + "9" * 30 + "}",
+    "[-Infinity]",
+    "[1e308, 1e309]",
+    '"\\udc80"',
+    '{"\\udc80": 1, "b": ' + "9" * 30 + "}",
+    "\ufeff[1]",
+    "[" * 5 + "1" + "]" * 5,
+    "[" * 5 + "9" * 30 + "]" * 5,
+    "[1, 2, 3, 4, 5, 6]",
+    "{",
+    "",
+]
+
+
+def _outcome(text: str | bytes, limits: Limits) -> object:
+    try:
+        return ("doc", bounded.parse_json(text, "b", limits))
+    except InputError as exc:
+        return (exc.reason, str(exc))
+
+
+@pytest.mark.parametrize("as_bytes", [True, False])  # a str's scalars are all walked: bytes'
+@pytest.mark.parametrize("text", _TRICKY_JSON)  # integers only by the quick parse's walk
+def test_the_quick_json_parse_answers_as_the_exact_one(text, as_bytes, monkeypatch):
+    # parse_json tries a quicker decoder first (integers read by C, checked after): whatever
+    # it answers (document, or reason and words) is the exact parse's answer
+    limits = Limits(max_digits=20, max_depth=4, max_values=5)
+    if as_bytes:
+        text = text.encode()
+    quick = _outcome(text, limits)
+
+    class Refuses:
+        def decode(self, text):
+            raise ValueError("the quick decoder is off")
+
+    monkeypatch.setattr(bounded, "_quick_decoder", lambda limits: Refuses())
+    assert quick == _outcome(text, limits)
+
+
+def test_a_plain_document_takes_the_quick_parse(monkeypatch):
+    # the exact parse (json.loads with an integer hook) only for what the quick one refuses
+    calls = []
+    real = bounded.json.loads
+    monkeypatch.setattr(bounded.json, "loads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert bounded.parse_json(b'{"pid": 12, "n": [1, 2.5], "s": "x"}', "b") == {
+        "pid": 12,
+        "n": [1, 2.5],
+        "s": "x",
+    }
+    assert calls == []
+    refused("number_too_long", bounded.parse_json, "[" + "9" * 50 + "]", "b")
+    assert calls == [1]
+
+
 def test_too_many_values():
     refused(
         "too_many_values",

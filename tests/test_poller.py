@@ -197,9 +197,11 @@ def test_threads_start_and_stop_cleanly():
     try:
         threading.Event().wait(0.35)
         assert poller.latest.text and poller.polls >= 2
+        threads = poller.threads()
+        assert [t.name for t in threads] == ["collectors", "render"]  # one lane for all
     finally:
         poller.stop()
-    assert all(not t.is_alive() for t in poller._threads)
+    assert all(not t.is_alive() for t in threads)
 
 
 def test_a_collector_hung_at_start_up_does_not_hold_the_others_back():
@@ -287,9 +289,8 @@ def test_a_dead_collector_thread_is_restarted_counted_and_degrades_healthz():
     ok = Scripted(name="dcgm")
     poller = Poller([dies, ok], interval=0.05)
     server = MetricsServer(("127.0.0.1", 0), lambda: poller.latest, 30.0, problems=poller.problems)
+    poller.lanes.settle = 5.0  # degraded this long after the death: the 503 has time to be seen
     poller.start(first_results_within=0.5)
-    for t in poller._threads:
-        t.settle = 5.0  # degraded this long after the death: the 503 below has time to be seen
     server.start()
     url = f"http://127.0.0.1:{server.port}"
     try:

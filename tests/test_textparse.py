@@ -333,3 +333,43 @@ def test_a_shape_is_planned_only_where_the_plan_is_exact(page, planned):
     assert (parser._plan is not None) == planned
     for moved in (page.replace("1", "5"), page.replace("NaN", "3")):
         assert _shaped_outcome(parser, moved) == _outcome(moved, ["a"])
+
+
+def _split_shaped(parser: ShapedParser, text: str) -> object:
+    """What ShapedParser.shaped answered when it split each page by _VALUES (its walk must
+    answer the same): the learnt plan and the page's values when the page is of the shape."""
+    from oomguard.exporter import textparse
+
+    state = parser._state
+    if state is None or state[2] is None:
+        return None
+    pieces = textparse._VALUES.split(text)
+    if pieces[0::3] != state[0] or pieces[1::3] != state[1]:
+        return None
+    return state[2], pieces[2::3]
+
+
+_ODD_VALUE = st.sampled_from(["a 1", "1\n1"]) | st.sampled_from(
+    ["1", "2.5", "", " ", "1 2", "1\n", "\n", "1\r", "\u20031", "1\x1c", "\t1", "# x"]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.one_of(_PAGE, st.text(_EXPOSITION_ALPHABET, max_size=160)),
+    polls=st.lists(st.lists(_ODD_VALUE, min_size=1, max_size=6), min_size=1, max_size=5),
+    edit=st.sampled_from(["", "\n", " ", "x", "# c\n"]),
+)
+def test_shaped_walks_a_page_as_the_split_reads_it(text, polls, edit):
+    # a learnt shape, then pages with other values (with spaces, line breaks, nothing) and
+    # pages edited at either end: the walk finds the shape and values where the split does
+    parser = ShapedParser(["a", "a_total", "b", "ab"])
+    for values in (["1"], ["2"]):
+        try:
+            parser.parse(_with_values(text, values))
+        except CollectorError:
+            return
+    for values in polls:
+        page = _with_values(text, values)
+        for p in (page, page + edit, edit + page):
+            assert parser.shaped(p) == _split_shaped(parser, p)

@@ -29,6 +29,7 @@ reason); `str(InputError)` is one line for an operator: "<source>: <what was wro
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -304,16 +305,19 @@ def _over(token: str, max_digits: int) -> bool:
 _CONTAINERS = (dict, list, tuple)
 
 
-def check_tree(value: Any, source: str, limits: Limits = DEFAULT, *, scalars: bool = True) -> Any:
+def check_tree(
+    value: Any, source: str, limits: Limits = DEFAULT, *, scalars: bool = True, ints: bool = False
+) -> Any:
     """Refuse a parsed document that nests too deep or holds too many values (counting every
     reference: YAML aliases); with `scalars`, also an integer over `max_digits` digits, a
-    non-finite float, or a string that cannot be encoded as UTF-8. Iterative, level by level:
-    no recursion to run out of, and one pass over the values."""
+    non-finite float, or a string that cannot be encoded as UTF-8; with `ints` alone, only such
+    an integer. Iterative, level by level: no recursion to run out of, and one pass over the
+    values."""
     budget = limits.value_budget
     max_int = 10**limits.max_digits
     seen = 1
     level = [value] if type(value) in _CONTAINERS else []
-    if scalars and not level:
+    if (scalars or (ints and type(value) is int)) and not level:
         _check_scalar(value, source, limits, max_int)
     depth = 0
     while level:
@@ -339,6 +343,8 @@ def check_tree(value: Any, source: str, limits: Limits = DEFAULT, *, scalars: bo
                     below.append(child)
                 elif scalars:
                     _check_scalar(child, source, limits, max_int)
+                elif ints and kind is int and not -max_int < child < max_int:
+                    _check_scalar(child, source, limits, max_int)  # raises number_too_long
         level = below
     return value
 
@@ -377,6 +383,32 @@ class _Refused(Exception):
         self.reason, self.detail = reason, detail
 
 
+@functools.lru_cache(maxsize=32)  # a few Limits in a process (module constants)
+def _quick_decoder(limits: Limits) -> json.JSONDecoder:
+    """parse_json's first try: integers read by json's C scanner, floats and constants by the
+    hooks of the exact parse (below). An allocator report holds some 15 integers, each a call
+    into Python with the integer hook (about half of its parse), and json.loads with hooks makes
+    a decoder on every call. An integer is read by C as the hook reads it (int(token)), and a
+    JSON integer has no leading zeros, so one of more than max_digits digits is one outside
+    +-10**max_digits, which check_tree(ints=True) refuses. Whatever this refuses (or json
+    raises) is parsed again the exact way, which says why in its own words: what is accepted
+    here is accepted there, as the same document. One decoder serves every thread, as
+    json.loads's own default one does."""
+
+    def parse_float(token: str) -> float:
+        if _over(token, limits.max_digits):
+            raise _Refused("number_too_long", "")
+        number = float(token)
+        if not math.isfinite(number):
+            raise _Refused("not_finite", "")
+        return number
+
+    def parse_constant(token: str) -> float:
+        raise _Refused("not_finite", "")
+
+    return json.JSONDecoder(parse_float=parse_float, parse_constant=parse_constant)
+
+
 def parse_json(data: bytes | str, source: str, limits: Limits = DEFAULT) -> Any:
     """One JSON document, with every check of this module (size, UTF-8, depth, numbers)."""
     size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8", "surrogatepass"))
@@ -406,6 +438,15 @@ def parse_json(data: bytes | str, source: str, limits: Limits = DEFAULT) -> Any:
     def parse_constant(token: str) -> float:
         raise _Refused("not_finite", f"{token} is not JSON")
 
+    # Numbers were checked by the hooks; a string can only hold a lone surrogate when the text
+    # escapes one ("\\udc80") or came in as str: the walk checks scalars only then.
+    surrogates = isinstance(data, str) or "\\ud" in text or "\\uD" in text
+    if not text.startswith("\ufeff"):  # json.loads refuses a BOM in a str: its words, below
+        try:
+            doc = _quick_decoder(limits).decode(text)
+            return check_tree(doc, source, limits, scalars=surrogates, ints=True)
+        except (ValueError, RecursionError, _Refused):  # InputError, JSONDecodeError included
+            pass  # refused: parsed again below, which says why in its own words
     try:
         doc = json.loads(
             text, parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant
@@ -422,9 +463,6 @@ def parse_json(data: bytes | str, source: str, limits: Limits = DEFAULT) -> Any:
         ) from None
     except ValueError as exc:  # anything else json refuses
         raise InputError(source, "not_json", f"is not JSON: {str(exc)[:120]}") from None
-    # Numbers were checked by the hooks above; a string can only hold a lone surrogate when
-    # the text escapes one ("\\udc80") or came in as str: the walk checks scalars only then.
-    surrogates = isinstance(data, str) or "\\ud" in text or "\\uD" in text
     return check_tree(doc, source, limits, scalars=surrogates)
 
 

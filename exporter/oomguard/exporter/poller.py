@@ -1,14 +1,15 @@
 """The poller: collectors run in the background, snapshots are rendered once, scrapes read bytes.
 
-Each collector polls on its own thread at the configured interval, so a slow engine or a hung
-NVML call delays only itself. A render pass, also at the interval, takes each collector's latest
-result, merges GPU sources, computes pressure levels, and renders the exposition text once. A
-result older than `stale_after` is not served: its collector reports up 0, reason "timeout".
+Collectors poll at the configured interval one after another on one thread, and a collector
+whose poll outlives a small budget (a slow engine, a hung NVML call) goes on on its own thread,
+so it holds the others back once, briefly, and then only itself (lanes.py). A render pass, also
+at the interval, takes each collector's latest result, merges GPU sources, computes pressure
+levels, and renders the exposition text once. A result older than `stale_after` is not served:
+its collector reports up 0, reason "timeout".
 """
 
 from __future__ import annotations
 
-import functools
 import gzip
 import logging
 import operator
@@ -31,6 +32,7 @@ from oomguard.exporter.collectors.base import (
     Reading,
 )
 from oomguard.exporter.collectors.vllm import VllmReading
+from oomguard.exporter.lanes import LANE, Lanes, thread_name
 from oomguard.exporter.pressure import NO_GPU_SOURCE, EngineSource, PressureEvaluator
 from oomguard.exporter.render import (
     GZIP_LEVEL,
@@ -252,7 +254,8 @@ class Poller:
         self.render_dropped: Counter[str] = Counter()  # samples refused while building
         self.polls = 0
         self._stop = threading.Event()
-        self._threads: list[Supervised] = []
+        self._threads: list[Supervised] = []  # the render loop's
+        self.lanes = Lanes(self.states, interval, self.poll, self._died)
         self.thread_restarts: Counter[str] = Counter()
         self._render_lock = threading.Lock()
         self.latest: Snapshot = Snapshot(0.0, [], b"")
@@ -302,39 +305,31 @@ class Poller:
             state.stuck_counted = False
         return result
 
-    def _collector_loop(self, state: CollectorState) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            self.poll(state)
-            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
-
     def _render_loop(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
             try:
+                self.lanes.watch()  # a poll past its budget gets its own thread
                 self.render()
             except Exception:
                 log.exception("render failed; serving the previous snapshot")
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def start(self, first_results_within: float = 5.0) -> None:
-        """Start every collector's thread, wait (bounded) for first results, render once.
+        """Start the collectors' lane, wait (bounded) for first results, render once.
 
-        A collector that hangs on its first poll (a wedged driver) delays start-up by at most
-        `first_results_within` seconds and is then reported stuck, like at any other time.
+        A collector that hangs on its first poll (a wedged driver) is left to its own thread
+        once past the lanes' budget, delays start-up by at most `first_results_within` seconds
+        and is then reported stuck, like at any other time.
         """
-        for state in self.states:
-            t = Supervised(  # a daemon thread: a hung NVML call must not block process exit
-                f"collector-{state.collector.name}-{state.collector.target}",
-                functools.partial(self._collector_loop, state),
-                self._stop,
-                self._died,
-            )
-            self.thread_restarts[t.name] = 0
-            t.start()
-            self._threads.append(t)
+        # every thread's restart series from the start (daemon threads: a hung NVML call
+        # must not block process exit)
+        for name in (LANE, *(thread_name(s) for s in self.states), "render"):
+            self.thread_restarts[name] = 0
+        self.lanes.start()
         deadline = time.monotonic() + first_results_within
         while time.monotonic() < deadline and any(s.result is None for s in self.states):
+            self.lanes.watch()
             time.sleep(0.01)
         self.render()
         t = Supervised("render", self._render_loop, self._stop, self._died)
@@ -347,12 +342,16 @@ class Poller:
 
     def problems(self) -> list[str]:
         """The supervised threads that make the exporter degraded now (its /healthz)."""
-        return supervised.problems(self._threads)
+        return supervised.problems([*self.lanes.threads, *self._threads])
+
+    def threads(self) -> list[Supervised]:
+        """Every live supervised thread: the lane's, the collectors' own, the render loop's."""
+        return [*self.lanes.threads, *self._threads]
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        for t in [*self.lanes.stop(), *self._threads]:
             t.join(max(0.0, deadline - time.monotonic()))
         for state in self.states:
             close = getattr(state.collector, "close", None)

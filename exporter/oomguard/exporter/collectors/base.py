@@ -3,7 +3,7 @@
 A collector reads one source and returns a typed reading; it raises CollectorError when the
 source cannot be read. Partial trouble (one GPU lost of eight, a NaN sample) goes into the
 reading's `problems` so that the rest is still served. Collectors hold no lock and never touch
-the HTTP path: the poller runs each on its own thread.
+the HTTP path: the poller runs them on its lane thread, or one on its own thread (lanes.py).
 """
 
 from __future__ import annotations
