@@ -117,7 +117,12 @@ def main() -> int:
         base = Trace.load(name)
         levels = trace_levels(with_horizon(base))  # the GPU events are the same with any load
         # ... and without the fragments its requests made, for an engine once it runs none
-        released = trace_levels(with_horizon(base), released=True)
+        # (a trace whose fragments its process holds has none to give back)
+        released = (
+            trace_levels(with_horizon(base), released=True)
+            if base.fragments == "requests"
+            else None
+        )
         for path in (alertmanager_path(), standalone_path()):
             for variant, v in variants(path).items():
                 r = simulate_recovery(

@@ -9,7 +9,7 @@ import pytest
 
 from oomguard.twin.gpu import MIB
 from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
-from oomguard.twin.traces import Fragments, Trace, names, requests
+from oomguard.twin.traces import TRACES, Fragments, Trace, names, requests
 from tests.vllm_server import require_vllm
 
 H100 = 81559 * MIB
@@ -217,6 +217,16 @@ def test_gpu_events_interpolate_linearly():
     assert t.gpu_at(300)[0] == int(4.3 * 2**30)
     assert t.gpu_at(600)[0] == int(8.6 * 2**30)
     assert t.gpu_at(900) == (0, 0)
+
+
+def test_gpu_events_in_any_order_are_read_in_time_order():
+    """A trace file may list its GPU events in any order: gpu_at reads them by time."""
+    raw = json.loads((TRACES / "neighbour-growth.json").read_text())
+    shuffled = Trace.model_validate({**raw, "gpu_events": raw["gpu_events"][::-1]})
+    ordered = Trace.load("neighbour-growth")
+    assert [e.at_s for e in shuffled.gpu_events] == sorted(e.at_s for e in ordered.gpu_events)
+    for t in (0, 150, 300, 449.5, 600, 720, 900):
+        assert shuffled.gpu_at(t) == ordered.gpu_at(t), t
 
 
 def _frag(trace: Trace, t: float, started_at: float, idle: bool = False) -> int:

@@ -155,8 +155,8 @@ def simulate(
     t = 0.0
     while t <= duration_s:
         neighbour, frag = 0, 0
-        if trace is not None and fragments is not None:
-            neighbour = trace.gpu_at(t)[0]
+        if fragments is not None:
+            neighbour = fragments.trace.gpu_at(t)[0]
             frag = fragments.at(t, idle=idle and release)
         neighbour, frag = int(neighbour * scale), int(frag * scale)
         # Heavy load: the allocator cache holds the planned activation peak; fragmentation

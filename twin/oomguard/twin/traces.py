@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 TRACES = Path(__file__).resolve().parent / "traces"
 GIB = 1024**3
@@ -75,6 +75,12 @@ class Trace(BaseModel):
     )
     ttft_slo_s: float = Field(10.0, gt=0, description="A request counts for goodput within it.")
 
+    @field_validator("gpu_events")
+    @classmethod
+    def _in_time_order(cls, events: list[GpuPoint]) -> list[GpuPoint]:
+        # gpu_at walks them in order on every call (each tick of every simulation)
+        return sorted(events, key=lambda p: p.at_s)
+
     @property
     def pressure_ends_with_restart(self) -> bool:
         """No `pressure_ends_s`, and fragmentation to the end: it lives in the engine process
@@ -103,7 +109,7 @@ class Trace(BaseModel):
     def gpu_at(self, t: float) -> tuple[int, int]:
         """(neighbour bytes, fragmentation bytes) at trace time t: linear between points, the
         first point's values before it, the last one's after it."""
-        points = sorted(self.gpu_events, key=lambda p: p.at_s)
+        points = self.gpu_events  # in time order (_in_time_order)
         if not points:
             return 0, 0
         a = b = points[0]
@@ -177,22 +183,24 @@ class Fragments:
         self.trace = trace
         self.started_at = 0.0
         self.released = 0  # bytes of the curve this process has given back
+        self._base = 0  # the curve when this process started (the first process: none)
         self._last_t: float | None = None
 
     def restarted(self, t: float) -> None:
         """A new process from trace time `t` (a crash and restart, or a requested restart)."""
         self.started_at, self.released = t, 0
+        self._base = self.trace.gpu_at(t)[1] if t > 0 else 0
 
-    def _grown(self, t: float) -> int:
-        """What the curve grew by at `t` since this process started."""
-        frag = self.trace.gpu_at(t)[1]
-        if self.started_at > 0:
-            frag = max(0, frag - self.trace.gpu_at(self.started_at)[1])
-        return frag
+    def _grown(self, t: float, curve: int | None = None) -> int:
+        """What the curve (its value at `t`, if known) grew by at `t` since this process
+        started."""
+        frag = self.trace.gpu_at(t)[1] if curve is None else curve
+        return max(0, frag - self._base)
 
     def at(self, t: float, idle: bool = False) -> int:
         """The fragmentation (bytes) at trace time `t`; `idle`: the engine runs no request now."""
-        frag = self._grown(t)
+        curve = self.trace.gpu_at(t)[1]
+        frag = self._grown(t, curve)
         if self.trace.fragments != "requests":
             return frag
         # where the curve went below what was given back since the last call, a later rise is
@@ -204,7 +212,7 @@ class Fragments:
         # while the curve rises its requests are still coming in and making fragments: an
         # engine idle between two arrivals has not had them yet (the burst's rise is its
         # arrival), so only an engine idle once the curve stopped rising gives them back
-        rising = self.trace.gpu_at(t + RISE_PROBE_S)[1] > self.trace.gpu_at(t)[1]
+        rising = self.trace.gpu_at(t + RISE_PROBE_S)[1] > curve
         self.released = frag if idle and not rising else min(self.released, low)
         return frag - self.released
 
