@@ -383,6 +383,23 @@ class _Refused(Exception):
         self.reason, self.detail = reason, detail
 
 
+def _checked_float(limits: Limits, token: str) -> float:
+    """parse_json's float hook (both parses): a number of at most max_digits digits, finite."""
+    if _over(token, limits.max_digits):
+        raise _Refused(
+            "number_too_long", f"a number has {_digits(token):,} digits, over {limits.max_digits}"
+        )
+    number = float(token)
+    if not math.isfinite(number):
+        raise _Refused("not_finite", f"a number is out of range ({token[:20]})")
+    return number
+
+
+def _no_constant(token: str) -> float:
+    """parse_json's constant hook (both parses): NaN and Infinity are not JSON."""
+    raise _Refused("not_finite", f"{token} is not JSON")
+
+
 @functools.lru_cache(maxsize=32)  # a few Limits in a process (module constants)
 def _quick_decoder(limits: Limits) -> json.JSONDecoder:
     """parse_json's first try: integers read by json's C scanner, floats and constants by the
@@ -394,19 +411,9 @@ def _quick_decoder(limits: Limits) -> json.JSONDecoder:
     raises) is parsed again the exact way, which says why in its own words: what is accepted
     here is accepted there, as the same document. One decoder serves every thread, as
     json.loads's own default one does."""
-
-    def parse_float(token: str) -> float:
-        if _over(token, limits.max_digits):
-            raise _Refused("number_too_long", "")
-        number = float(token)
-        if not math.isfinite(number):
-            raise _Refused("not_finite", "")
-        return number
-
-    def parse_constant(token: str) -> float:
-        raise _Refused("not_finite", "")
-
-    return json.JSONDecoder(parse_float=parse_float, parse_constant=parse_constant)
+    return json.JSONDecoder(
+        parse_float=functools.partial(_checked_float, limits), parse_constant=_no_constant
+    )
 
 
 def parse_json(data: bytes | str, source: str, limits: Limits = DEFAULT) -> Any:
@@ -424,20 +431,6 @@ def parse_json(data: bytes | str, source: str, limits: Limits = DEFAULT) -> Any:
             )
         return int(token)
 
-    def parse_float(token: str) -> float:
-        if _over(token, limits.max_digits):
-            raise _Refused(
-                "number_too_long",
-                f"a number has {_digits(token):,} digits, over {limits.max_digits}",
-            )
-        number = float(token)
-        if not math.isfinite(number):
-            raise _Refused("not_finite", f"a number is out of range ({token[:20]})")
-        return number
-
-    def parse_constant(token: str) -> float:
-        raise _Refused("not_finite", f"{token} is not JSON")
-
     # Numbers were checked by the hooks; a string can only hold a lone surrogate when the text
     # escapes one ("\\udc80") or came in as str: the walk checks scalars only then.
     surrogates = isinstance(data, str) or "\\ud" in text or "\\uD" in text
@@ -449,7 +442,10 @@ def parse_json(data: bytes | str, source: str, limits: Limits = DEFAULT) -> Any:
             pass  # refused: parsed again below, which says why in its own words
     try:
         doc = json.loads(
-            text, parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant
+            text,
+            parse_int=parse_int,
+            parse_float=functools.partial(_checked_float, limits),
+            parse_constant=_no_constant,
         )
     except _Refused as exc:
         raise InputError(source, exc.reason, exc.detail) from None
