@@ -121,6 +121,16 @@ def post(url: str, body: bytes) -> None:
     assert r.status_code == 200, r.text
 
 
+def post_before_kill(url: str, body: bytes) -> None:
+    """Post to a remediator told to die: the reconciler acts on its own thread as soon as the
+    webhook is recorded, so the SIGKILL may land before the 200 is written. Either is a delivery
+    (Alertmanager would retry the lost answer); the audit log, checked after, says what happened."""
+    try:
+        post(url, body)
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        pass
+
+
 @pytest.mark.slow  # a real engine restarted under a supervisor: minutes
 @pytest.mark.parametrize("point", POINTS)
 def test_kill_9_at_each_crash_point_of_a_restart_restarts_once_per_episode(
@@ -160,7 +170,7 @@ def test_kill_9_at_each_crash_point_of_a_restart_restarts_once_per_episode(
 
     proc = RemediatorProcess(tmp_path, config, env={"OOMGUARD_CRASH_AT": point})
     try:
-        post(proc.url, body)
+        post_before_kill(proc.url, body)
         until(lambda: proc.proc.poll() is not None, 30, f"the kill at {point}")
         assert proc.proc.returncode == -signal.SIGKILL
     finally:
