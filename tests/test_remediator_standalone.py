@@ -180,26 +180,98 @@ def test_a_dead_standalone_watch_is_restarted_counted_and_degrades_healthz(
         r.stop()
 
 
-def test_an_alert_carries_the_reason_its_episode_began_with(local_server):
-    """As the rules' alerts carry the level series' `reason` (the remediator restarts an engine
-    whose reason is its own allocator fragmentation); fixed for the episode, so that the firing
-    and its resolved name the same alert."""
+def page(target: str, level: int, reason: str) -> str:
+    return levels(**{target: level}).replace('reason="gpu_free"', f'reason="{reason}"')
 
-    def page(level: int, reason: str) -> str:
-        return levels(a=level).replace('reason="gpu_free"', f'reason="{reason}"')
 
-    server = local_server(page(3, "allocator_fragmentation"))
+def test_each_reason_is_its_own_alert_as_in_prometheus(local_server):
+    """As the rules' alerts carry the level series' `reason`, and a new reason is a new series in
+    Prometheus: the old reason's alert keeps firing for keep_firing and resolves under its own
+    name (key and episode), the new reason's alert starts its own episode after its `for`."""
+    server = local_server(page("a", 3, "allocator_fragmentation"))
     now = [0.0]
     watcher = PressureWatcher(
-        StandaloneConfig(exporters=[server.url], keep_firing_seconds=5), clock=lambda: now[0]
+        StandaloneConfig(exporters=[server.url], keep_firing_seconds=5, pressure_for_seconds=2),
+        clock=lambda: now[0],
     )
-    (first,) = [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
+
+    def critical() -> list:
+        return [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
+
+    (first,) = critical()
     assert first.labels["reason"] == "allocator_fragmentation"
-    server.serve_text(page(3, "headroom_exhausted"))
+    server.serve_text(page("a", 3, "headroom_exhausted"))
     now[0] += 1
-    (same,) = [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
-    assert (same.key, same.episode) == (first.key, first.episode)
-    server.serve_text(page(0, "ok"))
-    now[0] += 10
-    (resolved,) = [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
+    old, new = sorted(critical(), key=lambda a: a.labels["reason"])
+    assert (old.status, old.key, old.episode) == ("firing", first.key, first.episode)
+    assert (new.status, new.labels["reason"]) == ("firing", "headroom_exhausted")
+    assert new.key != first.key
+    now[0] += 5  # the fragmentation series has been gone for keep_firing
+    resolved, still = sorted(critical(), key=lambda a: a.labels["reason"])
     assert (resolved.status, resolved.key) == ("resolved", first.key)
+    assert (still.status, still.key, still.episode) == ("firing", new.key, new.episode)
+    server.serve_text(page("a", 0, "ok"))
+    now[0] += 10
+    (gone,) = critical()
+    assert (gone.status, gone.key) == ("resolved", new.key)
+    now[0] += 1
+    assert critical() == []  # nothing pending or firing is remembered past its series
+    assert all(k[3] == "ok" for k in watcher._rules)
+
+
+def test_a_drained_engine_whose_fragments_coalesced_is_not_restarted_for_another_reason(
+    local_server, tmp_path
+):
+    """long-context-burst (issue 30): fragmentation drained the engine; once idle its fragments
+    coalesced, but a step-guard shrink held the level at 2 with reason step_guard_shrink. The
+    watch kept the episode's first reason on the pressure alert, so the remediator restarted
+    the engine for fragmentation it no longer had. Per series, the fragmentation alerts resolve
+    after keep_firing and the engine is not restarted."""
+    import time
+
+    from oomguard.remediator.flags import Flags
+    from tests.test_remediator_controller import FakeBackend, restartable, settle
+
+    server = local_server(page("a", 3, "allocator_fragmentation"))
+    now = [time.time()]
+    watcher = PressureWatcher(
+        StandaloneConfig(
+            exporters=[server.url],
+            pressure_for_seconds=0,
+            critical_for_seconds=0,
+            keep_firing_seconds=15,
+        ),
+        clock=lambda: now[0],
+    )
+    engines = Engines.of("a", "b", startup=64)
+    backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
+    c = restartable(tmp_path, engines, backend, "a", clock=lambda: now[0])
+
+    def tick(seconds: float) -> None:
+        now[0] += seconds
+        c.receive(watcher.poll(), source="standalone")
+        c.reconcile()
+        settle(c)
+
+    engines.engines["a"].running = 2
+    tick(1)
+    assert engines.engines["a"].draining and backend.restarts == []
+    engines.engines["a"].running = 0  # idle: its fragments coalesce
+    server.serve_text(page("a", 2, "step_guard_shrink"))  # a shrink's hold keeps it at 2
+    for _ in range(60):  # a minute, past fragmentation_settle_seconds (45)
+        tick(1)
+    assert backend.restarts == []
+    firing = {(a.name, a.labels.get("reason")) for a in c.book.firing()}
+    assert firing == {("OomguardMemoryPressure", "step_guard_shrink")}
+    c.close()
+
+    # the control: fragmentation that stays is still restarted once the engine is idle
+    server.serve_text(page("a", 3, "allocator_fragmentation"))
+    engines = Engines.of("a", "b", startup=64)
+    backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
+    watcher = PressureWatcher(watcher.config, clock=lambda: now[0])
+    c = restartable(tmp_path / "control", engines, backend, "a", clock=lambda: now[0])
+    for _ in range(60):
+        tick(1)
+    assert [f for f, _, _ in backend.restarts] == [Flags(0.9, 64)]
+    c.close()

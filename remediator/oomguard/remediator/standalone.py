@@ -3,13 +3,19 @@
 It plays the engine alerts the remediator acts on, with the same meaning and the same
 hysteresis as the generated rules: OomguardMemoryPressure (level >= 2 held `pressure_for`) lowers
 the cap, OomguardMemoryCritical (level 3 held `critical_for`) drains, and each keeps firing for
-`keep_firing` after its condition clears (30 s, as the rules' keep_firing_for on action alerts:
+`keep_firing` after its condition clears (as the rules' keep_firing_for on action alerts:
 recovery starts only when they resolve). OomguardPressureBlind (the exporter reports the level
 as -1: it cannot judge the engine) holds the engine at once and clears at once: blind is not
 healthy, so nothing is changed, re-admission included. The alerts go through the same book,
 policy and safety limits as Alertmanager's. An exporter that cannot be read, whatever the
 reason (unreachable, a malformed page), changes nothing (hold, never guess): its alerts stay as
 they were until it answers again, and the other exporters are read as usual.
+
+Like Prometheus, it evaluates each level *series*, and the series' `reason` label is part of its
+identity: when an engine's reason changes (allocator_fragmentation -> step_guard_shrink), the old
+reason's alert stops being true and resolves after `keep_firing`, and the new reason's alert is
+pending for its own `for`. The remediator acts on the reason (it restarts an engine whose alert
+says allocator_fragmentation), so a reason must never outlive its series here either.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from oomguard.thresholds import AlertThresholds
 log = logging.getLogger("oomguard.remediator.standalone")
 
 BLIND = -1.0  # the exporter's level when it lacks the data to judge an engine
-RuleKey = tuple[str, str, str, str]  # exporter instance, target, engine, alert name
+RuleKey = tuple[str, str, str, str, str]  # exporter instance, target, engine, reason, alert name
+SeriesKey = tuple[str, str, str]  # target, engine, reason: one level series of an exporter
 # The action alerts, as the rules define them (oomguard.actions.ACTION_ALERTS), by name.
 RULES: dict[str, ActionAlert] = {a.name: a for a in ACTION_ALERTS}
 DEFAULTS = AlertThresholds()  # the generated rules' durations
@@ -54,7 +61,11 @@ class _Rule:
     pending_since: float | None = None
     last_true: float | None = None
     started: datetime | None = None  # set while firing
-    reason: str = ""  # the level's reason when the episode began (kept until it resolves)
+
+    @property
+    def idle(self) -> bool:
+        """Neither pending nor firing: nothing to remember (a series gone for good is dropped)."""
+        return self.pending_since is None and self.started is None
 
 
 class PressureWatcher:
@@ -73,8 +84,10 @@ class PressureWatcher:
         self._labels: dict[RuleKey, dict[str, str]] = {}
         self.errors: dict[str, str] = {}
 
-    def _levels(self, url: str) -> dict[tuple[str, str], tuple[float, str]]:
-        """Each engine's level and its reason (the worst series'), from one exporter page."""
+    def _levels(self, url: str) -> dict[SeriesKey, float]:
+        """Each level series' value, by (target, engine, reason), from one exporter page. An
+        engine blind on any series is blind on all of them (never act on an engine the exporter
+        says it cannot judge); a series given twice (a malformed page) counts at its worst."""
         if self.client is not None:  # a client given (tests)
             r = self.client.get(url)
             r.raise_for_status()
@@ -84,16 +97,17 @@ class PressureWatcher:
             if scraper is None:
                 scraper = self._scrapers[url] = Scraper(url, self.timeout)
             text, _ = scraper.get()
-        levels: dict[tuple[str, str], tuple[float, str]] = {}
+        levels: dict[SeriesKey, float] = {}
+        blind: set[tuple[str, str]] = set()
         for s in parse(text, wanted={LEVEL}).get(LEVEL):
-            key = (s.labels.get("target", ""), s.labels.get("engine", "0"))
-            reason = s.labels.get("reason", "")
-            level, _ = levels.get(key, (0.0, ""))
-            if s.value < 0 or level < 0:
-                if level >= 0:  # blind on any series: never act on it
-                    levels[key] = (BLIND, reason)
-            elif key not in levels or s.value > level:
-                levels[key] = (s.value, reason)
+            engine = (s.labels.get("target", ""), s.labels.get("engine", "0"))
+            key = (*engine, s.labels.get("reason", ""))
+            if s.value < 0:
+                blind.add(engine)
+            levels[key] = max(levels.get(key, s.value), s.value)
+        for key in levels:
+            if key[:2] in blind:
+                levels[key] = BLIND
         return levels
 
     def poll(self) -> Webhook:
@@ -111,36 +125,38 @@ class PressureWatcher:
             self.errors.pop(url, None)
             instance = urlsplit(url).netloc
             seen: set[RuleKey] = set()
-            for (target, engine), (level, reason) in levels.items():
+            for (target, engine, reason), level in levels.items():
                 for name, rule in RULES.items():
-                    key = (instance, target, engine, name)
+                    key = (instance, target, engine, reason, name)
                     seen.add(key)
                     self._labels[key] = {
                         "alertname": name,
                         "instance": instance,
                         "target": target,
                         "engine": engine,
+                        **({"reason": reason} if reason else {}),
                         "severity": rule.severity,
                         "oomguard_action": rule.action,
                     }
-                    alerts.extend(self._step(key, rule.condition(level), name, now, reason))
+                    alerts.extend(self._step(key, rule.condition(level), now))
             for key in [k for k in self._rules if k[0] == instance and k not in seen]:
-                # the engine's series went away (engine gone): its conditions are false
-                alerts.extend(self._step(key, False, key[3], now))
+                # the series went away (engine gone, or its reason changed): its condition is
+                # false; once it has nothing pending or firing it is forgotten
+                alerts.extend(self._step(key, False, now))
+                if self._rules[key].idle:
+                    del self._rules[key]
+                    self._labels.pop(key, None)
         return Webhook("standalone", "standalone", tuple(alerts), 0)
 
-    def _step(
-        self, key: RuleKey, true: bool, name: str, now: float, reason: str = ""
-    ) -> list[Alert]:
+    def _step(self, key: RuleKey, true: bool, now: float) -> list[Alert]:
         rule = self._rules.setdefault(key, _Rule())
-        hold, keep = durations(self.config, RULES[name])
+        hold, keep = durations(self.config, RULES[key[4]])
         if true:
             rule.last_true = now
             if rule.pending_since is None:
                 rule.pending_since = now
             if rule.started is None and now - rule.pending_since >= hold:
                 rule.started = normalise(datetime.now(UTC))
-                rule.reason = reason
         else:
             rule.pending_since = None
             if (
@@ -149,16 +165,14 @@ class PressureWatcher:
                 and now - rule.last_true >= keep
             ):
                 started, rule.started = rule.started, None
-                return [self._alert(key, "resolved", started, rule.reason)]
+                return [self._alert(key, "resolved", started)]
         if rule.started is not None:
-            return [self._alert(key, "firing", rule.started, rule.reason)]
+            return [self._alert(key, "firing", rule.started)]
         return []
 
-    def _alert(self, key: RuleKey, status: str, started: datetime, reason: str) -> Alert:
-        digest = hashlib.sha256(repr(sorted(self._labels[key].items())).encode()).hexdigest()[:16]
-        # the level's reason when the episode began, as the rules' alerts carry it (fixed for
-        # the episode: a firing and its resolved must name the same alert)
-        labels = {**self._labels[key], "reason": reason} if reason else self._labels[key]
+    def _alert(self, key: RuleKey, status: str, started: datetime) -> Alert:
+        labels = self._labels[key]  # the reason among them: one alert per level series
+        digest = hashlib.sha256(repr(sorted(labels.items())).encode()).hexdigest()[:16]
         ends = datetime.now(UTC) if status == "resolved" else None
         return Alert(digest, status, labels, started, ends)
 
