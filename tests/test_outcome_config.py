@@ -95,3 +95,41 @@ def test_no_in_flight_load_without_gpu_trouble():
     trace = Trace.load("do-no-harm")
     assert trouble_starts_s(trace) is None
     assert len(with_horizon(trace, 64).phases) == len(trace.phases)
+
+
+@pytest.mark.parametrize("c", [1.0, 15.0])
+def test_the_lab_exporters_event_holds_run_on_the_traces_clock(c):
+    """Issue 30: a step-guard shrink held level 2 for 15 wall s (225 trace s at x15) and an
+    allocator retry for 120 wall s; in the lab both last their shipped time of trace time."""
+    from dataclasses import replace
+
+    from oomguard.exporter import pressure
+    from oomguard.exporter.pressure import EngineSource, PressureEvaluator
+    from oomguard.lab.processes import step_guard_hold_on_trace_clock
+    from oomguard.lab.runner import exporter_thresholds
+    from oomguard.thresholds import PressureThresholds
+    from tests.test_pressure import GB, alloc, engine, gpu, levels
+
+    shipped = PressureThresholds()
+    thresholds = exporter_thresholds(c)
+    assert thresholds.event_hold_seconds == pytest.approx(shipped.event_hold_seconds / c)
+    assert thresholds.model_dump(exclude={"event_hold_seconds"}) == shipped.model_dump(
+        exclude={"event_hold_seconds"}
+    )
+    src, healthy = [EngineSource("t", engine(0.9))], gpu(8 * GB)
+    shrink = replace(alloc(), step_shrinks={"fewer_prefill_tokens/activations": 1})
+    shipped_hold = pressure.STEP_GUARD_HOLD_S
+    with step_guard_hold_on_trace_clock(c) as hold:
+        assert hold == pytest.approx(shipped_hold / c)
+        for report, lasts, reason in (
+            (shrink, hold, "step_guard_shrink"),
+            (alloc(retries=1), thresholds.event_hold_seconds, "allocator_retries"),
+        ):
+            ev = PressureEvaluator(thresholds)
+            ev.observe_allocator([alloc()], now=0)
+            ev.observe_allocator([report], now=1)
+            _, held = levels(ev, [healthy], src, [report], now=1 + lasts * 0.9)
+            assert set(held.values()) == {(2, reason)}
+            _, after = levels(ev, [healthy], src, [report], now=1 + lasts * 1.1)
+            assert set(after.values()) == {(0, "ok")}
+    assert pressure.STEP_GUARD_HOLD_S == shipped_hold  # only while the lab's fleet runs

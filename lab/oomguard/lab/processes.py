@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
@@ -422,12 +422,15 @@ def twin_exporter(
     allocator_dir: Path,
     interval: float = 0.5,
     hostname: str = "twin-node",
+    pressure: Any = None,
 ) -> tuple[Any, int]:
     """The real exporter, in this process, reading twin GPUs through its NVML code path.
 
-    `targets`: vLLM target name -> base URL; target i sits on GPU i. Returns (exporter, port)."""
+    `targets`: vLLM target name -> base URL; target i sits on GPU i; `pressure`: its
+    PressureThresholds (None: the shipped ones). Returns (exporter, port)."""
     from oomguard.exporter.config import ExporterConfig, VllmTarget
     from oomguard.exporter.main import Exporter
+    from oomguard.thresholds import PressureThresholds
 
     port = free_port()
     exporter = Exporter(
@@ -435,6 +438,7 @@ def twin_exporter(
             listen=f"127.0.0.1:{port}",
             interval_seconds=interval,
             hostname=hostname,
+            pressure=pressure or PressureThresholds(),
             vllm=[
                 VllmTarget(name=name, url=f"{url}/metrics", gpus=[str(i)])
                 for i, (name, url) in enumerate(targets.items())
@@ -446,6 +450,27 @@ def twin_exporter(
     )
     exporter.start()
     return exporter, port
+
+
+@contextlib.contextmanager
+def step_guard_hold_on_trace_clock(compression: float) -> Iterator[float]:
+    """While it lasts, a step-guard shrink holds the level of the exporter running in this
+    process for the shipped hold (pressure.STEP_GUARD_HOLD_S, 15 s) of *trace* time, i.e. divided
+    by `compression` in wall time; yields that wall hold. Unscaled, one shrink held level 2 for
+    225 trace seconds at x15, long after the memory it warned of came back (issue 30).
+
+    A lab-side override of a module constant, not a threshold, on purpose: gpu-check.json
+    measures exporter/pressure.py and only a session with a GPU can re-record it; the threshold
+    (PressureThresholds, like event_hold_seconds) belongs to that session. Not for two fleets at
+    different compressions in one process at once (the benchmarks run them one after another)."""
+    from oomguard.exporter import pressure
+
+    shipped = pressure.STEP_GUARD_HOLD_S
+    pressure.STEP_GUARD_HOLD_S = shipped / compression
+    try:
+        yield pressure.STEP_GUARD_HOLD_S
+    finally:
+        pressure.STEP_GUARD_HOLD_S = shipped
 
 
 def have_prometheus_stack() -> bool:

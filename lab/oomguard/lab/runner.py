@@ -55,12 +55,14 @@ from oomguard.lab.processes import (
     RemediatorProcess,
     SupervisedVllm,
     start_all,
+    step_guard_hold_on_trace_clock,
     twin_exporter,
 )
 from oomguard.lab.routers import ROUTERS, Nginx, VllmRouter, VllmRouterSettings
 from oomguard.remediator.config import RemediatorConfig, StandaloneConfig
 from oomguard.remediator.policy import PolicyConfig
 from oomguard.remediator.safety import SafetyConfig
+from oomguard.thresholds import PressureThresholds
 from oomguard.twin.gpu import TwinGpu, TwinNvml
 from oomguard.twin.traces import Fragments, Request, Trace, requests
 
@@ -468,6 +470,7 @@ class Fleet:
         self.procs: list[Any] = []
         self.exporter: Exporter | None = None
         self.exporter_port: int | None = None
+        self._lab_clock = contextlib.ExitStack()  # what runs on the trace's clock while up
         self.gateway: Gateway | None = None
         self.t0 = 0.0
         self.t0_wall = 0.0
@@ -572,12 +575,15 @@ class Fleet:
             thread.start()
         if self.config not in WITH_OOMGUARD:
             return
+        # the exporter's event holds on the trace's clock, as every other clock of the loop
+        self._lab_clock.enter_context(step_guard_hold_on_trace_clock(c))
         self.exporter, self.exporter_port = twin_exporter(
             dict(zip(self.names, (e.url for e in self.engines), strict=True)),
             self.nvml,
             w / "allocator",
             interval=poll_seconds(EXPORTER_INTERVAL_S, c, 0.5, floor=0.25),
             hostname=self.hostname,
+            pressure=exporter_thresholds(c),
         )
         if self.own_remediator:
             rem = RemediatorProcess(
@@ -861,6 +867,7 @@ class Fleet:
         self._stop.set()
         if self.exporter is not None:
             self.exporter.stop()
+        self._lab_clock.close()
         # engines stop side by side: each waits for its vLLM to shut down
         threads = [threading.Thread(target=p.stop) for p in reversed(self.procs)]
         for t in threads:
@@ -897,9 +904,7 @@ def remediator_timings(compression: float) -> dict[str, Any]:
         "policy": {
             "step_seconds": policy.step_seconds / c,
             "restart_after_drain_seconds": policy.restart_after_drain_seconds / c,
-            "fragmentation_settle_seconds": max(
-                policy.fragmentation_settle_seconds / c, keep / c + margin
-            ),
+            "fragmentation_settle_seconds": keep / c + margin,
             "readmit_idle_seconds": policy.readmit_idle_seconds / c,
         },
         "safety": {
@@ -908,6 +913,18 @@ def remediator_timings(compression: float) -> dict[str, Any]:
         },
         "reconcile_seconds": poll_seconds(shipped_reconcile, c, 0.25),
     }
+
+
+def exporter_thresholds(compression: float) -> PressureThresholds:
+    """The exporter's shipped pressure thresholds, its event hold on the trace's clock: an
+    allocator retry holds the level for event_hold_seconds (120 s) of trace time, not of wall
+    time (at x15 that was half an hour of trace). The rate window stays as shipped: it is a ratio
+    of counts the twin makes at its own wall-time pace, not a clock. The step-guard hold:
+    processes.step_guard_hold_on_trace_clock."""
+    shipped = PressureThresholds()
+    return shipped.model_copy(
+        update={"event_hold_seconds": shipped.event_hold_seconds / compression}
+    )
 
 
 def standalone_timings(compression: float, exporters: list[str]) -> dict[str, Any]:
