@@ -132,4 +132,4 @@ def test_the_lab_exporters_event_holds_run_on_the_traces_clock(c):
             assert set(held.values()) == {(2, reason)}
             _, after = levels(ev, [healthy], src, [report], now=1 + lasts * 1.1)
             assert set(after.values()) == {(0, "ok")}
-    assert pressure.STEP_GUARD_HOLD_S == shipped_hold  # only while the lab's fleet runs
+    assert shipped_hold == pressure.STEP_GUARD_HOLD_S  # only while the lab's fleet runs
