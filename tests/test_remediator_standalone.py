@@ -21,17 +21,16 @@ def levels(**by_target: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def watch(url: str, now: list[float], **timings: float) -> PressureWatcher:
+    """A watch of one exporter on the test's clock `now[0]`, with these StandaloneConfig timings."""
+    return PressureWatcher(StandaloneConfig(exporters=[url], **timings), clock=lambda: now[0])
+
+
 def test_levels_fire_after_their_hold_and_resolve_after_hysteresis(local_server, tmp_path):
     server = local_server(levels(a=0, b=0))
     now = [0.0]
-    watcher = PressureWatcher(
-        StandaloneConfig(
-            exporters=[server.url],
-            pressure_for_seconds=10,
-            critical_for_seconds=0,
-            keep_firing_seconds=20,
-        ),
-        clock=lambda: now[0],
+    watcher = watch(
+        server.url, now, pressure_for_seconds=10, critical_for_seconds=0, keep_firing_seconds=20
     )
     engines = Engines.of("a", "b")
     c = Controller(config(tmp_path, "a", "b"), engines, AuditLog(tmp_path / "audit.jsonl"))
@@ -65,9 +64,7 @@ def test_levels_fire_after_their_hold_and_resolve_after_hysteresis(local_server,
 def test_an_exporter_that_cannot_be_read_holds_the_alerts(local_server):
     server = local_server(levels(a=3))
     now = [0.0]
-    watcher = PressureWatcher(
-        StandaloneConfig(exporters=[server.url], keep_firing_seconds=0), clock=lambda: now[0]
-    )
+    watcher = watch(server.url, now, keep_firing_seconds=0)
     assert [a.name for a in watcher.poll().alerts] == ["OomguardMemoryCritical"]
     server.responder = lambda _h: (500, b"boom", "text/plain")
     now[0] += 60
@@ -83,9 +80,7 @@ def test_an_exporter_that_cannot_be_read_holds_the_alerts(local_server):
 def test_a_blind_engine_is_held_at_once_and_let_go_at_once(local_server, tmp_path):
     server = local_server(levels(a=3, b=0))
     now = [0.0]
-    watcher = PressureWatcher(
-        StandaloneConfig(exporters=[server.url], keep_firing_seconds=20), clock=lambda: now[0]
-    )
+    watcher = watch(server.url, now, keep_firing_seconds=20)
     engines = Engines.of("a", "b")
     c = Controller(config(tmp_path, "a", "b"), engines, AuditLog(tmp_path / "audit.jsonl"))
 
@@ -190,10 +185,7 @@ def test_each_reason_is_its_own_alert_as_in_prometheus(local_server):
     name (key and episode), the new reason's alert starts its own episode after its `for`."""
     server = local_server(page("a", 3, "allocator_fragmentation"))
     now = [0.0]
-    watcher = PressureWatcher(
-        StandaloneConfig(exporters=[server.url], keep_firing_seconds=5, pressure_for_seconds=2),
-        clock=lambda: now[0],
-    )
+    watcher = watch(server.url, now, keep_firing_seconds=5, pressure_for_seconds=2)
 
     def critical() -> list:
         return [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
@@ -234,14 +226,8 @@ def test_a_drained_engine_whose_fragments_coalesced_is_not_restarted_for_another
 
     server = local_server(page("a", 3, "allocator_fragmentation"))
     now = [time.time()]
-    watcher = PressureWatcher(
-        StandaloneConfig(
-            exporters=[server.url],
-            pressure_for_seconds=0,
-            critical_for_seconds=0,
-            keep_firing_seconds=15,
-        ),
-        clock=lambda: now[0],
+    watcher = watch(
+        server.url, now, pressure_for_seconds=0, critical_for_seconds=0, keep_firing_seconds=15
     )
     engines = Engines.of("a", "b", startup=64)
     backend = FakeBackend(engines, "a", Flags(0.9, 64), Flags(0.9, 64), time.time())
