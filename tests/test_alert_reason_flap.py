@@ -11,25 +11,27 @@ staleness marker (`stale`), so it is gone at once, not for the 5-minute lookback
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from oomguard.alerts.generate import RULES
+from tests.test_alert_rules import promtool_on
 
 ENGINE = 'target="a",engine="0"'
+ALERT = "OomguardMemoryPressure"
 
 
 def fires(repo_root: Path, tmp_path: Path, series: dict[str, str], at: str) -> bool:
-    """Whether OomguardMemoryPressure fires at `at` for these level series (promtool: a test that
-    expects no alert fails, naming the alerts it got)."""
+    """Whether OomguardMemoryPressure fires at `at` for these level series, on the shipped rules
+    (promtool: a case that expects no alert fails, naming the alerts it got)."""
     tests = {
-        "rule_files": [str(repo_root / RULES)],
+        "rule_files": [RULES.name],
         "evaluation_interval": "5s",
         "tests": [
             {
+                "name": f"{ALERT} reason flap",
                 "interval": "5s",
                 "input_series": [
                     {
@@ -38,23 +40,15 @@ def fires(repo_root: Path, tmp_path: Path, series: dict[str, str], at: str) -> b
                     }
                     for reason, values in series.items()
                 ],
-                "alert_rule_test": [
-                    {"eval_time": at, "alertname": "OomguardMemoryPressure", "exp_alerts": []}
-                ],
+                "alert_rule_test": [{"eval_time": at, "alertname": ALERT, "exp_alerts": []}],
             }
         ],
     }
-    (tmp_path / "flap.test.yaml").write_text(yaml.safe_dump(tests))
-    r = subprocess.run(
-        ["promtool", "test", "rules", "flap.test.yaml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    rules = yaml.safe_load((repo_root / RULES).read_text())
+    r = promtool_on(tmp_path, rules, tests, ALERT)
     out = r.stdout + r.stderr
     assert r.returncode == 0 or "got:" in out, out  # a broken file is not an answer
-    return r.returncode != 0 and 'alertname="OomguardMemoryPressure"' in out
+    return r.returncode != 0 and f'alertname="{ALERT}"' in out
 
 
 def test_a_steady_reason_at_level_2_fires_after_its_for(repo_root, tmp_path):
