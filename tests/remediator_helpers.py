@@ -15,6 +15,7 @@ from oomguard.remediator.config import RemediatorConfig
 T0 = datetime(2026, 11, 29, 3, 0, tzinfo=UTC)
 ACTIONS = {
     "OomguardMemoryPressure": "lower_cap",
+    "OomguardFragmentationPressure": "lower_cap",
     "OomguardPreemptionRateHigh": "lower_cap",
     "OomguardMemoryCritical": "drain",
     "OomguardKVCacheUsageHigh": None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, get_args
@@ -185,13 +186,25 @@ def test_the_generated_rules_are_the_definition(repo_root):
     for a in ACTION_ALERTS:
         rule = rules[a.name]
         assert rule["expr"] == a.expr
-        assert rule["labels"] == {"severity": a.severity, "oomguard_action": a.action}
+        assert rule["labels"] == {"severity": a.severity, "oomguard_action": a.action, **a.labels}
 
 
-def _rule_level_holds(expr: str, level: float) -> bool:
-    metric, op, threshold = expr.split()
-    assert metric == actions.LEVEL
-    return {">=": level >= float(threshold), "<": level < float(threshold)}[op]
+RULE = re.compile(
+    r"(?P<how>max|min) without \(reason\) \((?P<metric>\w+)"
+    r'(?:\{reason="(?P<reason>\w+)"\})?\) (?P<op>>=|<) (?P<threshold>-?\d+)'
+)
+
+
+def _rule_level_holds(expr: str, level: float, reason: str | None) -> bool:
+    """Whether the rule's condition holds for an engine at `level` (its series' worst, of the
+    reason the rule looks at): the engine-wide aggregation and the reason are checked too."""
+    m = RULE.fullmatch(expr)
+    assert m is not None, expr
+    assert m["metric"] == actions.LEVEL
+    assert m["how"] == ("max" if m["op"] == ">=" else "min"), expr  # a blind series is blind
+    assert m["reason"] == reason, expr
+    threshold = float(m["threshold"])
+    return {">=": level >= threshold, "<": level < threshold}[m["op"]]
 
 
 def test_standalone_and_recovery_watch_as_the_generated_rules_do(repo_root):
@@ -209,10 +222,14 @@ def _watch_as_rules(root: Path, d: StandaloneConfig) -> None:
         keep_s = parse_duration(rule.get("keep_firing_for", "0s"))
         alert = STANDALONE_RULES[name]
         for level in (-1, 0, 1, 2, 3):
-            assert alert.condition(level) == _rule_level_holds(rule["expr"], level), (name, level)
-        assert (alert.severity, alert.action) == (
+            assert alert.condition(level) == _rule_level_holds(rule["expr"], level, alert.reason), (
+                name,
+                level,
+            )
+        assert (alert.severity, alert.action, alert.reason) == (
             rule["labels"]["severity"],
             rule["labels"]["oomguard_action"],
+            rule["labels"].get("reason"),
         )
         assert durations(d, alert) == (for_s, keep_s), name
         assert shipped.for_s[name] == local.for_s[name] == for_s, name
@@ -232,8 +249,8 @@ def test_a_standalone_duration_that_drifts_from_the_rules_is_caught(repo_root, d
 def test_a_rule_that_drifts_from_standalone_is_caught(repo_root, tmp_path):
     (tmp_path / RULES).parent.mkdir(parents=True)
     text = (repo_root / RULES).read_text()
-    assert "oomguard_engine_pressure_level >= 3" in text
-    (tmp_path / RULES).write_text(text.replace("pressure_level >= 3", "pressure_level >= 4"))
+    assert "oomguard_engine_pressure_level) >= 3" in text
+    (tmp_path / RULES).write_text(text.replace("pressure_level) >= 3", "pressure_level) >= 4"))
     with pytest.raises(AssertionError):
         _watch_as_rules(tmp_path, StandaloneConfig(exporters=["http://exporter/metrics"]))
 

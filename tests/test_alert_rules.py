@@ -267,6 +267,7 @@ def test_the_fast_group_holds_only_work_orders_on_raw_levels():
     fast = groups["oomguard-actions"]["rules"]
     assert {r["alert"] for r in fast} == {
         "OomguardMemoryPressure",
+        "OomguardFragmentationPressure",
         "OomguardMemoryCritical",
         "OomguardPressureBlind",
     }
@@ -286,11 +287,18 @@ def test_every_aggregation_keeps_the_cluster_label():
             assert "k8s_cluster" in names or {"instance", "job"} <= set(names), expr
 
 
-def test_alerts_keep_the_pressure_reason():
+def test_alerts_name_the_pressure_reason():
+    """On-call reads why: the series' reason label, the reasons of the engine's series read back
+    (an alert that judges the engine whatever its reason), or the one reason it is about."""
     for a in ALERTS:
         if "pressure_level" in a.expr and "gpu:" not in a.expr:
             assert "oomguard_engine_pressure_level" in a.expr, a.name
-            assert "$labels.reason" in a.description
+            fixed = dict(a.extra_labels).get("reason")
+            assert (
+                "$labels.reason" in a.description
+                or ".Labels.reason" in a.description
+                or (fixed is not None and f"reason {fixed}" in a.description)
+            ), a.name
 
 
 def test_action_alerts_use_the_short_hysteresis():

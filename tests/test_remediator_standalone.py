@@ -179,36 +179,66 @@ def page(target: str, level: int, reason: str) -> str:
     return levels(**{target: level}).replace('reason="gpu_free"', f'reason="{reason}"')
 
 
-def test_each_reason_is_its_own_alert_as_in_prometheus(local_server):
-    """As the rules' alerts carry the level series' `reason`, and a new reason is a new series in
-    Prometheus: the old reason's alert keeps firing for keep_firing and resolves under its own
-    name (key and episode), the new reason's alert starts its own episode after its `for`."""
+def test_an_engine_is_one_alert_whatever_its_reason_as_in_the_rules(local_server):
+    """As the rules (`max without (reason)`): a new reason at the same level is the same alert,
+    key and episode, not a new one pending for its `for`; only OomguardFragmentationPressure
+    looks at one reason, carries it, and resolves after keep_firing once the reason is gone."""
     server = local_server(page("a", 3, "allocator_fragmentation"))
     now = [0.0]
     watcher = watch(server.url, now, keep_firing_seconds=5, pressure_for_seconds=2)
 
-    def critical() -> list:
-        return [a for a in watcher.poll().alerts if a.name == "OomguardMemoryCritical"]
+    def alerts() -> dict:
+        return {a.name: a for a in watcher.poll().alerts}
 
-    (first,) = critical()
-    assert first.labels["reason"] == "allocator_fragmentation"
-    server.serve_text(page("a", 3, "headroom_exhausted"))
+    first = alerts()
+    crit = first["OomguardMemoryCritical"]
+    assert "reason" not in crit.labels
+    assert "OomguardFragmentationPressure" not in first  # pending: its `for` is 2 s
+    now[0] += 3
+    second = alerts()
+    frag, pressure = second["OomguardFragmentationPressure"], second["OomguardMemoryPressure"]
+    assert (frag.status, frag.labels["reason"]) == ("firing", "allocator_fragmentation")
+    assert pressure.status == "firing" and "reason" not in pressure.labels
+    server.serve_text(page("a", 3, "headroom_exhausted"))  # the reason changes, the level stays
     now[0] += 1
-    old, new = sorted(critical(), key=lambda a: a.labels["reason"])
-    assert (old.status, old.key, old.episode) == ("firing", first.key, first.episode)
-    assert (new.status, new.labels["reason"]) == ("firing", "headroom_exhausted")
-    assert new.key != first.key
-    now[0] += 5  # the fragmentation series has been gone for keep_firing
-    resolved, still = sorted(critical(), key=lambda a: a.labels["reason"])
-    assert (resolved.status, resolved.key) == ("resolved", first.key)
-    assert (still.status, still.key, still.episode) == ("firing", new.key, new.episode)
+    third = alerts()
+    for before in (crit, pressure):
+        after = third[before.name]
+        assert (after.status, after.key, after.episode) == ("firing", before.key, before.episode)
+    assert third["OomguardFragmentationPressure"].status == "firing"  # keep_firing 5 s
+    now[0] += 5
+    fourth = alerts()
+    assert (fourth["OomguardFragmentationPressure"].status, fourth[crit.name].episode) == (
+        "resolved",
+        crit.episode,
+    )
     server.serve_text(page("a", 0, "ok"))
     now[0] += 10
-    (gone,) = critical()
-    assert (gone.status, gone.key) == ("resolved", new.key)
+    assert {a.status for a in alerts().values()} == {"resolved"}
     now[0] += 1
-    assert critical() == []  # nothing pending or firing is remembered past its series
-    assert all(k[3] == "ok" for k in watcher._rules)
+    assert alerts() == {}
+    # nothing pending or firing is remembered past the series an alert judges
+    assert {k[3] for k in watcher._rules} == {
+        "OomguardMemoryPressure",
+        "OomguardPressureBlind",
+        "OomguardMemoryCritical",
+    }
+
+
+def test_a_reason_that_flaps_at_level_2_still_fires_after_its_for(local_server):
+    """Stop 39's gap: a reason alternating every second at level 2 (a step-guard shrink's hold,
+    then headroom_low) held the alert pending per reason forever; the engine's alert fires."""
+    server = local_server(page("a", 2, "headroom_low"))
+    now = [0.0]
+    watcher = watch(server.url, now, pressure_for_seconds=3)
+    fired = []
+    for k in range(6):
+        server.serve_text(page("a", 2, ("headroom_low", "step_guard_shrink")[k % 2]))
+        fired.append(
+            [a.status for a in watcher.poll().alerts if a.name == "OomguardMemoryPressure"]
+        )
+        now[0] += 1
+    assert fired == [[], [], [], ["firing"], ["firing"], ["firing"]]
 
 
 def test_a_drained_engine_whose_fragments_coalesced_is_not_restarted_for_another_reason(
@@ -217,8 +247,8 @@ def test_a_drained_engine_whose_fragments_coalesced_is_not_restarted_for_another
     """long-context-burst (issue 30): fragmentation drained the engine; once idle its fragments
     coalesced, but a step-guard shrink held the level at 2 with reason step_guard_shrink. The
     watch kept the episode's first reason on the pressure alert, so the remediator restarted
-    the engine for fragmentation it no longer had. Per series, the fragmentation alerts resolve
-    after keep_firing and the engine is not restarted."""
+    the engine for fragmentation it no longer had. OomguardFragmentationPressure resolves after
+    keep_firing once its reason is gone, and the engine is not restarted."""
     import time
 
     from oomguard.remediator.flags import Flags
@@ -248,7 +278,7 @@ def test_a_drained_engine_whose_fragments_coalesced_is_not_restarted_for_another
         tick(1)
     assert backend.restarts == []
     firing = {(a.name, a.labels.get("reason")) for a in c.book.firing()}
-    assert firing == {("OomguardMemoryPressure", "step_guard_shrink")}
+    assert firing == {("OomguardMemoryPressure", None)}  # the engine's pressure, any reason
     c.close()
 
     # the control: fragmentation that stays is still restarted once the engine is idle

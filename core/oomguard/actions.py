@@ -8,10 +8,10 @@ out-of-service and cap-only sets, the alert actions' precedence, the convergence
 the actuator, the routes the plugin's drain gate lets through) is derived here from it.
 
 `ACTION_ALERTS` is the one definition of the alerts that ask for an action on the exporter's
-level series (OomguardMemoryPressure, OomguardMemoryCritical, OomguardPressureBlind): their
-condition, `for`, `keep_firing_for`, severity and action. The Prometheus rules
-(oomguard.alerts.rules), the standalone watch (remediator/standalone.py), the recovery simulation
-(lab/recovery.py) and the docs' alerts table are generated from it.
+level series (OomguardMemoryPressure, OomguardFragmentationPressure, OomguardMemoryCritical,
+OomguardPressureBlind): their condition, `for`, `keep_firing_for`, severity and action. The
+Prometheus rules (oomguard.alerts.rules), the standalone watch (remediator/standalone.py), the
+recovery simulation (lab/recovery.py) and the docs' alerts table are generated from it.
 
 Adding an action: an entry in `ACTIONS` (and its name in `Action`/`StepKind`), the plugin's
 EngineCore utility (vllm_plugin/engine.py), and the policy that asks for it (remediator/policy.py
@@ -24,11 +24,13 @@ actuator method (remediator/actuator.py) and plugin handler (vllm_plugin/api.py)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel
 
+from oomguard.contract import FRAGMENTATION_REASON
 from oomguard.thresholds import AlertThresholds
 from oomguard.units import parse_duration
 
@@ -181,7 +183,14 @@ LEVEL = "oomguard_engine_pressure_level"
 
 @dataclass(frozen=True)
 class ActionAlert:
-    """An alert on the engine's pressure level that asks the remediator for `action`."""
+    """An alert on the engine's pressure level that asks the remediator for `action`.
+
+    It judges the *engine*, not one level series: `reason` is a label of the series, so an
+    alert on the raw series would start its `for` again at every change of reason (a step-guard
+    shrink's hold, then headroom_low again) and never fire while the level stays up. The
+    expression aggregates the reason away (the worst level for `>=`, the lowest for `<`, so
+    that one blind series is blind); `reason` set: only that reason's series count, and the
+    alert carries it as a label (the one reason the remediator answers differently)."""
 
     name: str
     op: Literal[">=", "<"]
@@ -193,13 +202,29 @@ class ActionAlert:
     for_: str | None = None  # the AlertThresholds field that holds its `for` (None: at once)
     keep: bool = False  # keeps firing for AlertThresholds.action_keep_firing_for (else clears)
     doc: str = ""  # the docs table's condition, after the generated part
+    reason: str | None = None  # only the series with this reason (and a label saying so)
 
     def condition(self, level: float) -> bool:
         return level >= self.level if self.op == ">=" else level < self.level
 
+    def counts(self, reason: str) -> bool:
+        """Whether a level series with this `reason` label is one this alert judges."""
+        return self.reason is None or reason == self.reason
+
+    def worst(self, levels: Iterable[float]) -> float:
+        """The engine's level as the expression sees it, from its series' levels."""
+        return max(levels) if self.op == ">=" else min(levels)
+
     @property
     def expr(self) -> str:
-        return f"{LEVEL} {self.op} {self.level}"
+        series = LEVEL if self.reason is None else f'{LEVEL}{{reason="{self.reason}"}}'
+        how = "max" if self.op == ">=" else "min"
+        return f"{how} without (reason) ({series}) {self.op} {self.level}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Labels the rule adds besides severity and oomguard_action."""
+        return {} if self.reason is None else {"reason": self.reason}
 
     def for_duration(self, t: AlertThresholds) -> str:
         return "0s" if self.for_ is None else str(getattr(t, self.for_))
@@ -211,6 +236,8 @@ class ActionAlert:
         """When it fires, for the docs' alerts table."""
         words = {">=": "≥", "<": "<"}
         out = f"engine pressure level {words[self.op]} {self.level}"
+        if self.reason is not None:
+            out += f" with reason `{self.reason}`"
         if self.for_seconds(t):
             out += f" for {self.for_duration(t)}"
         if self.doc:
@@ -227,7 +254,13 @@ class ActionAlert:
 
 
 _ENGINE = "engine {{ $labels.engine }} of {{ $labels.target }} on {{ $labels.instance }}"
-_REASON = "(reason {{ $labels.reason }})"
+# The alert judges the engine whatever its reason; its reasons now, read back from the series
+# (the description is rendered at each evaluation, so it follows a change of reason)
+_REASONS = (
+    "(reason{{ range printf "
+    '"oomguard_engine_pressure_level{instance=%q, target=%q, engine=%q}" '
+    "$labels.instance $labels.target $labels.engine | query }} {{ .Labels.reason }}{{ end }})"
+)
 
 ACTION_ALERTS: tuple[ActionAlert, ...] = (
     ActionAlert(
@@ -237,12 +270,30 @@ ACTION_ALERTS: tuple[ActionAlert, ...] = (
         "lower_cap",
         "warning",
         "A vLLM engine is under GPU memory pressure.",
-        f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
+        f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASONS}: the memory left on "
         "its GPU once every engine reaches its planned peak is low, or the allocator had to "
         "retry. oomguard lowers its admission cap.",
         for_="pressure_for",
         keep=True,
+        doc="whatever its reason, which may change while it fires",
+    ),
+    # the one reason the remediator answers differently (decision.py): fragments in the
+    # engine's own allocator, which capping does not give back and a new process does
+    ActionAlert(
+        "OomguardFragmentationPressure",
+        ">=",
+        2,
+        "lower_cap",
+        "warning",
+        "A vLLM engine's own allocator fragmentation takes its GPU memory headroom.",
+        f"The pressure level of {_ENGINE} is {{{{ $value }}}} because of free blocks stranded "
+        "in its own PyTorch allocator (reason allocator_fragmentation), which only a new "
+        "process gives back. With a restart backend oomguard drains it and restarts it at "
+        "the first quiet moment; without one it lowers its admission cap.",
+        for_="pressure_for",
+        keep=True,
         doc="carries `reason`",
+        reason=FRAGMENTATION_REASON,
     ),
     # blind is not healthy: the remediator changes nothing on the engine while it fires (at
     # once, and clears at once); a hold that lasts is OomguardRemediationHeld's ticket
@@ -254,7 +305,7 @@ ACTION_ALERTS: tuple[ActionAlert, ...] = (
         "warning",
         "oomguard cannot judge the memory pressure of a vLLM engine.",
         f"The exporter on {{{{ $labels.instance }}}} lacks the data to judge {_ENGINE} "
-        f"{_REASON}; the remediator holds it (blind is not healthy).",
+        f"{_REASONS}; the remediator holds it (blind is not healthy).",
         doc="-1 is blind: the remediator changes nothing",
     ),
     ActionAlert(
@@ -264,11 +315,11 @@ ACTION_ALERTS: tuple[ActionAlert, ...] = (
         "drain",
         "warning",
         "A vLLM engine is about to run out of GPU memory; oomguard drains it.",
-        f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON}: the memory left on "
+        f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASONS}: the memory left on "
         "its GPU at the engines' planned peak is nearly gone, or the allocator reported an "
         "out-of-memory error. oomguard drains the engine.",
         for_="critical_for",
         keep=True,
-        doc="carries `reason`",
+        doc="whatever its reason",
     ),
 )

@@ -187,41 +187,71 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     # pressure: 30 s to fire, a short hysteresis (action_keep_firing_for) after the level drops
     pressure = level("headroom_low", "0 2x5 0x10")  # level 2 from 1m to 6m, 0 from 7m
     add(Case("OomguardMemoryPressure", "1m", pressure))  # not yet 30 s
-    fired = [
-        {
+
+    # the alert judges the engine (its labels have no `reason`); the description names the
+    # reasons of its level series at the moment
+    def pressure_fired(reason: str) -> dict[str, str]:
+        return {
             **L.engine,
-            "reason": "headroom_low",
             "severity": "warning",
             "oomguard_action": "lower_cap",
-            "description": f"The pressure level of {ENG} is 2 (reason headroom_low): the memory "
+            "description": f"The pressure level of {ENG} is 2 (reason {reason}): the memory "
             "left on its GPU once every engine reaches its planned peak is low, or the allocator "
             "had to retry. oomguard lowers its admission cap.",
         }
-    ]
+
+    fired = [pressure_fired("headroom_low")]
     add(Case("OomguardMemoryPressure", "3m", pressure, fired))
     add(Case("OomguardMemoryPressure", "7m", pressure, fired))  # dropped at 7m: still firing
     add(Case("OomguardMemoryPressure", "8m", pressure))  # resolved after action_keep_firing_for
     add(Case("OomguardMemoryPressure", "3m", level("blind", "-1x10")))
-    # the engine's own allocator fragmentation: the reason travels with the work order, since
-    # the remediator answers it with a restart at a quiet moment instead of a cap (decision.py)
+    # a reason that changes while the level stays at 2 (a step-guard shrink's hold, then
+    # headroom_low again, every 20 s) neither restarts the `for` nor resolves the alert: each
+    # series leaves with a staleness marker, as a scrape that no longer has it writes one
+    flap = {
+        sel("oomguard_engine_pressure_level", {**L.engine, "reason": "headroom_low"}): (
+            "2 2 2 2 stale _ _ _ 2 2 2 2 stale _ _ _ 2 2 2 2 stale _ _ _ 2 2 2 2"
+        ),
+        sel("oomguard_engine_pressure_level", {**L.engine, "reason": "step_guard_shrink"}): (
+            "_ _ _ _ 2 2 2 2 stale _ _ _ 2 2 2 2 stale _ _ _ 2 2 2 2 stale _ _ _"
+        ),
+    }
+    add(Case("OomguardMemoryPressure", "25s", flap, interval="5s"))  # not yet 30 s
+    add(Case("OomguardMemoryPressure", "135s", flap, [pressure_fired("headroom_low")], "5s"))
+    add(Case("OomguardMemoryPressure", "70s", flap, [pressure_fired("step_guard_shrink")], "5s"))
+
+    # the engine's own allocator fragmentation: the engine-wide alert fires as for any reason,
+    # and OomguardFragmentationPressure carries the reason to the remediator, which answers it
+    # with a restart at a quiet moment instead of a cap (decision.py)
     fragmented = level(FRAGMENTATION_REASON, "0 2x5 0x10")
-    add(
-        Case(
-            "OomguardMemoryPressure",
-            "3m",
-            fragmented,
-            [
-                {
-                    **fired[0],
-                    "reason": FRAGMENTATION_REASON,
-                    "description": f"The pressure level of {ENG} is 2 (reason "
-                    f"{FRAGMENTATION_REASON}): the memory left on its GPU once every engine "
-                    "reaches its planned peak is low, or the allocator had to retry. oomguard "
-                    "lowers its admission cap.",
-                }
-            ],
-        )
-    )
+    add(Case("OomguardMemoryPressure", "3m", fragmented, [pressure_fired(FRAGMENTATION_REASON)]))
+    add(Case("OomguardFragmentationPressure", "1m", fragmented))  # not yet 30 s
+    fragmentation_fired = [
+        {
+            **L.engine,
+            "reason": FRAGMENTATION_REASON,
+            "severity": "warning",
+            "oomguard_action": "lower_cap",
+            "description": f"The pressure level of {ENG} is 2 because of free blocks stranded "
+            "in its own PyTorch allocator (reason allocator_fragmentation), which only a new "
+            "process gives back. With a restart backend oomguard drains it and restarts it at "
+            "the first quiet moment; without one it lowers its admission cap.",
+        }
+    ]
+    add(Case("OomguardFragmentationPressure", "3m", fragmented, fragmentation_fired))
+    add(Case("OomguardFragmentationPressure", "7m", fragmented, fragmentation_fired))
+    add(Case("OomguardFragmentationPressure", "8m", fragmented))  # after action_keep_firing_for
+    add(Case("OomguardFragmentationPressure", "3m", pressure))  # another reason: not this one
+    # the reason leaves while the level stays: the engine-wide alert goes on, this one resolves
+    moved = {
+        sel("oomguard_engine_pressure_level", {**L.engine, "reason": FRAGMENTATION_REASON}): (
+            "0 2x3 stale"
+        ),
+        sel("oomguard_engine_pressure_level", {**L.engine, "reason": "headroom_low"}): ("_x4 2x6"),
+    }
+    add(Case("OomguardFragmentationPressure", "3m", moved, fragmentation_fired))
+    add(Case("OomguardFragmentationPressure", "6m", moved))
+    add(Case("OomguardMemoryPressure", "8m", moved, [pressure_fired("headroom_low")]))
 
     # critical: fires at once; the remediator drains, nobody is paged
     critical = level("headroom_exhausted", "0 3x3 0x10")
@@ -234,7 +264,6 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             [
                 {
                     **L.engine,
-                    "reason": "headroom_exhausted",
                     "severity": "warning",
                     "oomguard_action": "drain",
                     "description": f"The pressure level of {ENG} is 3 (reason headroom_exhausted): "
@@ -256,7 +285,6 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             [
                 {
                     **L.engine,
-                    "reason": "blind",
                     "severity": "warning",
                     "oomguard_action": "hold",
                     "description": f"The exporter on {NODE} lacks the data to judge {ENG} (reason "

@@ -57,12 +57,13 @@ class Alert:
     action: str | None = None
     runbook_anchor: str | None = None  # a section of the runbook (may be templated)
     doc: str = ""  # when it fires, in a few words: the docs' alerts table (`oomguard generate`)
+    extra_labels: tuple[tuple[str, str], ...] = ()  # labels the rule adds (an action alert's)
 
     def labels(self) -> dict[str, str]:
         labels = {"severity": self.severity}
         if self.action:
             labels["oomguard_action"] = self.action
-        return labels
+        return {**labels, **dict(self.extra_labels)}
 
     def annotations(self, t: AlertThresholds) -> dict[str, str]:
         return {
@@ -299,6 +300,7 @@ def action_alerts(t: AlertThresholds | None = None) -> list[Alert]:
             keep_firing_for=a.keep_duration(t),
             action=a.action,
             doc=a.describe(t),
+            extra_labels=tuple(a.labels.items()),
         )
         for a in ACTION_ALERTS  # defined once, in oomguard.actions
     ]

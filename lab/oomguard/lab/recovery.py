@@ -222,8 +222,12 @@ def simulate_recovery(
     startup = trace.engine.max_num_seqs
     eng = _Engine(startup, startup, counts_prefills=counts_prefills)
     peer = EngineInput("engine-1", trace.model, (), Observed(startup, startup, False, 1e9, 0, 0, 0))
+    # the levels here carry no reason: an alert on one reason's series (the fragmentation
+    # alert, answered by a restart this engine has no backend for) is not played
     rules = [
-        _Rule(a, path.for_s[a.name], path.keep_firing_s if a.keep else 0.0) for a in ACTION_ALERTS
+        _Rule(a, path.for_s[a.name], path.keep_firing_s if a.keep else 0.0)
+        for a in ACTION_ALERTS
+        if a.reason is None
     ]
     heard: dict[str, float | None] = {r.name: None for r in rules}  # firing since, as delivered
     arrivals = [r for k, r in enumerate(requests(trace)) if k % 2 == 0]  # the gateway's share

@@ -164,8 +164,19 @@ def fragmentation(alerts: Iterable[Alert], policy: PolicyConfig) -> list[str]:
     )
 
 
-def _restarted_fragmentation(alert: Alert, restarted: frozenset[str]) -> bool:
-    return alert.labels.get("reason") == FRAGMENTATION_REASON and alert.episode in restarted
+def _answered_by_clean_start(
+    alerts: Sequence[Alert], restarted: frozenset[str], policy: PolicyConfig
+) -> set[str]:
+    """The episodes a restart answered that ask for nothing more: those that asked only for a
+    cap (the pressure predates the new process; a restart covers a cap's episode only when
+    fragmentation was among its reasons), and, while a fragmentation alert a restart answered
+    still fires, every episode it covered.
+    The new process has none of the fragments, and the engine-wide alerts the fragments set
+    off (the same level, any reason) only lag the exporter; a new episode acts again."""
+    answered = [a for a in alerts if a.episode in restarted]
+    if any(a.labels.get("reason") == FRAGMENTATION_REASON for a in answered):
+        return {a.episode for a in answered}
+    return {a.episode for a in answered if actions_for([a], policy) <= {"lower_cap"}}
 
 
 def needs_flags(engine: EngineInput, policy: PolicyConfig) -> bool:
@@ -213,6 +224,10 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
         and drained_at is not None
         and engine.idle_for >= policy.fragmentation_settle_seconds
     ):
+        # it answers every alert of the engine firing now: the engine-wide pressure the
+        # fragments set off (OomguardMemoryPressure, any reason) goes with them
+        pressure = [e for e in episodes(engine.alerts, "lower_cap", policy) if e not in done]
+        covers = tuple(dict.fromkeys(asked + critical + fragmented + pressure))
         # the engine's own allocator fragmentation, still there after the engine sat idle
         # long enough for the fragments of its finished requests to coalesce and the alert to
         # resolve: only a new process gives it back, and a lower gpu_memory_utilization is not
@@ -319,10 +334,10 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
                 continue
             steps.append(replace(restart, withheld=why))
         # A restart asked for but not possible here (none configured, done, or withheld) caps;
-        # an episode a restart already answered asks for no more than a cap, and a
-        # fragmentation episode a restart answered asks for nothing: the new process has none
-        # of the fragments, and its alert only lags the exporter (a new episode acts again).
-        acting = [a for a in e.alerts if not _restarted_fragmentation(a, e.restarted)]
+        # an episode a restart already answered asks for no more than a cap, and the episodes
+        # a restart for fragmentation answered ask for nothing (_answered_by_clean_start).
+        clean = _answered_by_clean_start(e.alerts, e.restarted, ctx.policy)
+        acting = [a for a in e.alerts if a.episode not in clean]
         acting_actions = actions_for(acting, ctx.policy)
         wanted = set(acting_actions) - {"restart"}
         if "restart" in acting_actions:

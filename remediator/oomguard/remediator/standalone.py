@@ -2,20 +2,23 @@
 
 It plays the engine alerts the remediator acts on, with the same meaning and the same
 hysteresis as the generated rules: OomguardMemoryPressure (level >= 2 held `pressure_for`) lowers
-the cap, OomguardMemoryCritical (level 3 held `critical_for`) drains, and each keeps firing for
-`keep_firing` after its condition clears (as the rules' keep_firing_for on action alerts:
-recovery starts only when they resolve). OomguardPressureBlind (the exporter reports the level
-as -1: it cannot judge the engine) holds the engine at once and clears at once: blind is not
-healthy, so nothing is changed, re-admission included. The alerts go through the same book,
-policy and safety limits as Alertmanager's. An exporter that cannot be read, whatever the
-reason (unreachable, a malformed page), changes nothing (hold, never guess): its alerts stay as
-they were until it answers again, and the other exporters are read as usual.
+the cap (OomguardFragmentationPressure, the same on the allocator_fragmentation series alone,
+asks for a restart at a quiet moment), OomguardMemoryCritical (level 3 held `critical_for`)
+drains, and each keeps firing for `keep_firing` after its condition clears (as the rules'
+keep_firing_for on action alerts: recovery starts only when they resolve).
+OomguardPressureBlind (the exporter reports the level as -1: it cannot judge the engine) holds
+the engine at once and clears at once: blind is not healthy, so nothing is changed, re-admission
+included. The alerts go through the same book, policy and safety limits as Alertmanager's. An
+exporter that cannot be read, whatever the reason (unreachable, a malformed page), changes
+nothing (hold, never guess): its alerts stay as they were until it answers again, and the other
+exporters are read as usual.
 
-Like Prometheus, it evaluates each level *series*, and the series' `reason` label is part of its
-identity: when an engine's reason changes (allocator_fragmentation -> step_guard_shrink), the old
-reason's alert stops being true and resolves after `keep_firing`, and the new reason's alert is
-pending for its own `for`. The remediator acts on the reason (it restarts an engine whose alert
-says allocator_fragmentation), so a reason must never outlive its series here either.
+Like the rules, it judges each *engine*, whatever the `reason` label of its level series says
+(oomguard.actions.ActionAlert): the worst of its series, so a reason that changes while the level
+stays up (a step-guard shrink's hold, then headroom_low again) neither restarts the `for` nor
+resolves the alert. OomguardFragmentationPressure counts only the series whose reason is
+allocator_fragmentation, and carries that reason: the remediator restarts such an engine at a
+quiet moment instead of capping it.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from oomguard.thresholds import AlertThresholds
 log = logging.getLogger("oomguard.remediator.standalone")
 
 BLIND = -1.0  # the exporter's level when it lacks the data to judge an engine
-RuleKey = tuple[str, str, str, str, str]  # exporter instance, target, engine, reason, alert name
-SeriesKey = tuple[str, str, str]  # target, engine, reason: one level series of an exporter
+RuleKey = tuple[str, str, str, str]  # exporter instance, target, engine, alert name
+EngineKey = tuple[str, str]  # target, engine
 # The action alerts, as the rules define them (oomguard.actions.ACTION_ALERTS), by name.
 RULES: dict[str, ActionAlert] = {a.name: a for a in ACTION_ALERTS}
 DEFAULTS = AlertThresholds()  # the generated rules' durations
@@ -84,10 +87,9 @@ class PressureWatcher:
         self._labels: dict[RuleKey, dict[str, str]] = {}
         self.errors: dict[str, str] = {}
 
-    def _levels(self, url: str) -> dict[SeriesKey, float]:
-        """Each level series' value, by (target, engine, reason), from one exporter page. An
-        engine blind on any series is blind on all of them (never act on an engine the exporter
-        says it cannot judge); a series given twice (a malformed page) counts at its worst."""
+    def _levels(self, url: str) -> dict[EngineKey, dict[str, float]]:
+        """Each engine's level series, by (target, engine), then by reason, from one exporter
+        page; a series given twice (a malformed page) counts at its worst."""
         if self.client is not None:  # a client given (tests)
             r = self.client.get(url)
             r.raise_for_status()
@@ -97,17 +99,12 @@ class PressureWatcher:
             if scraper is None:
                 scraper = self._scrapers[url] = Scraper(url, self.timeout)
             text, _ = scraper.get()
-        levels: dict[SeriesKey, float] = {}
-        blind: set[tuple[str, str]] = set()
+        levels: dict[EngineKey, dict[str, float]] = {}
         for s in parse(text, wanted={LEVEL}).get(LEVEL):
             engine = (s.labels.get("target", ""), s.labels.get("engine", "0"))
-            key = (*engine, s.labels.get("reason", ""))
-            if s.value < 0:
-                blind.add(engine)
-            levels[key] = max(levels.get(key, s.value), s.value)
-        for key in levels:
-            if key[:2] in blind:
-                levels[key] = BLIND
+            series = levels.setdefault(engine, {})
+            reason = s.labels.get("reason", "")
+            series[reason] = max(series.get(reason, s.value), s.value)
         return levels
 
     def poll(self) -> Webhook:
@@ -125,23 +122,27 @@ class PressureWatcher:
             self.errors.pop(url, None)
             instance = urlsplit(url).netloc
             seen: set[RuleKey] = set()
-            for (target, engine, reason), level in levels.items():
+            for (target, engine), series in levels.items():
                 for name, rule in RULES.items():
-                    key = (instance, target, engine, reason, name)
+                    counted = [lv for reason, lv in series.items() if rule.counts(reason)]
+                    if not counted:
+                        continue  # no series it judges (another reason): as if gone
+                    key = (instance, target, engine, name)
                     seen.add(key)
                     self._labels[key] = {
                         "alertname": name,
                         "instance": instance,
                         "target": target,
                         "engine": engine,
-                        **({"reason": reason} if reason else {}),
+                        **rule.labels,
                         "severity": rule.severity,
                         "oomguard_action": rule.action,
                     }
-                    alerts.extend(self._step(key, rule.condition(level), now))
+                    alerts.extend(self._step(key, rule.condition(rule.worst(counted)), now))
             for key in [k for k in self._rules if k[0] == instance and k not in seen]:
-                # the series went away (engine gone, or its reason changed): its condition is
-                # false; once it has nothing pending or firing it is forgotten
+                # no series of its engine that it judges (engine gone, or for the fragmentation
+                # alert another reason now): its condition is false; once it has nothing
+                # pending or firing it is forgotten
                 alerts.extend(self._step(key, False, now))
                 if self._rules[key].idle:
                     del self._rules[key]
@@ -150,7 +151,7 @@ class PressureWatcher:
 
     def _step(self, key: RuleKey, true: bool, now: float) -> list[Alert]:
         rule = self._rules.setdefault(key, _Rule())
-        hold, keep = durations(self.config, RULES[key[4]])
+        hold, keep = durations(self.config, RULES[key[3]])
         if true:
             rule.last_true = now
             if rule.pending_since is None:
@@ -171,7 +172,7 @@ class PressureWatcher:
         return []
 
     def _alert(self, key: RuleKey, status: str, started: datetime) -> Alert:
-        labels = self._labels[key]  # the reason among them: one alert per level series
+        labels = self._labels[key]  # one alert per engine and rule
         digest = hashlib.sha256(repr(sorted(labels.items())).encode()).hexdigest()[:16]
         ends = datetime.now(UTC) if status == "resolved" else None
         return Alert(digest, status, labels, started, ends)
