@@ -288,15 +288,15 @@ def test_every_aggregation_keeps_the_cluster_label():
 
 
 def test_alerts_name_the_pressure_reason():
-    """On-call reads why: the series' reason label, the reasons of the engine's series read back
-    (an alert that judges the engine whatever its reason), or the one reason it is about."""
+    """On-call reads why: the series' reason label, where to read it (an alert that judges the
+    engine whatever its reason), or the one reason it is about."""
     for a in ALERTS:
         if "pressure_level" in a.expr and "gpu:" not in a.expr:
             assert "oomguard_engine_pressure_level" in a.expr, a.name
             fixed = dict(a.extra_labels).get("reason")
             assert (
                 "$labels.reason" in a.description
-                or ".Labels.reason" in a.description
+                or "`reason` of its oomguard_engine_pressure_level series" in a.description
                 or (fixed is not None and f"reason {fixed}" in a.description)
             ), a.name
 

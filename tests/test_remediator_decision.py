@@ -372,19 +372,21 @@ def test_a_fragmentation_restart_answers_its_episode_once(tmp_path):
 
 
 def test_a_fragmentation_restart_answers_the_engine_wide_alerts_it_set_off(tmp_path):
-    """As the rules fire it: the engine-wide alerts (no reason) beside the fragmentation alert
-    that carries it. The restart covers them all; on the new process none of them asks for a cap
-    while they lag the exporter, nor does a covered pressure episode once the fragmentation
-    alert resolved first. A drain episode it covered still asks for a cap once that alert is
-    gone (memory critical for another reason), as after any restart."""
+    """As the rules fire it: the engine-wide level alerts (no reason) beside the fragmentation
+    alert that carries it. The restart covers those, not a rate alert's cap; on the new process
+    none of them asks for anything while the fragmentation alert lags with them. Once it has
+    resolved, an alert still firing asks as usual: pressure on the new process is never ignored
+    (a covered drain episode asks for a cap, as after any restart)."""
     fired = parse(
         payload(
             alert("OomguardMemoryPressure", "a"),
             alert("OomguardFragmentationPressure", "a", **FRAG),
             alert("OomguardMemoryCritical", "a"),
+            alert("OomguardPreemptionRateHigh", "a"),
         )
     ).alerts
-    frag = next(a for a in fired if a.name == "OomguardFragmentationPressure")
+    by_name = {a.name: a for a in fired}
+    frag = by_name["OomguardFragmentationPressure"]
     peer = _engine("b", [])
     ctx = _frag_ctx(tmp_path, history=[(20.0, "drain")])
     (verdict, _) = decide_fleet([_frag_engine(fired, SERVING), peer], ctx)
@@ -392,18 +394,24 @@ def test_a_fragmentation_restart_answers_the_engine_wide_alerts_it_set_off(tmp_p
     (verdict, _) = decide_fleet([_frag_engine(fired, DRAINED_IDLE), peer], ctx)
     (step,) = verdict.steps
     assert (step.kind, step.episode, step.staged) == ("restart", frag.episode, False)
-    assert set(step.covers) == {a.episode for a in fired}
+    level_alerts = ("OomguardMemoryPressure", "OomguardFragmentationPressure")
+    assert set(step.covers) == {
+        by_name[n].episode for n in (*level_alerts, "OomguardMemoryCritical")
+    }
     done = frozenset(step.covers)
     ctx = _frag_ctx(tmp_path, history=[(20.0, "drain"), (10.0, "restart")])
     full = Observed(256, 256, False, 5.0, 0, 0, 0, running=60)
-    (verdict, _) = decide_fleet([_frag_engine(fired, full, restarted=done), peer], ctx)
-    assert verdict.steps == ()
-    lagging = [a for a in fired if a.name == "OomguardMemoryPressure"]
+    lagging = [by_name[n] for n in (*level_alerts, "OomguardMemoryCritical")]
     (verdict, _) = decide_fleet([_frag_engine(lagging, full, restarted=done), peer], ctx)
     assert verdict.steps == ()
-    critical = [a for a in fired if a.name == "OomguardMemoryCritical"]
-    (verdict, _) = decide_fleet([_frag_engine(critical, full, restarted=done), peer], ctx)
+    # the rate alert was not answered by the restart: it caps the new process as usual
+    (verdict, _) = decide_fleet([_frag_engine(fired, full, restarted=done), peer], ctx)
     assert [s.kind for s in verdict.steps] == ["lower_cap"]
+    # the fragmentation alert resolved: what still fires asks again
+    for name in ("OomguardMemoryPressure", "OomguardMemoryCritical"):
+        still = [by_name[name]]
+        (verdict, _) = decide_fleet([_frag_engine(still, full, restarted=done), peer], ctx)
+        assert [s.kind for s in verdict.steps] == ["lower_cap"], name
 
 
 def test_an_engine_drained_by_someone_else_is_theirs_to_restart(tmp_path):

@@ -188,19 +188,18 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     pressure = level("headroom_low", "0 2x5 0x10")  # level 2 from 1m to 6m, 0 from 7m
     add(Case("OomguardMemoryPressure", "1m", pressure))  # not yet 30 s
 
-    # the alert judges the engine (its labels have no `reason`); the description names the
-    # reasons of its level series at the moment
-    def pressure_fired(reason: str) -> dict[str, str]:
-        return {
+    # the alert judges the engine, whatever its reason (its labels have no `reason`)
+    why = "(the `reason` of its oomguard_engine_pressure_level series says why)"
+    fired = [
+        {
             **L.engine,
             "severity": "warning",
             "oomguard_action": "lower_cap",
-            "description": f"The pressure level of {ENG} is 2 (reason {reason}): the memory "
-            "left on its GPU once every engine reaches its planned peak is low, or the allocator "
-            "had to retry. oomguard lowers its admission cap.",
+            "description": f"The pressure level of {ENG} is 2 {why}: the memory left on its GPU "
+            "once every engine reaches its planned peak is low, or the allocator had to retry. "
+            "oomguard lowers its admission cap.",
         }
-
-    fired = [pressure_fired("headroom_low")]
+    ]
     add(Case("OomguardMemoryPressure", "3m", pressure, fired))
     add(Case("OomguardMemoryPressure", "7m", pressure, fired))  # dropped at 7m: still firing
     add(Case("OomguardMemoryPressure", "8m", pressure))  # resolved after action_keep_firing_for
@@ -217,14 +216,14 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         ),
     }
     add(Case("OomguardMemoryPressure", "25s", flap, interval="5s"))  # not yet 30 s
-    add(Case("OomguardMemoryPressure", "135s", flap, [pressure_fired("headroom_low")], "5s"))
-    add(Case("OomguardMemoryPressure", "70s", flap, [pressure_fired("step_guard_shrink")], "5s"))
+    add(Case("OomguardMemoryPressure", "135s", flap, fired, "5s"))
+    add(Case("OomguardMemoryPressure", "70s", flap, fired, "5s"))
 
     # the engine's own allocator fragmentation: the engine-wide alert fires as for any reason,
     # and OomguardFragmentationPressure carries the reason to the remediator, which answers it
     # with a restart at a quiet moment instead of a cap (decision.py)
     fragmented = level(FRAGMENTATION_REASON, "0 2x5 0x10")
-    add(Case("OomguardMemoryPressure", "3m", fragmented, [pressure_fired(FRAGMENTATION_REASON)]))
+    add(Case("OomguardMemoryPressure", "3m", fragmented, fired))
     add(Case("OomguardFragmentationPressure", "1m", fragmented))  # not yet 30 s
     fragmentation_fired = [
         {
@@ -251,7 +250,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     }
     add(Case("OomguardFragmentationPressure", "3m", moved, fragmentation_fired))
     add(Case("OomguardFragmentationPressure", "6m", moved))
-    add(Case("OomguardMemoryPressure", "8m", moved, [pressure_fired("headroom_low")]))
+    add(Case("OomguardMemoryPressure", "8m", moved, fired))
 
     # critical: fires at once; the remediator drains, nobody is paged
     critical = level("headroom_exhausted", "0 3x3 0x10")
@@ -266,7 +265,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
                     **L.engine,
                     "severity": "warning",
                     "oomguard_action": "drain",
-                    "description": f"The pressure level of {ENG} is 3 (reason headroom_exhausted): "
+                    "description": f"The pressure level of {ENG} is 3 {why}: "
                     "the memory left on its GPU at the engines' planned peak is nearly gone, or the "
                     "allocator reported an out-of-memory error. oomguard drains the engine.",
                 }
@@ -287,8 +286,8 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
                     **L.engine,
                     "severity": "warning",
                     "oomguard_action": "hold",
-                    "description": f"The exporter on {NODE} lacks the data to judge {ENG} (reason "
-                    "blind); the remediator holds it (blind is not healthy).",
+                    "description": f"The exporter on {NODE} lacks the data to judge {ENG} {why}; "
+                    "the remediator holds it (blind is not healthy).",
                 }
             ],
         )

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from oomguard.actions import BY_NAME, DISRUPTIVE
+from oomguard.actions import ACTION_ALERTS, BY_NAME, DISRUPTIVE
 from oomguard.contract import FRAGMENTATION_REASON
 from oomguard.remediator.flags import FlagLimits, Flags
 from oomguard.remediator.policy import Desired, Observed, PolicyConfig, actions_for, decide
@@ -48,6 +48,9 @@ from oomguard.remediator.webhook import Alert
 # the remediator may do and nothing but a person relieves it, so that limit pages.
 FALLBACK_LIMITS = frozenset({"disruption_budget", "last_ready"})
 CAP_INSTEAD = FALLBACK_LIMITS | {"single_replica"}
+# The alerts on the engine's pressure level (not a rate alert's cap): what a fragmentation restart
+# answers besides its own alert
+LEVEL_ALERTS = frozenset(a.name for a in ACTION_ALERTS)
 
 
 @dataclass(frozen=True)
@@ -164,19 +167,16 @@ def fragmentation(alerts: Iterable[Alert], policy: PolicyConfig) -> list[str]:
     )
 
 
-def _answered_by_clean_start(
-    alerts: Sequence[Alert], restarted: frozenset[str], policy: PolicyConfig
-) -> set[str]:
-    """The episodes a restart answered that ask for nothing more: those that asked only for a
-    cap (the pressure predates the new process; a restart covers a cap's episode only when
-    fragmentation was among its reasons), and, while a fragmentation alert a restart answered
-    still fires, every episode it covered.
-    The new process has none of the fragments, and the engine-wide alerts the fragments set
-    off (the same level, any reason) only lag the exporter; a new episode acts again."""
+def _answered_by_clean_start(alerts: Sequence[Alert], restarted: frozenset[str]) -> set[str]:
+    """The episodes a restart for fragmentation answered, while its fragmentation alert still
+    fires: they ask for nothing more. The new process has none of the fragments, and the
+    engine-wide alerts the fragments set off (the same level, any reason) only lag the exporter
+    as that alert does; once it has resolved, an alert still firing asks as usual (a covered
+    drain episode for no more than a cap), so pressure on the new process is never ignored."""
     answered = [a for a in alerts if a.episode in restarted]
     if any(a.labels.get("reason") == FRAGMENTATION_REASON for a in answered):
         return {a.episode for a in answered}
-    return {a.episode for a in answered if actions_for([a], policy) <= {"lower_cap"}}
+    return set()
 
 
 def needs_flags(engine: EngineInput, policy: PolicyConfig) -> bool:
@@ -224,9 +224,13 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
         and drained_at is not None
         and engine.idle_for >= policy.fragmentation_settle_seconds
     ):
-        # it answers every alert of the engine firing now: the engine-wide pressure the
-        # fragments set off (OomguardMemoryPressure, any reason) goes with them
-        pressure = [e for e in episodes(engine.alerts, "lower_cap", policy) if e not in done]
+        # it answers the engine-wide level alerts firing now too: the pressure the fragments
+        # set off (OomguardMemoryPressure, any reason) goes with them (not a rate alert's)
+        pressure = [
+            e
+            for e in _newest_last(a for a in engine.alerts if a.name in LEVEL_ALERTS)
+            if e not in done
+        ]
         covers = tuple(dict.fromkeys(asked + critical + fragmented + pressure))
         # the engine's own allocator fragmentation, still there after the engine sat idle
         # long enough for the fragments of its finished requests to coalesce and the alert to
@@ -336,7 +340,7 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
         # A restart asked for but not possible here (none configured, done, or withheld) caps;
         # an episode a restart already answered asks for no more than a cap, and the episodes
         # a restart for fragmentation answered ask for nothing (_answered_by_clean_start).
-        clean = _answered_by_clean_start(e.alerts, e.restarted, ctx.policy)
+        clean = _answered_by_clean_start(e.alerts, e.restarted)
         acting = [a for a in e.alerts if a.episode not in clean]
         acting_actions = actions_for(acting, ctx.policy)
         wanted = set(acting_actions) - {"restart"}
