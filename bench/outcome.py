@@ -49,7 +49,9 @@ file a partial run wrote, `--config default --config oomguard --out FILE`): one 
 this noisy 2-core machine cannot tell a few percent of goodput (fragmentation-creep's ratio moved
 by a quarter between runs of nearly the same code). Its summary, `oomguard_vs_default`, is
 oomguard's goodput over vLLM alone's in the same run, over the trace's row and every repeat that
-measured the same code (the same `measured_digest`): n, min, median, max.
+were made as it was (the same `measured_digest`, compression and load): n, min, median, max. A
+run added twice is recorded once. `repeats` is history to bench.stale: the summary counts only
+the runs of the row's own code, and the row's staleness says when that code changed.
 
 Usage: python -m bench.outcome [--quick] [--trace NAME ...] [--inflight N] [--merge] [--router R]
 [--repeat | --add-repeat FILE ...] (writes bench/results/outcome.json after every trace).
@@ -552,26 +554,49 @@ def repeat_entry(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _how(run: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two runs of a trace comparable: the code measured and the run's settings."""
+    return (
+        run.get("provenance", {}).get("measured_digest"),
+        run.get("time_compression"),
+        run.get("inflight"),
+    )
+
+
 def repeats_summary(row: dict[str, Any] | None, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """oomguard over default across the trace's row and the repeats that measured its code (a
-    repeat of other code is kept, and left out of the figures)."""
-    digest = (row or {}).get("provenance", {}).get("measured_digest")
-    ratios = [versus_default(row["outcomes"])] if row else []
-    same = [r for r in runs if r["provenance"].get("measured_digest") == digest]
-    ratios += [r["oomguard_vs_default"] for r in same]
+    """oomguard over default across the trace's row and the repeats made as it was (the same
+    code, compression and load; the others are kept, and left out of the figures). A run
+    without both configurations (one failed) has no ratio and is counted apart."""
+    same = [r for r in runs if row is not None and _how(r) == _how(row)]
+    ratios = ([versus_default(row["outcomes"])] if row else []) + [
+        r["oomguard_vs_default"] for r in same
+    ]
     known = [r for r in ratios if r is not None]
-    summary: dict[str, Any] = {"n": len(known), "ratios": known, "left_out": len(runs) - len(same)}
-    if known:
-        summary |= {"min": min(known), "median": statistics.median(known), "max": max(known)}
-    return summary
+    return {
+        "n": len(known),
+        "ratios": known,
+        "min": min(known, default=None),
+        "median": statistics.median(known) if known else None,
+        "max": max(known, default=None),
+        "without_ratio": len(ratios) - len(known),
+        "left_out": len(runs) - len(same),
+    }
 
 
-def add_repeats(recorded: dict[str, Any], key: str, entries: list[dict[str, Any]]) -> None:
-    """Append `entries` to `recorded`'s repeats of `key` and recompute their summary."""
+def add_repeats(recorded: dict[str, Any], key: str, entries: list[dict[str, Any]]) -> int:
+    """Append `entries` (those not recorded yet) to `recorded`'s repeats of `key`, recompute
+    their summary, and say how many were new."""
     repeats = recorded.setdefault("repeats", {})
     mine = repeats.setdefault(key, {"runs": []})
-    mine["runs"] = [*mine.get("runs", []), *entries]
-    mine["oomguard_vs_default"] = repeats_summary(recorded.get("traces", {}).get(key), mine["runs"])
+    runs = list(mine.get("runs", []))
+    seen = {(r["when"], r["provenance"].get("started")) for r in runs}
+    row = recorded.get("traces", {}).get(key)
+    if row is not None:  # the row itself, given as a repeat by mistake
+        seen.add((row.get("when"), row.get("provenance", {}).get("started")))
+    new = [e for e in entries if (e["when"], e["provenance"].get("started")) not in seen]
+    mine["runs"] = runs + new
+    mine["oomguard_vs_default"] = repeats_summary(row, mine["runs"])
+    return len(new)
 
 
 def main() -> int:
@@ -662,6 +687,8 @@ def main() -> int:
             None if args.repeat else traces.get(key), trace, args.config, args.inflight
         )
         load_before = [round(x, 2) for x in os.getloadavg()]
+        if args.repeat:
+            failed = {}  # this run's own: the file's not_run describes its rows
         for config in args.config or configs_for(name):
             failed.pop(f"{key}/{config}", None)
             try:
@@ -711,7 +738,8 @@ def main() -> int:
             )
         if args.repeat:
             view = {**kept_keys, "traces": traces}
-            add_repeats(view, key, [repeat_entry(row)])
+            entry = repeat_entry(row) | {"not_run": failed, "conditions": args.conditions}
+            add_repeats(view, key, [entry])
             kept_keys["repeats"] = view["repeats"]
             write_kept(args.out, recorded, kept_keys)
             print(f"  repeats: {json.dumps(kept_keys['repeats'][key]['oomguard_vs_default'])}")
@@ -739,9 +767,15 @@ def add_repeat_files(out: Path, files: list[Path]) -> int:
     """`--add-repeat`: each trace row in `files` becomes a repeat of that trace in `out`."""
     recorded = json.loads(out.read_text())
     for f in files:
-        for key, row in json.loads(f.read_text()).get("traces", {}).items():
-            add_repeats(recorded, key, [repeat_entry(row)])
-            print(f"{f}: {key}: {json.dumps(recorded['repeats'][key]['oomguard_vs_default'])}")
+        run = json.loads(f.read_text())
+        for key, row in run.get("traces", {}).items():
+            entry = repeat_entry(row) | {
+                "not_run": {k: v for k, v in run.get("not_run", {}).items() if k.startswith(key)},
+                "conditions": run.get("conditions"),
+            }
+            added = add_repeats(recorded, key, [entry])
+            summary = json.dumps(recorded["repeats"][key]["oomguard_vs_default"])
+            print(f"{f}: {key}: {'added' if added else 'already recorded'}; {summary}")
     write_kept(out, recorded, {k: v for k, v in recorded.items() if k not in OWN_KEYS})
     return 0
 

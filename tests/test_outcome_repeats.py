@@ -3,19 +3,24 @@ and the summary over the runs that measured the row's code (docs/benchmarks.md r
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
 
 from bench import outcome
 
+_RUNS = itertools.count()
 
-def _row(default: float, oomguard: float, digest: str, when: str = "2026-12-05T10:00:00Z") -> dict:
+
+def _row(default: float, oomguard: float, digest: str, when: str | None = None) -> dict:
+    """A trace's recorded row (each call another run, unless `when` says which)."""
+
     def o(goodput: float) -> dict[str, Any]:
         return {"goodput_tokens_per_s": goodput, "requests": 10, "lost": 0, "crashes": 0, "x": 1}
 
     return {
-        "when": when,
+        "when": when or f"2026-12-05T10:{next(_RUNS):02d}:00Z",
         "outcomes": {"default": o(default), "oomguard": o(oomguard)},
         "provenance": {"commit": "c0ffee", "measured_digest": digest},
     }
@@ -69,3 +74,35 @@ def test_add_repeat_records_a_partial_runs_file_and_keeps_the_rows(tmp_path: Pat
     assert written["traces"]["creep"]["outcomes"]["oomguard"]["goodput_tokens_per_s"] == 94.0
     summary = written["repeats"]["creep"]["oomguard_vs_default"]
     assert summary["n"] == 2 and summary["max"] == 1.04
+
+
+def test_runs_made_otherwise_or_twice_leave_the_figures_alone():
+    row = _row(100.0, 94.0, "d1") | {"time_compression": 20.0, "inflight": 64}
+    recorded: dict[str, Any] = {"traces": {"creep": row}}
+    same = outcome.repeat_entry(
+        _row(100.0, 98.0, "d1") | {"time_compression": 20.0, "inflight": 64}
+    )
+    faster = outcome.repeat_entry(
+        _row(100.0, 130.0, "d1") | {"time_compression": 40.0, "inflight": 64}
+    )
+    assert outcome.add_repeats(recorded, "creep", [same, faster]) == 2
+    assert outcome.add_repeats(recorded, "creep", [same]) == 0  # the same run again
+    assert outcome.add_repeats(recorded, "creep", [outcome.repeat_entry(row)]) == 0  # the row
+    summary = recorded["repeats"]["creep"]["oomguard_vs_default"]
+    assert summary["ratios"] == [0.94, 0.98] and summary["left_out"] == 1
+
+
+def test_a_run_without_vllm_alone_is_counted_apart_and_no_runs_give_dashes():
+    recorded: dict[str, Any] = {"traces": {"creep": _row(100.0, 94.0, "d1")}}
+    failed = _row(100.0, 97.0, "d1", when="2026-12-05T11:00:00Z")
+    del failed["outcomes"]["default"]  # vLLM alone did not start
+    outcome.add_repeats(recorded, "creep", [outcome.repeat_entry(failed)])
+    summary = recorded["repeats"]["creep"]["oomguard_vs_default"]
+    assert (summary["n"], summary["without_ratio"]) == (1, 1)
+    # a trace without its row (nothing comparable): the page shows dashes, not a traceback
+    empty = outcome.repeats_summary(None, [])
+    assert (empty["n"], empty["min"], empty["median"], empty["max"]) == (0, None, None, None)
+    from bench.report import fmt
+
+    assert fmt(empty["median"], ".3f") == "–"
+    assert fmt([0.9441, 1.0], "list:.3f") == "0.944, 1.000"

@@ -447,6 +447,9 @@ def test_a_single_engines_walk_back_waits_and_pages_nobody(tmp_path):
     status = c.status["solo"]
     assert status.limited is None
     assert status.waiting == "walk flags back: waits for the single_replica limit"
+    # held (the exporter is blind to it): nothing is decided, nothing waits
+    send(c, alert("OomguardExporterBlind", "solo", oomguard_action="hold"))
+    assert c.status["solo"].mode == "held" and c.status["solo"].waiting is None
     c.close()
 
 
