@@ -43,9 +43,19 @@ drained engine out of vllm-router's rotation through its admin API); the clients
 OpenAI's clients retry, after Retry-After, and every non-200 answer they saw is counted
 (`answers`). Results behind a router are recorded as "<trace>@<router>".
 
+`--repeat` runs a trace's configurations again at the same code and records the run under
+`repeats.<trace>` instead of replacing the trace's row (`--add-repeat FILE` records the runs of a
+file a partial run wrote, `--config default --config oomguard --out FILE`): one run of a trace on
+this noisy 2-core machine cannot tell a few percent of goodput (fragmentation-creep's ratio moved
+by a quarter between runs of nearly the same code). Its summary, `oomguard_vs_default`, is
+oomguard's goodput over vLLM alone's in the same run, over the trace's row and every repeat that
+were made as it was (the same `measured_digest`, compression and load): n, min, median, max. A
+run added twice is recorded once. `repeats` is history to bench.stale: the summary counts only
+the runs of the row's own code, and the row's staleness says when that code changed.
+
 Usage: python -m bench.outcome [--quick] [--trace NAME ...] [--inflight N] [--merge] [--router R]
-(writes bench/results/outcome.json after every trace). --quick: two traces at twice the time
-compression (the CI smoke run).
+[--repeat | --add-repeat FILE ...] (writes bench/results/outcome.json after every trace).
+--quick: two traces at twice the time compression (the CI smoke run).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, fields
@@ -505,6 +516,89 @@ def step_summary(traces: dict[str, Any]) -> dict[str, object]:
     }
 
 
+# what a repeat keeps of each configuration's outcome (the row itself keeps everything)
+REPEAT_FIELDS = (
+    "requests",
+    "completed",
+    "lost",
+    "crashes",
+    "good_tokens",
+    "goodput_tokens_per_s",
+    "inflight_decode_slowdown",
+    "actions",
+    "retriggered",
+)
+
+
+def versus_default(outcomes: dict[str, Any]) -> float | None:
+    """oomguard's goodput over vLLM alone's (`default`) in one run; None without both."""
+    d, g = outcomes.get("default"), outcomes.get("oomguard")
+    if not d or not g or not d.get("goodput_tokens_per_s"):
+        return None
+    return round(g["goodput_tokens_per_s"] / d["goodput_tokens_per_s"], 3)
+
+
+def repeat_entry(row: dict[str, Any]) -> dict[str, Any]:
+    """One more run of a trace, from the row a run recorded: each configuration's counts and
+    goodput, and oomguard's goodput over vLLM alone's in that run."""
+    outcomes = row["outcomes"]
+    return {
+        "when": row["when"],
+        "load_average_before": row.get("load_average_before"),
+        "load_average_after": row.get("load_average_after"),
+        "time_compression": row.get("time_compression"),
+        "inflight": row.get("inflight"),
+        "outcomes": {c: {k: o.get(k) for k in REPEAT_FIELDS} for c, o in outcomes.items()},
+        "oomguard_vs_default": versus_default(outcomes),
+        "provenance": row["provenance"],
+    }
+
+
+def _how(run: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two runs of a trace comparable: the code measured and the run's settings."""
+    return (
+        run.get("provenance", {}).get("measured_digest"),
+        run.get("time_compression"),
+        run.get("inflight"),
+    )
+
+
+def repeats_summary(row: dict[str, Any] | None, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """oomguard over default across the trace's row and the repeats made as it was (the same
+    code, compression and load; the others are kept, and left out of the figures). A run
+    without both configurations (one failed) has no ratio and is counted apart."""
+    same = [r for r in runs if row is not None and _how(r) == _how(row)]
+    ratios = ([versus_default(row["outcomes"])] if row else []) + [
+        r["oomguard_vs_default"] for r in same
+    ]
+    known = [r for r in ratios if r is not None]
+    return {
+        "n": len(known),
+        "ratios": known,
+        "min": min(known, default=None),
+        "median": statistics.median(known) if known else None,
+        "max": max(known, default=None),
+        "without_ratio": len(ratios) - len(known),
+        "left_out": len(runs) - len(same),
+    }
+
+
+def add_repeats(recorded: dict[str, Any], key: str, entries: list[dict[str, Any]]) -> int:
+    """Append `entries` (those not recorded yet) to `recorded`'s repeats of `key`, recompute
+    their summary, and say how many were new."""
+    repeats = recorded.setdefault("repeats", {})
+    mine = repeats.setdefault(key, {"runs": []})
+    runs = list(mine.get("runs", []))
+    seen = {(r["when"], r["provenance"].get("started")) for r in runs}
+    row = recorded.get("traces", {}).get(key)
+    if row is not None:  # the row itself, given as a repeat by mistake
+        seen.add((row.get("when"), row.get("provenance", {}).get("started")))
+    new = [e for e in entries if (e["when"], e["provenance"].get("started")) not in seen]
+    mine["runs"] = runs + new
+    mine["oomguard_vs_default"] = repeats_summary(row, mine["runs"])
+    return len(new)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -549,7 +643,23 @@ def main() -> int:
         help="the step guard's mode in the oomguard configuration",
     )
     parser.add_argument("--conditions", help="how the run went (recorded as is)")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument(
+        "--repeat",
+        action="store_true",
+        help="record the run under repeats.<trace> (with --merge), not as the trace's row",
+    )
+    again.add_argument(
+        "--add-repeat",
+        action="append",
+        metavar="FILE",
+        help="record the traces a partial run wrote to FILE as repeats in --out, and run nothing",
+    )
     args = parser.parse_args()
+    if args.add_repeat:
+        return add_repeat_files(Path(args.out), [Path(f) for f in args.add_repeat])
+    if args.repeat and not (args.merge and Path(args.out).exists()):
+        parser.error("--repeat adds to a recorded file: give --merge and an existing --out")
     chosen = args.trace or (list(QUICK) if args.quick else names())
     recorded: dict[str, Any] = {}
     if args.merge and Path(args.out).exists():
@@ -572,8 +682,13 @@ def main() -> int:
             print(f"  in-flight load: {load}", flush=True)
         # behind a real router a trace's results are kept apart: "<trace>@<router>"
         key = name if args.router == "gateway" else f"{name}@{args.router}"
-        outcomes, extra = kept(traces.get(key), trace, args.config, args.inflight)
+        # a repeat runs every configuration it names afresh; a row keeps the others it has
+        outcomes, extra = kept(
+            None if args.repeat else traces.get(key), trace, args.config, args.inflight
+        )
         load_before = [round(x, 2) for x in os.getloadavg()]
+        if args.repeat:
+            failed = {}  # this run's own: the file's not_run describes its rows
         for config in args.config or configs_for(name):
             failed.pop(f"{key}/{config}", None)
             try:
@@ -594,7 +709,7 @@ def main() -> int:
                     checks[f"{c}_inflight_at_incident_ge_{args.inflight}"] = (
                         min(held) >= args.inflight
                     )
-            traces[key] = {
+            row = {
                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "router": args.router,
                 "inflight": args.inflight,
@@ -607,6 +722,9 @@ def main() -> int:
                 "targets": checks,
                 "provenance": record.provenance("outcome"),  # traces run at different commits
             }
+            if args.repeat:
+                continue  # recorded once all its configurations ran (below)
+            traces[key] = row
             record.write(
                 args.out,
                 "outcome",
@@ -618,7 +736,47 @@ def main() -> int:
                 step_guard=step_summary(traces),
                 **kept_keys,
             )
+        if args.repeat:
+            view = {**kept_keys, "traces": traces}
+            entry = repeat_entry(row) | {"not_run": failed, "conditions": args.conditions}
+            add_repeats(view, key, [entry])
+            kept_keys["repeats"] = view["repeats"]
+            write_kept(args.out, recorded, kept_keys)
+            print(f"  repeats: {json.dumps(kept_keys['repeats'][key]['oomguard_vs_default'])}")
+            continue
         print(f"  targets: {json.dumps(traces[key]['targets'])}", flush=True)
+    return 0
+
+
+def write_kept(out: str | Path, recorded: dict[str, Any], kept_keys: dict[str, Any]) -> None:
+    """Write `recorded` back with `kept_keys` (its rows and their provenance as they were)."""
+    record.write(
+        out,
+        "outcome",
+        bool(recorded.get("quick")),
+        conditions=recorded.get("conditions"),
+        horizon=HORIZON,
+        traces=recorded.get("traces", {}),
+        not_run=recorded.get("not_run", {}),
+        step_guard=step_summary(recorded.get("traces", {})),
+        **kept_keys,
+    )
+
+
+def add_repeat_files(out: Path, files: list[Path]) -> int:
+    """`--add-repeat`: each trace row in `files` becomes a repeat of that trace in `out`."""
+    recorded = json.loads(out.read_text())
+    for f in files:
+        run = json.loads(f.read_text())
+        for key, row in run.get("traces", {}).items():
+            entry = repeat_entry(row) | {
+                "not_run": {k: v for k, v in run.get("not_run", {}).items() if k.startswith(key)},
+                "conditions": run.get("conditions"),
+            }
+            added = add_repeats(recorded, key, [entry])
+            summary = json.dumps(recorded["repeats"][key]["oomguard_vs_default"])
+            print(f"{f}: {key}: {'added' if added else 'already recorded'}; {summary}")
+    write_kept(out, recorded, {k: v for k, v in recorded.items() if k not in OWN_KEYS})
     return 0
 
 

@@ -89,6 +89,8 @@ def fmt(value: Any, spec: str = "") -> str:
     """A value as the page shows it; None is a dash."""
     if spec in FORMS:
         return FORMS[spec](value)
+    if spec.startswith("list:"):  # each item with the spec after the colon: list:.3f
+        return ", ".join(fmt(x, spec[len("list:") :]) for x in value)
     if value is None:
         return "–"
     if isinstance(value, bool):

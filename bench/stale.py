@@ -14,7 +14,8 @@ result before it is resolved. Otherwise stale results are listed and the exit st
 long benchmarks (outcome, matrix, recovery, fleet) cannot be re-recorded on every change, and
 `make check` must not fail for a change elsewhere; the list is the to-do.
 
-Results kept as history (`previous`, `earlier_runs`, *.previous.json) are never listed as stale.
+Results kept as history (`previous`, `earlier_runs`, `repeats`, *.previous.json) are never listed
+as stale.
 
 Usage: python -m bench.stale [--since REV] [--results DIR]
 """
@@ -33,7 +34,9 @@ from bench import record
 ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results"
-HISTORY_KEYS = ("previous", "earlier_runs")  # runs kept for comparison, replaced on purpose
+# runs kept for comparison, replaced on purpose; `repeats` (bench.outcome) count only while they
+# measured their row's code, whose own staleness says when that changed
+HISTORY_KEYS = ("previous", "earlier_runs", "repeats")
 SHOWN_COMMITS = 8  # per stale result; the rest are counted
 
 

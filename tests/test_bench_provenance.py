@@ -178,12 +178,13 @@ def test_merged_runs_are_checked_each_and_history_is_not(scratch: Scratch) -> No
     rec = scratch.record(
         provenance_by_case={"idle": first},  # recorded before the change
         previous={"provenance": first},
+        repeats={"idle": {"runs": [{"provenance": first}]}},  # bench.outcome --repeat's
     )
     # the record's own key is this run's, whatever the caller passed back
     assert rec["provenance"]["commit"] == scratch.git("rev-parse", "HEAD").strip()
     r = scratch.stale()
     assert "provenance_by_case.idle: recorded" in r.stdout
-    assert "previous" not in r.stdout
+    assert "previous" not in r.stdout and "repeats" not in r.stdout
     assert "controller: four" in r.stdout
 
 

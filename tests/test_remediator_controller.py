@@ -427,6 +427,32 @@ def test_flags_walk_back_after_a_quiet_period_and_not_under_pressure(tmp_path):
     c.close()
 
 
+def test_a_single_engines_walk_back_waits_and_pages_nobody(tmp_path):
+    # found: the walk-back on a model's only engine was withheld by single_replica, which counts
+    # oomguard_remediator_safety_limited_total and pages (OomguardRemediationLimited) for a
+    # healthy engine an hour after every OOM; it waits now, and says so in the status
+    from oomguard.remediator.flags import Flags
+
+    engines = Engines.of("solo", startup=51)
+    backend = FakeBackend(engines, "solo", Flags(0.9, 64), Flags(0.86, 51), time.time() - 7200)
+    c = restartable(tmp_path, engines, backend, "solo", safety={"allow_last_replica": True})
+    for _ in range(2):
+        c.reconcile()
+    assert backend.restarts == [] and engines.engines["solo"].cap == 51
+    limited = sample(
+        c, "oomguard_remediator_safety_limited_total", target="solo", limit="single_replica"
+    )
+    assert limited in (None, 0.0)
+    assert events(c, "withheld") == []
+    status = c.status["solo"]
+    assert status.limited is None
+    assert status.waiting == "walk flags back: waits for the single_replica limit"
+    # held (the exporter is blind to it): nothing is decided, nothing waits
+    send(c, alert("OomguardExporterBlind", "solo", oomguard_action="hold"))
+    assert c.status["solo"].mode == "held" and c.status["solo"].waiting is None
+    c.close()
+
+
 def restartable(
     tmp_path, engines: Engines, backend, *names: str, clock=None, **overrides
 ) -> Controller:

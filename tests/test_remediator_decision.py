@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from oomguard.remediator.audit import AuditLog
 from oomguard.remediator.controller import Controller
-from oomguard.remediator.decision import Context, EngineInput, decide_fleet
+from oomguard.remediator.decision import Context, EngineInput, Unreadable, decide_fleet
 from oomguard.remediator.flags import Flags
 from oomguard.remediator.main import explain
 from oomguard.remediator.policy import Observed
@@ -444,3 +444,67 @@ def test_restart_on_fragmentation_false_answers_it_like_any_pressure(tmp_path):
             assert all(s.kind != "restart" for s in verdict.steps), (name, verdict.steps)
             if state is SERVING:
                 assert [s.kind for s in verdict.steps] == [expected]
+
+
+# -- the flags' walk-back: a restart nothing needs --------------------------------------------
+LOWERED = FlagView(Flags(0.9, 256), Flags(0.86, 204), 0.0)  # lowered long ago (wall time 0)
+
+
+def _quiet(name: str, model: str = "llama") -> EngineInput:
+    """An engine at full admission of its lowered flags, no alerts: the walk-back's case."""
+    o = Observed(204, 204, False, 1e9, 0, 0, 0)
+    return EngineInput(name, model, (), o, restartable=True, flags=LOWERED)
+
+
+def test_a_walk_back_never_takes_the_models_last_ready_engine_nor_pages(tmp_path):
+    # found: on a single box the walk-back was a restart withheld by single_replica, a limit
+    # that pages (OomguardRemediationLimited) an hour after every OOM, for a healthy engine
+    for allow in (False, True):  # the opt-in is for relieving memory, not for restoring flags
+        cfg = config(tmp_path, "a", safety={"allow_last_replica": allow})
+        ctx = Context(cfg.policy, cfg.safety, cfg.flags, SafetyState(), 1_000_000.0)
+        (verdict,) = decide_fleet([_quiet("a")], ctx)
+        assert verdict.steps == (), allow  # no withheld step: no limit counted, nothing pages
+        assert verdict.waiting == "walk flags back: waits for the single_replica limit"
+        assert verdict.desired is not None and verdict.desired.phase == "serving"
+    # the model's other engine cannot be read: the last ready one waits too
+    cfg = config(tmp_path, "a", "b", safety={"allow_last_replica": True})
+    ctx = Context(cfg.policy, cfg.safety, cfg.flags, SafetyState(), 1_000_000.0)
+    down = EngineInput("b", "llama", (), Unreadable("unreachable", "connection refused"))
+    verdict = decide_fleet([_quiet("a"), down], ctx)[0]
+    assert verdict.steps == () and verdict.waiting is not None
+    assert "last_ready" in verdict.waiting
+
+
+def test_a_walk_back_restarts_while_a_peer_serves_and_waits_out_the_other_limits(tmp_path):
+    cfg = config(tmp_path, "a", "b", safety={"cooldown_seconds": 60})
+    now = 1_000_000.0
+    ctx = Context(cfg.policy, cfg.safety, cfg.flags, SafetyState(), now)
+    first, second = decide_fleet([_quiet("a"), _quiet("b")], ctx)
+    assert [s.describe() for s in first.steps] == [
+        "restart gpu_memory_utilization=0.9 max_num_seqs=255"  # one step: 204 / 0.8
+    ]
+    assert first.steps[0].elective and first.waiting is None
+    # `a` restarting is the model's one engine out of service: `b` waits for it, and says so
+    assert second.steps == ()
+    assert second.waiting == "walk flags back: waits for the disruption_budget limit"
+    # within the cooldown of a restart it waits, and nothing is withheld
+    recent = SafetyState(history={"a": ((now - 5, "restart"),)})
+    ctx = Context(cfg.policy, cfg.safety, cfg.flags, recent, now)
+    verdict = decide_fleet([_quiet("a"), _engine("b", [])], ctx)[0]
+    assert (
+        verdict.steps == () and verdict.waiting == "walk flags back: waits for the cooldown limit"
+    )
+    # a restart that memory needs is still withheld, and counted, by the same limits
+    hook = parse(payload(alert("OomguardCudaOomObserved", "a", oomguard_action="restart")))
+    needed = EngineInput(
+        "a",
+        "llama",
+        tuple(hook.alerts),
+        Observed(204, 204, False, 1e9, 0, 0, 0),
+        restartable=True,
+        flags=LOWERED,
+    )
+    (verdict,) = decide_fleet(
+        [needed], Context(cfg.policy, config(tmp_path, "a").safety, cfg.flags, SafetyState(), now)
+    )
+    assert [s.withheld for s in verdict.steps][:1] == ["single_replica"] and verdict.waiting is None

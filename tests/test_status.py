@@ -215,3 +215,27 @@ def test_the_supervisor_status_needs_its_token(box):
     api = config["targets"][0]["restart"]["supervisor"]["url"]
     assert httpx.get(f"{api}/v1/status", timeout=5).status_code == 401
     assert Path(config["audit_log"]).parent.is_dir()
+
+
+def test_a_waiting_walk_back_is_shown_and_needs_no_attention():
+    # the walk-back of a model's only engine waits for good (remediator/decision.py): shown, so
+    # that on-call sees why the flags stay lowered, but nothing for anyone to answer
+    from oomguard.status import EngineLevel, TargetReport, _attention, _remediator_lines
+
+    view = {
+        "mode": "serving",
+        "reason": "no alerts: full admission",
+        "limited": None,
+        "waiting": "walk flags back: waits for the single_replica limit",
+    }
+    lines = _remediator_lines(view, time.time())
+    assert "waiting: walk flags back: waits for the single_replica limit" in lines
+    level = EngineLevel("http://127.0.0.1:9848/metrics", {"target": "llama"}, 0, "ok")
+    report = TargetReport("llama", "http://127.0.0.1:8000", levels=[level], remediator=view)
+    assert _attention(report, remediator_read=True) == []
+    # a withheld action is still one
+    limited = {**view, "waiting": None, "limited": {"action": "drain", "limit": "single_replica"}}
+    report = TargetReport("llama", "http://127.0.0.1:8000", levels=[level], remediator=limited)
+    assert _attention(report, remediator_read=True) == [
+        "drain withheld by the single_replica limit"
+    ]

@@ -496,6 +496,9 @@ def _remediator_lines(view: dict[str, Any], now: float) -> list[str]:
     limited = view.get("limited")
     if isinstance(limited, dict):
         lines.append(f"limit: {limited.get('action')} withheld by {limited.get('limit')}")
+    waiting = view.get("waiting")
+    if isinstance(waiting, str) and waiting:
+        lines.append(f"waiting: {waiting[:200]}")  # elective: not an attention item
     last = view.get("last_action")
     if isinstance(last, dict):
         after: dict[str, Any] = last["after"] if isinstance(last.get("after"), dict) else {}

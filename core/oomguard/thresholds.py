@@ -178,8 +178,9 @@ class AlertThresholds(BaseModel):
         "250ms",
         pattern=_DURATION,
         description="Evaluation interval of the work orders on the exporter's level series "
-        "(MemoryPressure, MemoryCritical, PressureBlind): a comparison of one gauge, cheap at "
-        "any fleet size, so that detection is not held up by the rule schedule.",
+        "(MemoryPressure, FragmentationPressure, MemoryCritical, PressureBlind): one max or min "
+        "of one gauge per engine, cheap at any fleet size, so that detection is not held up by "
+        "the rule schedule.",
     )
     remediator_group_interval: str = Field(
         "100ms",

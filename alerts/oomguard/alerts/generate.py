@@ -134,7 +134,8 @@ def alertmanager_config(t: AlertThresholds | None = None) -> dict[str, Any]:
     # The remediator gets every alert as its own group: Alertmanager (0.25, dispatch.go) sends
     # a new group's first notification after group_wait, but a group that has notified once
     # sends what is new only at its next group_interval tick. One group per alert makes every
-    # new alert (an escalation from pressure to critical, another reason, another engine) a
+    # new alert (an escalation from pressure to critical, the fragmentation alert beside the
+    # engine-wide one, another engine; the engine-wide alerts carry no reason) a
     # new group, sent at once; the same alert firing again while its resolved group is still
     # kept (Alertmanager collects empty groups every 30 s) waits one short group_interval.
     # Alertmanager notifies only when a group's alerts changed, so short ticks cost no webhooks.

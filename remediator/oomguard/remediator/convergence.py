@@ -97,6 +97,8 @@ class TargetStatus:
     updated: float | None = None
     # an action the decision wanted and a safety limit withheld this pass (oomguard status)
     limited: dict[str, Any] | None = None
+    # an elective action a limit holds back this pass (the flags' walk-back): no one's to answer
+    waiting: str | None = None
 
 
 class Convergence:
@@ -270,6 +272,9 @@ class Convergence:
     ) -> None:
         name = v.target
         self.status[name].limited = None  # set again below while a limit still withholds
+        self.status[name].waiting = v.waiting
+        if self._note(name, "waiting", v.waiting) and v.waiting is not None:
+            log.info("%s: %s", name, v.waiting)
         if v.held == "restarting":
             self.status[name].mode = "restarting"
             self.metrics.set_mode(name, "restarting")

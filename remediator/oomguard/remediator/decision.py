@@ -17,8 +17,10 @@ their limits included. Per target, in this order:
    `fragmentation_settle_seconds` (fragments that the finished requests made coalesce once the
    engine is idle, and then the alert resolves and the engine resumes without a reload), into
    full admission (the new process has none of the fragments).
-   Or walk the flags back after a quiet period. A restart held back by a safety limit falls
-   through to capping;
+   Or walk the flags back after a quiet period: an elective restart, which nothing needs now,
+   so it never takes the model's last ready engine (whatever `allow_last_replica` says) and a
+   limit that holds it back is not a withheld step (no page, nothing for on-call): it waits
+   (`Verdict.waiting`). Any other restart held back by a safety limit falls through to capping;
 3. the policy's desired state, planned into steps; a drain refused by the disruption budget or
    the last-ready rule caps instead; every step goes through the safety limits. An engine under
    fragmentation pressure that a restart may answer (a restart backend, its episode not yet
@@ -98,6 +100,8 @@ class Step:
     staged: bool = True
     # a generic action's parameters: the body its `body` model in oomguard.actions allows
     params: dict[str, Any] | None = None
+    # restart: wanted, not needed (the flags' walk-back): a limit makes it wait, not withheld
+    elective: bool = False
 
     def describe(self) -> str:
         what = self.kind
@@ -120,6 +124,7 @@ class Verdict:
     held: str | None = None  # restarting | blind | the reason the state cannot be read
     message: str = ""
     fingerprints: tuple[str, ...] = field(default=())
+    waiting: str | None = None  # an elective step a limit holds back: what it waits for
 
     @property
     def taken(self) -> list[Step]:
@@ -279,7 +284,12 @@ def _restart(engine: EngineInput, o: Observed, ctx: Context) -> Step | None:
         if flags != view.current:
             episode = f"walk-back@{view.changed_at}"
             return Step(
-                "restart", reason="walk flags back", flags=flags, episode=episode, covers=(episode,)
+                "restart",
+                reason="walk flags back",
+                flags=flags,
+                episode=episode,
+                covers=(episode,),
+                elective=True,
             )
     return None
 
@@ -296,9 +306,13 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
     }
     safety = ctx.state
     verdicts: list[Verdict] = []
+    # an elective restart takes an engine out only while a peer serves its model: the opt-in to
+    # take the last replica is for relieving memory, not for restoring flags
+    elective_config = ctx.safety.model_copy(update={"allow_last_replica": False})
 
-    def check(name: str, kind: str) -> str | None:
-        return limit(ctx.safety, safety, ctx.now, name, kind, fleet)
+    def check(name: str, kind: str, elective: bool = False) -> str | None:
+        config = elective_config if elective else ctx.safety
+        return limit(config, safety, ctx.now, name, kind, fleet)
 
     for e in engines:
         fps = tuple(sorted({a.fingerprint for a in e.alerts}))
@@ -327,16 +341,20 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
             )
             continue
         steps: list[Step] = []
+        waiting: str | None = None
         restart = _restart(e, o, ctx)
         if restart is not None:
-            why = check(e.name, "restart")
+            why = check(e.name, "restart", restart.elective)
             if why is None:
                 safety = safety.with_action(e.name, ctx.now, "restart")
                 fleet[e.name] = EngineView(e.model, draining=True, reachable=True)
                 desired = Desired(True, o.admission_cap, "draining", restart.reason)
                 verdicts.append(Verdict(e.name, o, desired, (restart,), fingerprints=fps))
                 continue
-            steps.append(replace(restart, withheld=why))
+            if restart.elective:
+                waiting = f"{restart.reason}: waits for the {why} limit"
+            else:
+                steps.append(replace(restart, withheld=why))
         # A restart asked for but not possible here (none configured, done, or withheld) caps;
         # an episode a restart already answered asks for no more than a cap, and the episodes
         # a restart for fragmentation answered ask for nothing (_answered_by_clean_start).
@@ -383,5 +401,7 @@ def decide_fleet(engines: Sequence[EngineInput], ctx: Context) -> list[Verdict]:
             draining = BY_NAME[kind].draining
             if draining is not None:
                 fleet[e.name] = EngineView(e.model, draining=draining, reachable=True)
-        verdicts.append(Verdict(e.name, o, desired, tuple(steps), fingerprints=fps))
+        verdicts.append(
+            Verdict(e.name, o, desired, tuple(steps), fingerprints=fps, waiting=waiting)
+        )
     return verdicts

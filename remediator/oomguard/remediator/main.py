@@ -446,6 +446,8 @@ def explain(
         )
         if v.held:
             entry["held"] = v.message
+        if v.waiting:
+            entry["waiting"] = v.waiting
         if safety.paused or config.dry_run:
             entry["note"] = "paused or dry run: nothing would be changed"
         out.append(entry)

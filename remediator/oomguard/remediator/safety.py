@@ -45,7 +45,8 @@ class SafetyConfig(BaseModel):
         False,
         description="Let a drain or a restart take a model's last ready engine (a single "
         "replica). Off by default: it is an outage. On: 503 with Retry-After beats a CUDA OOM "
-        "that loses every request in flight.",
+        "that loses every request in flight. Never for the flags' walk-back, which nothing "
+        "needs: it waits for a ready peer.",
     )
 
 

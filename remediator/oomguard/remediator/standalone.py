@@ -42,7 +42,6 @@ from oomguard.thresholds import AlertThresholds
 
 log = logging.getLogger("oomguard.remediator.standalone")
 
-BLIND = -1.0  # the exporter's level when it lacks the data to judge an engine
 RuleKey = tuple[str, str, str, str]  # exporter instance, target, engine, alert name
 EngineKey = tuple[str, str]  # target, engine
 # The action alerts, as the rules define them (oomguard.actions.ACTION_ALERTS), by name.
