@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import yaml
 
+from oomguard.actions import ACTION_ALERTS as ALL_ACTION_ALERTS
 from oomguard.actions import ALERT_ACTIONS
 from oomguard.alerts.cases import cases, expr_cases
 from oomguard.alerts.generate import RULE_TESTS, RULES, prometheus_config
@@ -145,6 +146,18 @@ def test_promtool_unit_tests_can_fail(repo_root, tmp_path):
             "increase(oomguard_allocator_ooms_total[5m]) > 0 or (oomguard_allocator_ooms_total "
             "> 0 unless ignoring (pod) oomguard_allocator_ooms_total offset 5m)",
         ),
+        # an engine's level judged pod by pod: an exporter rollout (maxSurge) is a second alert
+        # (a second episode for the remediator), a gap within keep_firing_for starts the `for`
+        # again, and a new pod that cannot see the engine yet blinds it
+        ("OomguardMemoryPressure", "max without (reason) (oomguard_engine_pressure_level) >= 2"),
+        (
+            "OomguardFragmentationPressure",
+            "max without (reason) "
+            '(oomguard_engine_pressure_level{reason="allocator_fragmentation"}) >= 2',
+        ),
+        ("OomguardMemoryCritical", "max without (reason) (oomguard_engine_pressure_level) >= 3"),
+        ("OomguardPressureBlind", "min without (reason) (oomguard_engine_pressure_level) < 0"),
+        ("OomguardGpuMemoryPressure", "max without (reason) (oomguard_gpu_pressure_level) == 2"),
         # the job prometheus-operator gives a PodMonitor without relabeling: never matches
         ("OomguardExporterDown", 'up{job="oomguard/oomguard-exporter"} == 0'),
         # joined on `target` with the names the manifests used to give (vllm vs vllm-llama-3-8b)
@@ -203,6 +216,61 @@ def test_every_counter_based_alert_has_a_rollout_case(alert):
         if any(len(by_metric.get(c, ())) > 1 for c in counters):
             rolled.append(case.eval_time)
     assert rolled, f"{alert}: no quiet case where a pod of {sorted(counters)} is replaced"
+
+
+# Alerts about one exporter process (its collector, its polling), not about what it serves: a
+# new pod is a new process, and its `for` rightly starts again.
+PER_EXPORTER_PROCESS = {"OomguardCollectorDown", "OomguardMetricsStale"}
+
+
+def _exporter_gauges(expr: str) -> set[str]:
+    """The exporter's gauges an expression reads (not through a recording rule), except those
+    that carry a pod of their own (dcgm-exporter's attribution)."""
+    return {
+        n
+        for n in metric_names(expr)
+        if n in CATALOG
+        and CATALOG[n].type == "gauge"
+        and CATALOG[n].component == "exporter"
+        and "pod" not in CATALOG[n].labels
+    }
+
+
+def _keeps_the_scraped_pod(expr: str) -> bool:
+    """Whether the result may carry the scraped pod's label: no `without (..pod..)`, and no
+    aggregation or join onto named labels."""
+    if re.search(r"\bwithout \([^)]*\bpod\b", expr):
+        return False
+    named = re.findall(r"\b(?:by|on) \(([^)]*)\)", expr)
+    return not named or any("pod" in labels.split(", ") for labels in named)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [r.record for r in all_recording_rules(T) if _exporter_gauges(r.expr)]
+    + [a.name for a in ALERTS if _exporter_gauges(a.expr) and a.name not in PER_EXPORTER_PROCESS],
+    ids=str,
+)
+def test_rules_on_exporter_gauges_judge_what_they_serve_not_the_pod(rule):
+    """The exporter's DaemonSet rolls with a surge (the manifests): a rule on one of its gauges
+    that kept the scraped pod's label would see a new series at every rollout."""
+    exprs = {r.record: r.expr for r in all_recording_rules(T)} | {a.name: a.expr for a in ALERTS}
+    assert not _keeps_the_scraped_pod(exprs[rule]), exprs[rule]
+
+
+def test_every_action_alert_has_a_rollout_case_while_it_fires():
+    """An exporter rollout while a work order fires (two pods' series of one engine) is a case
+    that expects the one alert, without the pod: the remediator sees one episode."""
+    for alert in (a.name for a in ALL_ACTION_ALERTS):
+        found = []
+        for case in cases(T):
+            if case.alert != alert or not case.firing:
+                continue
+            pods = {_series(text)[1].get("pod") for text in case.series}
+            if len(pods) > 1:
+                assert all("pod" not in f for f in case.firing), case
+                found.append(case.eval_time)
+        assert found, f"{alert}: no firing case across an exporter rollout"
 
 
 def test_every_alert_has_a_firing_and_a_quiet_case():

@@ -109,7 +109,8 @@ def cases(engine: str, remediator: str) -> dict[str, Any]:
                         "exp_alerts": [
                             {
                                 "exp_labels": {
-                                    **series,
+                                    # across the exporter pods that serve it (no `pod`)
+                                    **{k: v for k, v in series.items() if k != "pod"},
                                     "severity": "warning",
                                     "namespace": "oomguard",
                                 },

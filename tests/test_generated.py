@@ -33,7 +33,7 @@ def test_thresholds_file_changes_the_rules(tmp_path):
     t.write_text("kv_usage_high_ratio: 0.8\n")
     assert main(["generate", "--root", str(tmp_path), "--thresholds", str(t)]) == 0
     assert (
-        "oomguard_vllm_kv_cache_usage_ratio > 0.8"
+        "max without (pod) (oomguard_vllm_kv_cache_usage_ratio) > 0.8"
         in (tmp_path / "alerts/oomguard/alerts/generated/oomguard.rules.yaml").read_text()
     )
 

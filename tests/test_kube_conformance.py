@@ -165,6 +165,33 @@ def problems(objects: list[dict[str, Any]], install: dict[str, Any]) -> list[str
             f"{config.alertmanager.receiver!r}; the operator names it {sorted(names)}"
         )
     found += unreachable_when_drained(objects, config)
+    found += exporter_rollout_gaps(objects)
+    return found
+
+
+def exporter_rollout_gaps(objects: list[dict[str, Any]]) -> list[str]:
+    """A DaemonSet rolls a node by deleting its pod first (maxUnavailable) or by starting the
+    new one beside it first (maxSurge; apps/v1 RollingUpdateDaemonSet, GA in 1.25). Deleting
+    first leaves the node's engines unwatched until the new exporter serves, longer than the
+    action alerts' keep_firing_for once an image pull is in it. Surging needs the two pods to
+    fit on one node: no hostPort and no hostNetwork (the second pod would wait for the port)."""
+    found = []
+    for ds in (o for o in objects if o["kind"] == "DaemonSet"):
+        if ds["metadata"]["name"] != "oomguard-exporter":
+            continue
+        rolling = (ds["spec"].get("updateStrategy") or {}).get("rollingUpdate") or {}
+        if int(rolling.get("maxSurge", 0)) < 1 or int(rolling.get("maxUnavailable", 1)) != 0:
+            found.append(
+                "the exporter's DaemonSet deletes a node's pod before its replacement serves: "
+                "an exporter rollout leaves the node's engines unwatched"
+            )
+        spec = ds["spec"]["template"]["spec"]
+        ports = [p for c in spec["containers"] for p in c.get("ports", []) if "hostPort" in p]
+        if spec.get("hostNetwork") or ports:
+            found.append(
+                "the exporter's DaemonSet holds a host port: its surge pod cannot start beside "
+                "the old one"
+            )
     return found
 
 
@@ -292,6 +319,15 @@ def test_the_check_fails_on_each_defect_the_manifests_had(rendered):
     )
     found = problems(broken, kp)
     assert any("drops the engine's pod while it is drained" in p for p in found), found
+    # the exporter rolled by deleting first (what the manifests had), or surging on a host port
+    broken = copy.deepcopy(rendered)
+    ds = next(o for o in broken if o["kind"] == "DaemonSet")
+    ds["spec"]["updateStrategy"]["rollingUpdate"] = {"maxUnavailable": 1}
+    assert any("leaves the node's engines unwatched" in p for p in problems(broken, kp))
+    broken = copy.deepcopy(rendered)
+    ds = next(o for o in broken if o["kind"] == "DaemonSet")
+    ds["spec"]["template"]["spec"]["containers"][0]["ports"][0]["hostPort"] = 9848
+    assert any("cannot start beside the old one" in p for p in problems(broken, kp))
 
 
 def test_older_kube_prometheus_needs_the_documented_patch(rendered, repo_root):

@@ -179,6 +179,12 @@ def route(call: str) -> tuple[str, str]:
 
 # -- the alerts that ask for an action on the exporter's level series ---------------------------
 LEVEL = "oomguard_engine_pressure_level"
+# The label prometheus-operator gives every series with the name of the pod it scraped. The
+# exporter's DaemonSet rolls with a surge (the new pod serves before the old one stops), so for a
+# while two pods serve one engine's level, and after it another pod does: an alert that kept this
+# label would be a new alert (its `for` started again, a new episode for the remediator) at every
+# rollout. The rules take the level across the pods that serve it.
+POD_LABEL = "pod"
 
 
 @dataclass(frozen=True)
@@ -190,7 +196,10 @@ class ActionAlert:
     shrink's hold, then headroom_low again) and never fire while the level stays up. The
     expression aggregates the reason away (the worst level for `>=`, the lowest for `<`, so
     that one blind series is blind); `reason` set: only that reason's series count, and the
-    alert carries it as a label (the one reason the remediator answers differently)."""
+    alert carries it as a label (the one reason the remediator answers differently). The
+    exporter pod that serves the series is aggregated away too (POD_LABEL): each pod's view of
+    the engine, then the best-informed one (a new pod that cannot see the engine yet does not
+    make it blind while the old one still can)."""
 
     name: str
     op: Literal[">=", "<"]
@@ -218,8 +227,10 @@ class ActionAlert:
     @property
     def expr(self) -> str:
         series = LEVEL if self.reason is None else f'{LEVEL}{{reason="{self.reason}"}}'
-        how = "max" if self.op == ">=" else "min"
-        return f"{how} without (reason) ({series}) {self.op} {self.level}"
+        if self.op == ">=":  # the worst level of any reason, as any pod sees it
+            return f"max without (reason, {POD_LABEL}) ({series}) {self.op} {self.level}"
+        # the lowest level of any reason (blind if one is), as the pod that sees best sees it
+        return f"max without ({POD_LABEL}) (min without (reason) ({series})) {self.op} {self.level}"
 
     @property
     def labels(self) -> dict[str, str]:

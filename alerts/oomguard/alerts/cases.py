@@ -80,6 +80,12 @@ class Labels:
         self.eng = f"engine 0 of {self.target} on {self.exp['instance']}"
 
     @staticmethod
+    def one(labels: dict[str, str]) -> dict[str, str]:
+        """An alert's labels on an exporter gauge: the level as any pod that serves it sees
+        it (rules.across_pods), so without the pod's name."""
+        return {k: v for k, v in labels.items() if k != "pod"}
+
+    @staticmethod
     def rolled(labels: dict[str, str], pod: str, ip: str | None = None) -> dict[str, str]:
         """The same series served by a replacement pod: a new `pod` label (and, where the
         instance is the pod's address, a new address)."""
@@ -109,7 +115,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             kv,
             [
                 {
-                    **L.engine,
+                    **L.one(L.engine),
                     "severity": "info",
                     "description": f"The KV cache of {ENG} is 95% full. This is normal under load "
                     "and is not a danger sign by itself; sustained, it means the engine runs at "
@@ -135,7 +141,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             level("headroom_caution", "1x20"),
             [
                 {
-                    **L.engine,
+                    **L.one(L.engine),
                     "reason": "headroom_caution",
                     "severity": "info",
                     "description": f"The pressure level of {ENG} is 1 (reason headroom_caution) "
@@ -192,7 +198,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     why = "(the `reason` of its oomguard_engine_pressure_level series says why)"
     fired = [
         {
-            **L.engine,
+            **L.one(L.engine),
             "severity": "warning",
             "oomguard_action": "lower_cap",
             "description": f"The pressure level of {ENG} is 2 {why}: the memory left on its GPU "
@@ -227,7 +233,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     add(Case("OomguardFragmentationPressure", "1m", fragmented))  # not yet 30 s
     fragmentation_fired = [
         {
-            **L.engine,
+            **L.one(L.engine),
             "reason": FRAGMENTATION_REASON,
             "severity": "warning",
             "oomguard_action": "lower_cap",
@@ -255,45 +261,87 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     # critical: fires at once; the remediator drains, nobody is paged
     critical = level("headroom_exhausted", "0 3x3 0x10")
     add(Case("OomguardMemoryCritical", "0m", critical))
-    add(
-        Case(
-            "OomguardMemoryCritical",
-            "1m",
-            critical,
-            [
-                {
-                    **L.engine,
-                    "severity": "warning",
-                    "oomguard_action": "drain",
-                    "description": f"The pressure level of {ENG} is 3 {why}: "
-                    "the memory left on its GPU at the engines' planned peak is nearly gone, or the "
-                    "allocator reported an out-of-memory error. oomguard drains the engine.",
-                }
-            ],
-        )
-    )
+    critical_fired = [
+        {
+            **L.one(L.engine),
+            "severity": "warning",
+            "oomguard_action": "drain",
+            "description": f"The pressure level of {ENG} is 3 {why}: "
+            "the memory left on its GPU at the engines' planned peak is nearly gone, or the "
+            "allocator reported an out-of-memory error. oomguard drains the engine.",
+        }
+    ]
+    add(Case("OomguardMemoryCritical", "1m", critical, critical_fired))
     add(Case("OomguardMemoryCritical", "10m", critical))
+    # the exporter rolls with a surge while the engine is critical: one alert, one drain
+    critical_surge = {
+        sel("oomguard_engine_pressure_level", {**L.engine, "reason": "headroom_exhausted"}): (
+            "3x10 stale"
+        ),
+        sel(
+            "oomguard_engine_pressure_level",
+            {**L.rolled(L.engine, NEW_EXPORTER_POD), "reason": "headroom_exhausted"},
+        ): "_x9 3x10",
+    }
+    add(Case("OomguardMemoryCritical", "10m", critical_surge, critical_fired))
+    add(Case("OomguardMemoryCritical", "12m", critical_surge, critical_fired))
 
     # blind: the exporter cannot judge the engine (level -1)
     blind = level("blind", "0 -1x3 0x10")  # blind from 1m to 4m
-    add(
-        Case(
-            "OomguardPressureBlind",
-            "1m",
-            blind,
-            [
-                {
-                    **L.engine,
-                    "severity": "warning",
-                    "oomguard_action": "hold",
-                    "description": f"The exporter on {NODE} lacks the data to judge {ENG} {why}; "
-                    "the remediator holds it (blind is not healthy).",
-                }
-            ],
-        )
-    )
+    blind_fired = [
+        {
+            **L.one(L.engine),
+            "severity": "warning",
+            "oomguard_action": "hold",
+            "description": f"The exporter on {NODE} lacks the data to judge {ENG} {why}; "
+            "the remediator holds it (blind is not healthy).",
+        }
+    ]
+    add(Case("OomguardPressureBlind", "1m", blind, blind_fired))
     add(Case("OomguardPressureBlind", "5m", blind))  # clears at once: no hysteresis
     add(Case("OomguardPressureBlind", "12m", level("headroom_caution", "1x15")))
+
+    # the exporter's DaemonSet rolls (a new `pod` label on the same level): an action alert
+    # judges the engine whichever pod serves it, so a rollout neither starts its `for` again
+    # nor makes it a new alert (a new episode the remediator would answer again)
+    def served_by(pod: str | None, reason: str, values: str) -> dict[str, str]:
+        labels = {**(L.rolled(L.engine, pod) if pod else L.engine), "reason": reason}
+        return {sel("oomguard_engine_pressure_level", labels): values}
+
+    # every 5 s: level 2 from the old pod until 295 s; with maxUnavailable the new pod serves
+    # from 310 s (a gap within action_keep_firing_for); with maxSurge from 250 s
+    gap = {
+        **served_by(None, "headroom_low", "2x59 stale"),
+        **served_by(NEW_EXPORTER_POD, "headroom_low", "_x62 2x60"),
+    }
+    add(Case("OomguardMemoryPressure", "305s", gap, fired, "5s"))
+    add(Case("OomguardMemoryPressure", "330s", gap, fired, "5s"))  # not pending again
+    surge = {
+        **served_by(None, "headroom_low", "2x59 stale"),
+        **served_by(NEW_EXPORTER_POD, "headroom_low", "_x50 2x60"),
+    }
+    add(Case("OomguardMemoryPressure", "290s", surge, fired, "5s"))  # one alert, not two
+    add(Case("OomguardMemoryPressure", "330s", surge, fired, "5s"))
+    fragments_gap = {
+        **served_by(None, FRAGMENTATION_REASON, "2x59 stale"),
+        **served_by(NEW_EXPORTER_POD, FRAGMENTATION_REASON, "_x62 2x60"),
+    }
+    add(Case("OomguardFragmentationPressure", "330s", fragments_gap, fragmentation_fired, "5s"))
+    # a new pod that cannot judge the engine yet does not make it blind while the old one can
+    # (nor the other way round); blind is what every pod serving it says
+    # (every minute: the old pod serves until 10m, the new one from 8m, blind at 8m and 9m)
+    blind_start = {
+        **served_by(None, "headroom_ok", "0x10 stale"),
+        **served_by(NEW_EXPORTER_POD, "blind", "_x8 -1x1 stale"),
+        **served_by(NEW_EXPORTER_POD, "headroom_ok", "_x10 0x10"),
+    }
+    add(Case("OomguardPressureBlind", "9m", blind_start))
+    blind_both = {
+        **served_by(None, "blind", "-1x10 stale"),
+        **served_by(NEW_EXPORTER_POD, "blind", "_x8 -1x10"),
+    }
+    add(Case("OomguardPressureBlind", "9m", blind_both, blind_fired))
+    add(Case("OomguardPressureBlind", "12m", blind_both, blind_fired))
 
     def gpu_level(v: str) -> dict[str, str]:
         return {sel("oomguard_gpu_pressure_level", {**L.gpu, "reason": "headroom_low"}): v}
@@ -306,7 +354,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             gpu_level("2x10"),
             [
                 {
-                    **L.gpu,
+                    **L.one(L.gpu),
                     "severity": "warning",
                     "description": f"{gpu_text} is at pressure level 2: its headroom at the "
                     "engines' planned peak is low.",
@@ -315,6 +363,24 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         )
     )
     add(Case("OomguardGpuMemoryPressure", "6m", gpu_level("3x10")))  # critical instead
+    # the exporter rolls at 11m: the GPU's level from the new pod goes on with the same alert
+    # (its 5 minutes do not start again)
+    gpu_rolled = {
+        sel("oomguard_gpu_pressure_level", {**L.gpu, "reason": "headroom_low"}): "2x10 stale",
+        sel(
+            "oomguard_gpu_pressure_level",
+            {**L.rolled(L.gpu, NEW_EXPORTER_POD), "reason": "headroom_low"},
+        ): "_x11 2x20",
+    }
+    gpu_fired = [
+        {
+            **L.one(L.gpu),
+            "severity": "warning",
+            "description": f"{gpu_text} is at pressure level 2: its headroom at the "
+            "engines' planned peak is low.",
+        }
+    ]
+    add(Case("OomguardGpuMemoryPressure", "14m", gpu_rolled, gpu_fired))
     add(
         Case(
             "OomguardGpuMemoryCritical",
@@ -322,7 +388,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             gpu_level("3x10"),
             [
                 {
-                    **L.gpu,
+                    **L.one(L.gpu),
                     "severity": "warning",
                     "description": f"{gpu_text} is at pressure level 3: its headroom at the "
                     "engines' planned peak is nearly gone or a process on it hit a CUDA "
@@ -345,7 +411,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             frag,
             [
                 {
-                    **L.rank,
+                    **L.one(L.rank),
                     "severity": "warning",
                     "description": f"Reserved minus allocated memory of rank 0 (pid 42) on {NODE} "
                     "grew by 3GiB over 2h.",
@@ -371,7 +437,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             {allocated: f"{10 * GIB}+{GIB // 8}x40"},
             [
                 {
-                    **L.rank,
+                    **L.one(L.rank),
                     "severity": "warning",
                     "description": f"The lowest allocated memory of rank 0 (pid 42) on {NODE} rose "
                     "by 1.5GiB in 2h: a leak.",
@@ -551,7 +617,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             {up: "0x20"},
             [
                 {
-                    **L.exp,
+                    **L.one(L.exp),
                     "target": L.target,
                     "severity": "warning",
                     "description": f"The exporter on {NODE} has not been able to scrape vLLM target "
@@ -905,7 +971,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             queue,
             [
                 {
-                    **L.engine,
+                    **L.one(L.engine),
                     "severity": "warning",
                     "description": f"40 requests wait on {ENG} while its admission cap is below "
                     "the startup max_num_seqs.",

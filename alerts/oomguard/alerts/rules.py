@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from oomguard import vllm_seam
-from oomguard.actions import ACTION_ALERTS
+from oomguard.actions import ACTION_ALERTS, POD_LABEL
 from oomguard.catalog import CATALOG
 from oomguard.thresholds import AlertThresholds
 
@@ -119,6 +119,7 @@ def exporter_identity(t: AlertThresholds, metric: str) -> tuple[str, ...]:
 
 
 ENGINE_MODEL = "engine:oomguard_vllm_model:info"
+ALLOCATED = "rank:oomguard_allocator_allocated_bytes:max"
 # The safety limits under which the remediator caps instead of draining (or restarting) while
 # other replicas serve the model: the designed fallback, nothing held back
 # (remediator/decision.py FALLBACK_LIMITS; tests/test_alert_rules.py checks they agree). Its
@@ -138,6 +139,17 @@ def with_model(expr: str, c: str, on: tuple[str, ...]) -> str:
     )
 
 
+def across_pods(expr: str, how: str = "max") -> str:
+    """An exporter gauge as one series per engine (or GPU, rank) whichever pod serves it.
+
+    prometheus-operator labels every series with the pod it scraped (POD_LABEL), and the
+    exporter's DaemonSet rolls with a surge: for a while two pods serve the same value, then
+    another pod does. A rule on the raw gauge would see a new series at every rollout, its `for`
+    started again and, for an alert, a new alert (a new episode for the remediator). Gauges
+    only: the exporter's counters are compared by identity (`rose_since`)."""
+    return f"{how} without ({POD_LABEL}) ({expr})"
+
+
 def _num(x: float) -> str:
     return f"{x:.10g}"
 
@@ -150,11 +162,11 @@ def recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
     return [
         RecordingRule(
             "engine:oomguard_engine_pressure_level:max",
-            "max without (reason) (oomguard_engine_pressure_level)",
+            f"max without (reason, {POD_LABEL}) (oomguard_engine_pressure_level)",
         ),
         RecordingRule(
             "gpu:oomguard_gpu_pressure_level:max",
-            "max without (reason) (oomguard_gpu_pressure_level)",
+            f"max without (reason, {POD_LABEL}) (oomguard_gpu_pressure_level)",
         ),
         RecordingRule(
             "engine:oomguard_vllm_preemption_ratio:rate5m",
@@ -180,12 +192,15 @@ def recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
         ),
         RecordingRule(
             "rank:oomguard_allocator_fragmentation_bytes:diff",
-            "oomguard_allocator_reserved_bytes - oomguard_allocator_allocated_bytes",
+            across_pods("oomguard_allocator_reserved_bytes - oomguard_allocator_allocated_bytes"),
         ),
+        RecordingRule(ALLOCATED, across_pods("oomguard_allocator_allocated_bytes")),
         RecordingRule(
             "gpu:oomguard_gpu_memory_used:ratio",
-            "(oomguard_gpu_memory_total_bytes - oomguard_gpu_memory_free_bytes)\n"
-            "/ oomguard_gpu_memory_total_bytes",
+            across_pods(
+                "(oomguard_gpu_memory_total_bytes - oomguard_gpu_memory_free_bytes)\n"
+                "/ oomguard_gpu_memory_total_bytes"
+            ),
         ),
         # Capacity withheld: admission slots an engine (a remediator target) does not offer now,
         # startup max_num_seqs minus the live cap, or all of it while draining or restarting.
@@ -504,8 +519,8 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardAllocatorLeak",
-            f"min_over_time(oomguard_allocator_allocated_bytes[30m])\n"
-            f"- min_over_time(oomguard_allocator_allocated_bytes[30m] offset {t.growth_window})\n"
+            f"min_over_time({ALLOCATED}[30m])\n"
+            f"- min_over_time({ALLOCATED}[30m] offset {t.growth_window})\n"
             f"> {t.leak_growth_bytes}",
             "warning",
             "Memory held by live tensors in a vLLM worker keeps rising.",
@@ -553,7 +568,8 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardEngineDown",
-            f"oomguard_vllm_up{{{exp}}} == 0",
+            # down when no exporter pod reaches it (a rollout does not start the 15 m again)
+            across_pods(f"oomguard_vllm_up{{{exp}}}") + " == 0",
             "warning",
             "A vLLM engine has not answered for a long time.",
             "The exporter on {{ $labels.instance }} has not been able to scrape vLLM target "
@@ -693,7 +709,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardRequestsQueueing",
-            f"(oomguard_vllm_requests_waiting{{{exp}}} > {t.queueing_waiting})\n"
+            f"({across_pods(f'oomguard_vllm_requests_waiting{{{exp}}}')} > {t.queueing_waiting})\n"
             f"and on ({c}, target)\n"
             f"(max by ({c}, target) (oomguard_remediator_admission_cap)\n"
             f" < max by ({c}, target) (oomguard_remediator_startup_max_num_seqs))",
@@ -781,7 +797,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         # -- nothing (info): shown on dashboards, routed nowhere --------------------------------
         Alert(
             "OomguardKVCacheUsageHigh",
-            f"oomguard_vllm_kv_cache_usage_ratio > {t.kv_usage_high_ratio}",
+            across_pods("oomguard_vllm_kv_cache_usage_ratio") + f" > {t.kv_usage_high_ratio}",
             "info",
             "A vLLM engine has kept its KV cache nearly full for a long time.",
             f"The KV cache of {_ENGINE} is {{{{ $value | humanizePercentage }}}} full. "
@@ -792,7 +808,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         ),
         Alert(
             "OomguardMemoryCaution",
-            "oomguard_engine_pressure_level >= 1",
+            across_pods("oomguard_engine_pressure_level") + " >= 1",
             "info",
             "A vLLM engine has been at memory pressure level caution or higher.",
             f"The pressure level of {_ENGINE} is {{{{ $value }}}} {_REASON} (1 caution, "

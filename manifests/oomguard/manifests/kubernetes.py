@@ -100,7 +100,14 @@ def exporter(t: AlertThresholds) -> list[dict[str, Any]]:
             "metadata": _meta(name, **labels),
             "spec": {
                 "selector": {"matchLabels": labels},
-                "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+                # surge: the new pod serves a node before the old one stops (no hostPort, no
+                # hostNetwork, so both fit), and the rules take an engine's level across the
+                # pods that serve it (alerts.rules.across_pods): an exporter rollout during an
+                # incident neither blinds the node nor starts an action alert's `for` again
+                "updateStrategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+                },
                 "template": {
                     "metadata": {"labels": {**LABELS, **labels}},
                     "spec": {
