@@ -25,8 +25,12 @@ The shipped configuration throughout: the exporter at its default 1 s poll, Prom
 generated scrape config (the exporter every 1 s) and rules (the work orders' 250 ms group), the
 shipped Alertmanager routes. Two timings are shortened so that rounds can follow each other:
 the action alerts' `keep_firing_for` (it only delays the resolution) and, with `--quick`, the
-pressure alert's `for` (the escalation round's setup). Each round starts at a random phase of
-the 1 s scrape cycle, so the rounds sample every phase instead of repeating one.
+pressure alert's `for` (the escalation round's setup). The exporter's 1 s poll and Prometheus's
+1 s scrape keep the phase between them for as long as both run, and that phase alone moves the
+exporter-to-Prometheus hop by up to a second: one run used to measure one phase in every round
+(0.7 s one day, 1.05 s the next, at the same code). So before each round the exporter is
+restarted at a random moment (a new phase against the scrape), and each round's condition
+starts at a random moment of the exporter's own cycle: the rounds sample both phases.
 
 Usage: python -m bench.detection [--rounds N] [--quick] [--out FILE]
 (writes bench/results/detection.json)
@@ -166,19 +170,17 @@ class Bench:
             usable = self.gpus[i].total - self.gpus[i].reserved
             self.nvml.set_process(i, e.proc.pid, int(0.92 * usable))
         self.port = free_port()
-        self.exporter = Exporter(
-            ExporterConfig(  # the shipped poll interval (ExporterConfig's default, 1 s)
-                listen=f"127.0.0.1:{self.port}",
-                hostname="twin-node",
-                vllm=[
-                    VllmTarget(name=f"llama-{i}", url=f"{e.url}/metrics", gpus=[str(i)])
-                    for i, e in enumerate(self.engines)
-                ],
-                cgroups=[],
-                allocator={"directory": str(work / "allocator")},
-            ),
-            nvml_backend=self.nvml,
+        self.exporter_config = ExporterConfig(  # the shipped poll interval (its default, 1 s)
+            listen=f"127.0.0.1:{self.port}",
+            hostname="twin-node",
+            vllm=[
+                VllmTarget(name=f"llama-{i}", url=f"{e.url}/metrics", gpus=[str(i)])
+                for i, e in enumerate(self.engines)
+            ],
+            cgroups=[],
+            allocator={"directory": str(work / "allocator")},
         )
+        self.exporter = Exporter(self.exporter_config, nvml_backend=self.nvml)
         self.exporter.start()
         listen = f"127.0.0.1:{free_port()}"
         am = Alertmanager(work / "am", self.sink.url, work / "token", remediator=f"http://{listen}")
@@ -274,9 +276,24 @@ class Bench:
     def nvml_neighbour(self) -> int:
         return self.gpus[0].processes.get(NEIGHBOUR, 0)
 
+    def rephase(self) -> None:
+        """Restart the exporter at a random moment: its poll cycle takes a new phase against
+        Prometheus's scrape cycle (both 1 s, so otherwise fixed for the whole run)."""
+        assert self.exporter is not None
+        self.exporter.stop()
+        self.exporter = None
+        time.sleep(random.random())
+        self.exporter = Exporter(self.exporter_config, nvml_backend=self.nvml)
+        self.exporter.start()
+        self.wait(lambda: self.level() == 0, 30, "engine 0 at level 0 after the restart")
+        # Prometheus scraped the new exporter: `up` again, sampled within the last second
+        job = 'up{job="oomguard-exporter"}'
+        self.prom.wait_for(f"{job} == 1 and time() - timestamp({job}) < 1", 30)
+
     # -- one round ----------------------------------------------------------------------------
     def round(self, kind: str) -> dict[str, Any]:
         p = PressureThresholds()
+        self.rephase()
         started = time.time()
         hooks_before = self.webhooks()
         if kind == "escalation":

@@ -288,3 +288,16 @@ def test_a_new_scraper_takes_the_slot_of_a_slow_request_head(servers):
     finally:
         for s in held:
             s.close()
+
+
+def test_stop_closes_kept_alive_connections(servers):
+    """A stopped server answers nothing more, not even on a connection kept alive before the
+    stop (its thread used to go on serving the last snapshot: a stopped exporter that Prometheus
+    still scraped as up)."""
+    srv = start()
+    with httpx.Client(timeout=5) as client:
+        assert client.get(f"http://127.0.0.1:{srv.port}/metrics").status_code == 200
+        assert wait_for(lambda: len(srv._open) == 1, 5)  # the connection is kept alive
+        srv.stop()
+        with pytest.raises(httpx.TransportError):
+            client.get(f"http://127.0.0.1:{srv.port}/metrics")

@@ -325,5 +325,13 @@ class MetricsServer(ThreadingHTTPServer):
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop accepting, and close every connection still open: a scraper's kept-alive
+        connection would otherwise go on being answered, by its own thread, from a stopped
+        poller's last snapshot (a stopped exporter that still looks up)."""
         self.shutdown()
         self.server_close()
+        with self._open_lock:
+            still, self._open = list(self._open), set()
+        for handler in still:
+            with contextlib.suppress(OSError):  # its thread's read or write ends
+                handler.request.shutdown(socket.SHUT_RDWR)
