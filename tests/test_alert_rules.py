@@ -158,6 +158,26 @@ def test_promtool_unit_tests_can_fail(repo_root, tmp_path):
         ("OomguardMemoryCritical", "max without (reason) (oomguard_engine_pressure_level) >= 3"),
         ("OomguardPressureBlind", "min without (reason) (oomguard_engine_pressure_level) < 0"),
         ("OomguardGpuMemoryPressure", "max without (reason) (oomguard_gpu_pressure_level) == 2"),
+        # counters and vLLM's relayed counters judged pod by pod: during the surge one OOM is
+        # two restart orders, and a preemption storm's rate starts again from the new pod's
+        # few samples; a new pod's first `up` (0, before its first poll) restarts a hold's `for`
+        (
+            "OomguardCudaOomObserved",
+            next(a.expr for a in ALERTS if a.name == "OomguardCudaOomObserved").replace(
+                "max without (pod) (", "("
+            ),
+        ),
+        (
+            "OomguardPreemptionRateHigh",
+            "rate(oomguard_vllm_preemptions_total[5m]) / clamp_min(sum without (finished_reason) "
+            "(rate(oomguard_vllm_requests_finished_total[5m])), 1 / 300) > 0.01 "
+            "and increase(oomguard_vllm_preemptions_total[5m]) >= 10",
+        ),
+        (
+            "OomguardRemediationHeld",
+            'oomguard_remediator_target_mode{mode="held"} == 1 unless on (cluster, target) '
+            '(oomguard_vllm_up{job="oomguard-exporter"} == 0)',
+        ),
         # the job prometheus-operator gives a PodMonitor without relabeling: never matches
         ("OomguardExporterDown", 'up{job="oomguard/oomguard-exporter"} == 0'),
         # joined on `target` with the names the manifests used to give (vllm vs vllm-llama-3-8b)
@@ -218,44 +238,56 @@ def test_every_counter_based_alert_has_a_rollout_case(alert):
     assert rolled, f"{alert}: no quiet case where a pod of {sorted(counters)} is replaced"
 
 
-# Alerts about one exporter process (its collector, its polling), not about what it serves: a
-# new pod is a new process, and its `for` rightly starts again.
-PER_EXPORTER_PROCESS = {"OomguardCollectorDown", "OomguardMetricsStale"}
+# Alerts about one exporter process (its collector, its polling, its threads), not about what it
+# serves: a new pod is a new process, and its `for` rightly starts again.
+PER_EXPORTER_PROCESS = {
+    "OomguardCollectorDown",
+    "OomguardMetricsStale",
+    "OomguardThreadRestarting",
+}
+# Rules that read an exporter series only inside `group by (...)` onto named labels (the model an
+# engine serves): no pod in what they keep.
+GROUPED_ONTO_NAMED_LABELS = {
+    "engine:oomguard_vllm_model:info",
+    "model_name:oomguard_capacity_withheld_seqs:sum",
+    "OomguardModelUnavailable",
+}
 
 
-def _exporter_gauges(expr: str) -> set[str]:
-    """The exporter's gauges an expression reads (not through a recording rule), except those
-    that carry a pod of their own (dcgm-exporter's attribution)."""
+def _exporter_series(expr: str) -> set[str]:
+    """The exporter's series (gauges and counters) an expression reads itself (not through a
+    recording rule), except those that carry a pod of their own (dcgm-exporter's attribution)."""
     return {
         n
         for n in metric_names(expr)
-        if n in CATALOG
-        and CATALOG[n].type == "gauge"
-        and CATALOG[n].component == "exporter"
-        and "pod" not in CATALOG[n].labels
+        if n in CATALOG and CATALOG[n].component == "exporter" and "pod" not in CATALOG[n].labels
     }
 
 
-def _keeps_the_scraped_pod(expr: str) -> bool:
-    """Whether the result may carry the scraped pod's label: no `without (..pod..)`, and no
-    aggregation or join onto named labels."""
-    if re.search(r"\bwithout \([^)]*\bpod\b", expr):
-        return False
-    named = re.findall(r"\b(?:by|on) \(([^)]*)\)", expr)
-    return not named or any("pod" in labels.split(", ") for labels in named)
+RULES_ON_EXPORTER_SERIES = {
+    **{r.record: r.expr for r in all_recording_rules(T) if _exporter_series(r.expr)},
+    **{a.name: a.expr for a in ALERTS if _exporter_series(a.expr)},
+}
 
 
-@pytest.mark.parametrize(
-    "rule",
-    [r.record for r in all_recording_rules(T) if _exporter_gauges(r.expr)]
-    + [a.name for a in ALERTS if _exporter_gauges(a.expr) and a.name not in PER_EXPORTER_PROCESS],
-    ids=str,
-)
-def test_rules_on_exporter_gauges_judge_what_they_serve_not_the_pod(rule):
-    """The exporter's DaemonSet rolls with a surge (the manifests): a rule on one of its gauges
-    that kept the scraped pod's label would see a new series at every rollout."""
-    exprs = {r.record: r.expr for r in all_recording_rules(T)} | {a.name: a.expr for a in ALERTS}
-    assert not _keeps_the_scraped_pod(exprs[rule]), exprs[rule]
+@pytest.mark.parametrize("rule", sorted(RULES_ON_EXPORTER_SERIES), ids=str)
+def test_rules_on_exporter_series_judge_what_they_serve_not_the_pod(rule):
+    """The exporter's DaemonSet rolls with a surge (the manifests): a rule on one of its series
+    that kept the scraped pod's label would see a new series at every rollout (a `for` started
+    again) and, while two pods serve, two of everything (two restart orders for one OOM)."""
+    expr = RULES_ON_EXPORTER_SERIES[rule]
+    if rule in PER_EXPORTER_PROCESS:
+        return
+    if rule in GROUPED_ONTO_NAMED_LABELS:
+        for name in _exporter_series(expr):
+            # each reference is the argument of a `group by (...)` (or a range of one)
+            refs = len(re.findall(rf"\b{name}\b", expr))
+            grouped = len(
+                re.findall(rf"group by \([^)]*\) \(\s*(?:last_over_time\()?{name}\b", expr)
+            )
+            assert grouped == refs, (name, expr)
+        return
+    assert re.search(r"\bwithout \([^)]*\bpod\b", expr), expr
 
 
 def test_every_action_alert_has_a_rollout_case_while_it_fires():

@@ -174,8 +174,14 @@ def exporter_rollout_gaps(objects: list[dict[str, Any]]) -> list[str]:
     new one beside it first (maxSurge; apps/v1 RollingUpdateDaemonSet, GA in 1.25). Deleting
     first leaves the node's engines unwatched until the new exporter serves, longer than the
     action alerts' keep_firing_for once an image pull is in it. Surging needs the two pods to
-    fit on one node: no hostPort and no hostNetwork (the second pod would wait for the port)."""
+    fit on one node: no hostPort and no hostNetwork (the second pod would wait for the port).
+    The surge pod needs room beside the engine: with a priority class that may preempt (the
+    built-in system-node-critical and system-cluster-critical do; scheduling.k8s.io/v1
+    PriorityClass preemptionPolicy, default PreemptLowerPriority) a full node's vLLM pod would be
+    evicted for it. And the old pod must outlive the new one's first scrapes: `minReadySeconds`
+    (the new pod counts as available, and the old one is deleted, that long after it is ready)."""
     found = []
+    classes = {o["metadata"]["name"]: o for o in objects if o["kind"] == "PriorityClass"}
     for ds in (o for o in objects if o["kind"] == "DaemonSet"):
         if ds["metadata"]["name"] != "oomguard-exporter":
             continue
@@ -191,6 +197,17 @@ def exporter_rollout_gaps(objects: list[dict[str, Any]]) -> list[str]:
             found.append(
                 "the exporter's DaemonSet holds a host port: its surge pod cannot start beside "
                 "the old one"
+            )
+        priority = classes.get(spec.get("priorityClassName", ""), {})
+        if spec.get("priorityClassName") and priority.get("preemptionPolicy") != "Never":
+            found.append(
+                f"the exporter's priority class {spec['priorityClassName']} may preempt: on a "
+                "full GPU node its pod evicts the vLLM engine"
+            )
+        if int(ds["spec"].get("minReadySeconds", 0)) < 5:
+            found.append(
+                "the exporter's old pod stops as soon as the new one is ready, before Prometheus "
+                "scraped it"
             )
     return found
 
@@ -328,6 +345,14 @@ def test_the_check_fails_on_each_defect_the_manifests_had(rendered):
     ds = next(o for o in broken if o["kind"] == "DaemonSet")
     ds["spec"]["template"]["spec"]["containers"][0]["ports"][0]["hostPort"] = 9848
     assert any("cannot start beside the old one" in p for p in problems(broken, kp))
+    # system-node-critical (what the manifests had): a surge pod evicts the engine
+    broken = copy.deepcopy(rendered)
+    ds = next(o for o in broken if o["kind"] == "DaemonSet")
+    ds["spec"]["template"]["spec"]["priorityClassName"] = "system-node-critical"
+    assert any("may preempt" in p for p in problems(broken, kp))
+    broken = copy.deepcopy(rendered)
+    next(o for o in broken if o["kind"] == "DaemonSet")["spec"].pop("minReadySeconds")
+    assert any("before Prometheus scraped it" in p for p in problems(broken, kp))
 
 
 def test_older_kube_prometheus_needs_the_documented_patch(rendered, repo_root):

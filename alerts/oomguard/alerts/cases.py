@@ -172,23 +172,29 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
         ): "_x10 9000x20",
     }
     add(Case("OomguardPreemptionRateHigh", "16m", rolled))
-    add(
-        Case(
-            "OomguardPreemptionRateHigh",
-            "15m",
-            storm,
-            [
-                {
-                    **L.engine,
-                    "severity": "warning",
-                    "oomguard_action": "lower_cap",
-                    "description": f"{ENG} preempted 10% of its finished requests over 5 minutes. "
-                    "Preemption is how vLLM meets a full KV cache; sustained, it costs latency and "
-                    "throughput, so oomguard lowers the admission cap.",
-                }
-            ],
-        )
-    )
+    # a storm that goes on while the exporter surges at 10m (both pods relay the same counts
+    # until 12m): the alert goes on, its 5 minutes not started again
+    storm_rolled = {
+        preempted: "0+10x12 stale",
+        finished: "0+100x12 stale",
+        sel("oomguard_vllm_preemptions_total", new_engine): "_x10 100+10x20",
+        sel(
+            "oomguard_vllm_requests_finished_total", {**new_engine, "finished_reason": "stop"}
+        ): "_x10 1000+100x20",
+    }
+    storm_fired = [
+        {
+            **L.one(L.engine),
+            "severity": "warning",
+            "oomguard_action": "lower_cap",
+            "description": f"{ENG} preempted 10% of its finished requests over 5 minutes. "
+            "Preemption is how vLLM meets a full KV cache; sustained, it costs latency and "
+            "throughput, so oomguard lowers the admission cap.",
+        }
+    ]
+    add(Case("OomguardPreemptionRateHigh", "15m", storm, storm_fired))
+
+    add(Case("OomguardPreemptionRateHigh", "14m", storm_rolled, storm_fired))
 
     # pressure: 30 s to fire, a short hysteresis (action_keep_firing_for) after the level drops
     pressure = level("headroom_low", "0 2x5 0x10")  # level 2 from 1m to 6m, 0 from 7m
@@ -455,7 +461,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     def oom_fired(n: str, labels: dict[str, str] | None = None) -> list[dict[str, str]]:
         return [
             {
-                **(labels or L.rank),
+                **L.one(labels or L.rank),
                 "severity": "critical",
                 "oomguard_action": "restart",
                 "description": f"Rank 0 (pid 42) of {L.target} on {NODE} hit a CUDA out-of-memory "
@@ -478,6 +484,10 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     rose = {**rolled, ooms_new: "_x10 1x7 2x10"}  # the next OOM at 17m
     add(Case("OomguardCudaOomObserved", "18m", rose, oom_fired("1", rank_new)))
     seam = {**rolled, ooms_new: "_x10 2x20"}
+    # an OOM at 5m, the DaemonSet surges at 7m (the old pod serves until 10m): one OOM, one
+    # alert (one restart order), not one per pod
+    surge = {ooms: "0x4 1x5 stale", ooms_new: "_x7 1x20"}
+    add(Case("OomguardCudaOomObserved", "8m", surge, oom_fired("1", rank_new)))
     add(Case("OomguardCudaOomObserved", "12m", seam, oom_fired("1", rank_new)))
     # the engine served a model: the page carries it, so the model's other pages (no ready
     # engine while it reloads, its error budget) are the same incident in Alertmanager. The
@@ -506,7 +516,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     def incident_fired(kind: str, pod: str | None = None) -> list[dict[str, str]]:
         return [
             {
-                **(L.rolled(L.exp, pod) if pod else L.exp),
+                **L.one(L.rolled(L.exp, pod) if pod else L.exp),
                 "Hostname": NODE,
                 "target": L.target,
                 "engine": "0",
@@ -550,7 +560,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
             {tokens: "0+100x5 0+100x10"},
             [
                 {
-                    **L.engine,
+                    **L.one(L.engine),
                     "severity": "warning",
                     "description": f"The counters of {ENG} reset 1 times in 15 minutes: the engine "
                     "restarted (a rollout, oomguard's own restart, or a crash).",
@@ -585,7 +595,7 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     def host_fired(n: str, labels: dict[str, str] | None = None) -> list[dict[str, str]]:
         return [
             {
-                **(labels or {**L.exp, "Hostname": NODE, "cgroup": L.cgroup}),
+                **L.one(labels or {**L.exp, "Hostname": NODE, "cgroup": L.cgroup}),
                 "severity": "warning",
                 "description": f"The kernel killed a process of cgroup {L.cgroup} on {NODE} for "
                 f"exceeding host memory ({n}): exit code 137, no traceback.",
@@ -1176,11 +1186,33 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     # held because its engine is down (a 20-minute model load): EngineDown's ticket, not two
     engine_up = sel("oomguard_vllm_up", {**L.exp, "target": L.target})
     add(Case("OomguardRemediationHeld", "16m", {held: "1x20", engine_up: "0x20"}))
+    # the exporter surges at 8m: the new pod's first answer says vLLM is down (it has not
+    # polled it yet) while the old one reaches it; the hold's 15 minutes go on
+    engine_up_new = sel(
+        "oomguard_vllm_up", {**L.rolled(L.exp, NEW_EXPORTER_POD), "target": L.target}
+    )
+    surge_up = {held: "1x20", engine_up: "1x10 stale", engine_up_new: "_x8 0 1x20"}
     add(
         Case(
             "OomguardRemediationHeld",
             "16m",
             {held: "1x20", engine_up: "1x20"},  # the engine serves: the hold is the remediator's
+            [
+                {
+                    **L.rem_target,
+                    "mode": "held",
+                    "severity": "warning",
+                    "description": f"The remediator on {L.rem['instance']} has held target "
+                    f"{L.target} for 15m: it cannot read or change the engine, so it does nothing.",
+                }
+            ],
+        )
+    )
+    add(
+        Case(
+            "OomguardRemediationHeld",
+            "16m",
+            surge_up,
             [
                 {
                     **L.rem_target,

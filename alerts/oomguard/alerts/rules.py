@@ -101,13 +101,16 @@ def rose_since(metric: str, window: str, identity: tuple[str, ...]) -> str:
     ago of any series with the same identity (the exporter's own labels plus cluster, job and
     instance), 0 where there was none: a counter born non-zero (a process that died of its first
     OOM) still counts, and so does an event during the rollout itself (old pod at 1, new at 2).
-    `increase()` covers a rise within one series, counter resets included.
+    `increase()` covers a rise within one series, counter resets included. The result is
+    taken across the pods (`across_pods`): while the DaemonSet surges, the old pod's series
+    rises by `increase()` and the new one's by the comparison, and one event is one alert (one
+    restart order), not two.
     """
     on = ", ".join(identity)
-    return (
-        f"(increase({metric}[{window}]) > 0\n"
+    return across_pods(
+        f"increase({metric}[{window}]) > 0\n"
         f" or {metric} - on ({on}) group_left ()\n"
-        f"   max by ({on}) ({metric} offset {window} or 0 * {metric}) > 0)"
+        f"   max by ({on}) ({metric} offset {window} or 0 * {metric}) > 0"
     )
 
 
@@ -120,6 +123,9 @@ def exporter_identity(t: AlertThresholds, metric: str) -> tuple[str, ...]:
 
 ENGINE_MODEL = "engine:oomguard_vllm_model:info"
 ALLOCATED = "rank:oomguard_allocator_allocated_bytes:max"
+PREEMPTIONS = "engine:oomguard_vllm_preemptions_total:max"
+FINISHED = "engine:oomguard_vllm_requests_finished_total:max"
+VLLM_UP = "target:oomguard_vllm_up:max"
 # The safety limits under which the remediator caps instead of draining (or restarting) while
 # other replicas serve the model: the designed fallback, nothing held back
 # (remediator/decision.py FALLBACK_LIMITS; tests/test_alert_rules.py checks they agree). Its
@@ -168,13 +174,20 @@ def recording_rules(t: AlertThresholds | None = None) -> list[RecordingRule]:
             "gpu:oomguard_gpu_pressure_level:max",
             f"max without (reason, {POD_LABEL}) (oomguard_gpu_pressure_level)",
         ),
+        # vLLM's counters as the exporter relays them, one series whichever exporter pod serves
+        # it (every pod relays the same count): rates over these go on across a rollout, where
+        # a rate over each pod's own series would start again from nothing
+        RecordingRule(PREEMPTIONS, across_pods("oomguard_vllm_preemptions_total")),
+        RecordingRule(FINISHED, across_pods("oomguard_vllm_requests_finished_total")),
+        # whether any exporter pod reaches the engine (a new pod's first answer says no)
+        RecordingRule(VLLM_UP, across_pods(f'oomguard_vllm_up{{job="{t.exporter_job}"}}')),
         RecordingRule(
             "engine:oomguard_vllm_preemption_ratio:rate5m",
             # At least one finished request per 5 minutes in the denominator: a preemption with
             # nothing finishing is a storm, not a division by zero.
-            "rate(oomguard_vllm_preemptions_total[5m])\n"
+            f"rate({PREEMPTIONS}[5m])\n"
             "/ clamp_min(sum without (finished_reason) "
-            "(rate(oomguard_vllm_requests_finished_total[5m])), 1 / 300)",
+            f"(rate({FINISHED}[5m])), 1 / 300)",
         ),
         # The model each engine serves now, else the one it served within the hour (a crashed
         # engine has no series while it reloads): pages about an engine carry its model, so a
@@ -276,7 +289,8 @@ def lost_rate(t: AlertThresholds, window: str) -> str:
     born non-zero: `rate()` would miss it)."""
     metric = f'oomguard_requests_lost_total{{job="{t.exporter_job}"}}'
     on = ", ".join(exporter_identity(t, "oomguard_requests_lost_total"))
-    return (
+    # across the pods: during a surge both serve the same count, which the sum would add twice
+    return across_pods(
         f"clamp_min({metric} - on ({on}) group_left ()\n"
         f"    max by ({on}) ({metric} offset {window} or 0 * {metric}), 0)\n"
         f"    / {_seconds(window)}"
@@ -335,7 +349,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         Alert(
             "OomguardPreemptionRateHigh",
             f"engine:oomguard_vllm_preemption_ratio:rate5m > {t.preemption_ratio}\n"
-            f"and increase(oomguard_vllm_preemptions_total[5m]) >= {t.preemption_min_count}",
+            f"and increase({PREEMPTIONS}[5m]) >= {t.preemption_min_count}",
             "warning",
             "A vLLM engine preempts a high share of its requests.",
             f"{_ENGINE} preempted {{{{ $value | humanizePercentage }}}} of its finished "
@@ -391,7 +405,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             f"unless on ({c}, model_name)\n"
             f"group by ({c}, model_name) (\n"
             f"  oomguard_vllm_requests_running{{{exp}}}\n"
-            f"  and on ({c}, instance, target) (oomguard_vllm_up{{{exp}}} == 1)\n"
+            f"  and on ({c}, instance, target) ({VLLM_UP} == 1)\n"
             f"  unless on ({c}, target)\n"
             f'  (oomguard_remediator_target_mode{{mode=~"{NOT_ADMITTING}"}} == 1)\n'
             ")",
@@ -412,7 +426,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
                 + new_or_increased('oomguard_remediator_actions_total{result="failed"}', "10m")
                 + "\nor increase(oomguard_remediator_reconcile_errors_total[10m]) > 2\n)\n"
                 f"unless on ({c}, target) "
-                f"(min_over_time(oomguard_vllm_up{{{exp}}}[10m]) == 0)",
+                f"(min_over_time({VLLM_UP}[10m]) == 0)",
                 c,
                 ("target",),
             ),
@@ -534,7 +548,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             "OomguardEngineRestarted",
             # restarts nothing else explains: not one with a recorded incident (its
             # IncidentClassified ticket, the OOM page), not one oomguard made itself
-            "resets(oomguard_vllm_generation_tokens_total[15m]) > 0\n"
+            across_pods("resets(oomguard_vllm_generation_tokens_total[15m])") + " > 0\n"
             f"unless on ({c}, instance, target) (\n"
             + rose_since(
                 "oomguard_incidents_total", "30m", exporter_identity(t, "oomguard_incidents_total")
@@ -569,7 +583,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
         Alert(
             "OomguardEngineDown",
             # down when no exporter pod reaches it (a rollout does not start the 15 m again)
-            across_pods(f"oomguard_vllm_up{{{exp}}}") + " == 0",
+            f"{VLLM_UP} == 0",
             "warning",
             "A vLLM engine has not answered for a long time.",
             "The exporter on {{ $labels.instance }} has not been able to scrape vLLM target "
@@ -747,7 +761,7 @@ def alerts(t: AlertThresholds | None = None) -> list[Alert]:
             # an engine that is down (a long model load, a crash loop) is held because it
             # cannot be read: OomguardEngineDown is that cause's one ticket
             'oomguard_remediator_target_mode{mode="held"} == 1\n'
-            f"unless on ({c}, target) (oomguard_vllm_up{{{exp}}} == 0)",
+            f"unless on ({c}, target) ({VLLM_UP} == 0)",
             "warning",
             "The oomguard remediator holds a target it cannot read or converge.",
             "The remediator on {{ $labels.instance }} has held target {{ $labels.target }} for "

@@ -229,6 +229,7 @@ class MetricsServer(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         self._open: set[_Handler] = set()
         self._open_lock = threading.Lock()
+        self._stopped = False  # set by stop(): a connection that opens after it is shut
         self.refused = 0  # connections answered 503 at the cap, since start
         self.evicted = 0  # idle or slow connections closed for a new one at the cap
         self._last_warning = -math.inf
@@ -236,7 +237,12 @@ class MetricsServer(ThreadingHTTPServer):
 
     def opened(self, handler: _Handler) -> None:
         with self._open_lock:
-            self._open.add(handler)
+            if not self._stopped:
+                self._open.add(handler)
+                return
+        # accepted just before stop(), its thread started after stop() closed the others
+        with contextlib.suppress(OSError):
+            handler.request.shutdown(socket.SHUT_RDWR)
 
     def closed(self, handler: _Handler) -> None:
         with self._open_lock:
@@ -331,6 +337,7 @@ class MetricsServer(ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
         with self._open_lock:
+            self._stopped = True
             still, self._open = list(self._open), set()
         for handler in still:
             with contextlib.suppress(OSError):  # its thread's read or write ends

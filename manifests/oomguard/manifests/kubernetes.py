@@ -89,10 +89,27 @@ def _restricted() -> dict[str, Any]:
     }
 
 
+# The exporter's scheduling priority: ahead of ordinary pods (and last in the kubelet's eviction
+# order), but it never preempts one. A surge pod or a first install on a full GPU node waits
+# (OomguardExporterNotScheduled, OomguardExporterRolloutStuck; the old pod keeps watching)
+# instead of evicting the node's vLLM engine; system-node-critical would evict it.
+EXPORTER_PRIORITY = "oomguard-node-critical"
+
+
 def exporter(t: AlertThresholds) -> list[dict[str, Any]]:
     name = "oomguard-exporter"
     labels = {"app.kubernetes.io/name": name}
     return [
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": _meta(EXPORTER_PRIORITY, None, **labels),
+            "value": 1_000_000_000,  # the highest a class that is not the system's may have
+            "preemptionPolicy": "Never",
+            "globalDefault": False,
+            "description": "oomguard's exporter: scheduled ahead of ordinary pods, never by "
+            "evicting one (a GPU node's engine is not preempted for a monitoring pod).",
+        },
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(name, **labels)},
         {
             "apiVersion": "apps/v1",
@@ -108,6 +125,9 @@ def exporter(t: AlertThresholds) -> list[dict[str, Any]]:
                     "type": "RollingUpdate",
                     "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
                 },
+                # the old pod stops only after the new one has been ready this long: Prometheus
+                # has discovered and scraped it (PodMonitor at 1 s), so the two overlap
+                "minReadySeconds": 15,
                 "template": {
                     "metadata": {"labels": {**LABELS, **labels}},
                     "spec": {
@@ -119,7 +139,7 @@ def exporter(t: AlertThresholds) -> list[dict[str, Any]]:
                         "tolerations": [
                             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
                         ],
-                        "priorityClassName": "system-node-critical",
+                        "priorityClassName": EXPORTER_PRIORITY,
                         "containers": [
                             {
                                 "name": "exporter",
