@@ -161,27 +161,26 @@ def cases(t: AlertThresholds | None = None) -> list[Case]:
     idle = {preempted: "0+0.25x40", finished: "0+0.5x40"}
     add(Case("OomguardPreemptionRateHigh", "15m", calm))
     add(Case("OomguardPreemptionRateHigh", "30m", idle))
-    # the exporter rolls at 10m: counters already high, unchanged, under a new pod label
     new_engine = L.rolled(L.engine, NEW_EXPORTER_POD)
-    rolled = {
-        preempted: "900x10 stale",
-        finished: "9000x10 stale",
-        sel("oomguard_vllm_preemptions_total", new_engine): "_x10 900x20",
-        sel(
-            "oomguard_vllm_requests_finished_total", {**new_engine, "finished_reason": "stop"}
-        ): "_x10 9000x20",
-    }
+
+    def relayed(old: tuple[str, str], new: tuple[str, str]) -> dict[str, str]:
+        """(preemptions, finished) from the old exporter pod and from its replacement."""
+        new_finished = {**new_engine, "finished_reason": "stop"}
+        return {
+            preempted: old[0],
+            finished: old[1],
+            sel("oomguard_vllm_preemptions_total", new_engine): new[0],
+            sel("oomguard_vllm_requests_finished_total", new_finished): new[1],
+        }
+
+    # the exporter rolls at 10m: counters already high, unchanged, under a new pod label
+    rolled = relayed(("900x10 stale", "9000x10 stale"), ("_x10 900x20", "_x10 9000x20"))
     add(Case("OomguardPreemptionRateHigh", "16m", rolled))
     # a storm that goes on while the exporter surges at 10m (both pods relay the same counts
     # until 12m): the alert goes on, its 5 minutes not started again
-    storm_rolled = {
-        preempted: "0+10x12 stale",
-        finished: "0+100x12 stale",
-        sel("oomguard_vllm_preemptions_total", new_engine): "_x10 100+10x20",
-        sel(
-            "oomguard_vllm_requests_finished_total", {**new_engine, "finished_reason": "stop"}
-        ): "_x10 1000+100x20",
-    }
+    storm_rolled = relayed(
+        ("0+10x12 stale", "0+100x12 stale"), ("_x10 100+10x20", "_x10 1000+100x20")
+    )
     storm_fired = [
         {
             **L.one(L.engine),
