@@ -189,9 +189,14 @@ def test_the_generated_rules_are_the_definition(repo_root):
         assert rule["labels"] == {"severity": a.severity, "oomguard_action": a.action, **a.labels}
 
 
+# the worst level over reasons and exporter pods (`>=`), or the lowest over reasons per pod
+# and then the best-informed pod (`<`: blind)
+_SERIES = r'(?P<{}metric>\w+)(?:\{{reason="(?P<{}reason>\w+)"\}})?'
 RULE = re.compile(
-    r"(?P<how>max|min) without \(reason\) \((?P<metric>\w+)"
-    r'(?:\{reason="(?P<reason>\w+)"\})?\) (?P<op>>=|<) (?P<threshold>-?\d+)'
+    rf"(?:(?P<how>max) without \(reason, pod\) \({_SERIES.format('', '')}\)"
+    rf"|max without \(pod\) \((?P<how_min>min) without \(reason\) "
+    rf"\({_SERIES.format('m_', 'm_')}\)\))"
+    r" (?P<op>>=|<) (?P<threshold>-?\d+)"
 )
 
 
@@ -200,9 +205,10 @@ def _rule_level_holds(expr: str, level: float, reason: str | None) -> bool:
     reason the rule looks at): the engine-wide aggregation and the reason are checked too."""
     m = RULE.fullmatch(expr)
     assert m is not None, expr
-    assert m["metric"] == actions.LEVEL
-    assert m["how"] == ("max" if m["op"] == ">=" else "min"), expr  # a blind series is blind
-    assert m["reason"] == reason, expr
+    how = m["how"] or m["how_min"]
+    assert (m["metric"] or m["m_metric"]) == actions.LEVEL
+    assert how == ("max" if m["op"] == ">=" else "min"), expr  # a blind series is blind
+    assert (m["reason"] or m["m_reason"]) == reason, expr
     threshold = float(m["threshold"])
     return {">=": level >= threshold, "<": level < threshold}[m["op"]]
 
