@@ -75,6 +75,9 @@ TOKEN = "detection-token"
 NEIGHBOUR = 424242
 HOPS = ("exporter", "prometheus", "remediator", "engine")
 KINDS = ("first", "again", "escalation")
+# the scrape job the shipped rules expect the exporter under, and its `up` series
+JOB = AlertThresholds().exporter_job
+UP = f'up{{job="{JOB}"}}'
 TARGET_P95_S = 1.5  # detection -> action, every round kind (issue 30)
 
 
@@ -189,7 +192,7 @@ class Bench:
         rules.write_text(alert_outputs(self.thresholds)[RULES])
         self.prom = Prometheus(
             work / "prom",
-            {"oomguard-exporter": [f"127.0.0.1:{self.port}"]},
+            {JOB: [f"127.0.0.1:{self.port}"]},
             alertmanager=am.url.removeprefix("http://"),
             rules=rules,
         )
@@ -214,7 +217,7 @@ class Bench:
             },
         )
         self.procs.append(self.rem)
-        self.prom.wait_for('up{job="oomguard-exporter"} == 1', 60)
+        self.prom.wait_for(f"{UP} == 1", 60)
         self.wait(lambda: self.level() == 0, 60, "engine 0 at level 0")
 
     def stop(self) -> None:
@@ -287,8 +290,7 @@ class Bench:
         self.exporter.start()
         self.wait(lambda: self.level() == 0, 30, "engine 0 at level 0 after the restart")
         # Prometheus scraped the new exporter: `up` again, sampled within the last second
-        job = 'up{job="oomguard-exporter"}'
-        self.prom.wait_for(f"{job} == 1 and time() - timestamp({job}) < 1", 30)
+        self.prom.wait_for(f"{UP} == 1 and time() - timestamp({UP}) < 1", 30)
 
     # -- one round ----------------------------------------------------------------------------
     def round(self, kind: str) -> dict[str, Any]:

@@ -143,7 +143,13 @@ def test_slow_engines_hold_exactly_the_users_requests(engines):
     gateway = replay(urls, slow, samples, e, trace=False)
     users = [s for s in gateway.sent if s.user is not None]
     assert len(users) == slow.users  # nobody finished, so nobody sent a second request
-    assert samples and all(held == [4, 4] for held in samples)
+    # never more than the users' own requests; once the ramp's last request has reached its
+    # engine (on a busy machine a sample or two after the ramp ends: CI saw [4, 3]), every one
+    # stays held until the end
+    assert samples and all(a <= 4 and b <= 4 for a, b in samples)
+    full = next((i for i, held in enumerate(samples) if held == [4, 4]), None)
+    assert full is not None and full < len(samples) // 4, samples[:8]
+    assert all(held == [4, 4] for held in samples[full:])
 
 
 @pytest.mark.timeout(60)

@@ -187,6 +187,15 @@ LEVEL = "oomguard_engine_pressure_level"
 POD_LABEL = "pod"
 
 
+def across_pods(expr: str) -> str:
+    """`expr` as one series per engine (GPU, rank) whichever exporter pod serves it: the highest
+    any pod sees. For gauges, and for counters the rules judge by `increase()` or `resets()`
+    within a window (one pod's series rises or resets, the other's does not: either counts).
+    Counters the exporter reads from files that outlive it are compared across pods by identity
+    first (alerts.rules.rose_since)."""
+    return f"max without ({POD_LABEL}) ({expr})"
+
+
 @dataclass(frozen=True)
 class ActionAlert:
     """An alert on the engine's pressure level that asks the remediator for `action`.
@@ -230,7 +239,7 @@ class ActionAlert:
         if self.op == ">=":  # the worst level of any reason, as any pod sees it
             return f"max without (reason, {POD_LABEL}) ({series}) {self.op} {self.level}"
         # the lowest level of any reason (blind if one is), as the pod that sees best sees it
-        return f"max without ({POD_LABEL}) (min without (reason) ({series})) {self.op} {self.level}"
+        return f"{across_pods(f'min without (reason) ({series})')} {self.op} {self.level}"
 
     @property
     def labels(self) -> dict[str, str]:

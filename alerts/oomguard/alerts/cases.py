@@ -82,7 +82,7 @@ class Labels:
     @staticmethod
     def one(labels: dict[str, str]) -> dict[str, str]:
         """An alert's labels on an exporter gauge: the level as any pod that serves it sees
-        it (rules.across_pods), so without the pod's name."""
+        it (oomguard.actions.across_pods), so without the pod's name."""
         return {k: v for k, v in labels.items() if k != "pod"}
 
     @staticmethod

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from oomguard import vllm_seam
-from oomguard.actions import ACTION_ALERTS, POD_LABEL
+from oomguard.actions import ACTION_ALERTS, POD_LABEL, across_pods
 from oomguard.catalog import CATALOG
 from oomguard.thresholds import AlertThresholds
 
@@ -143,17 +143,6 @@ def with_model(expr: str, c: str, on: tuple[str, ...]) -> str:
         f"(\n{expr}\n)\n+ on ({by}) group_left (model_name) (0 * {model})\n"
         f"or\n(\n{expr}\n)\nunless on ({by}) {ENGINE_MODEL}"
     )
-
-
-def across_pods(expr: str, how: str = "max") -> str:
-    """An exporter gauge as one series per engine (or GPU, rank) whichever pod serves it.
-
-    prometheus-operator labels every series with the pod it scraped (POD_LABEL), and the
-    exporter's DaemonSet rolls with a surge: for a while two pods serve the same value, then
-    another pod does. A rule on the raw gauge would see a new series at every rollout, its `for`
-    started again and, for an alert, a new alert (a new episode for the remediator). Gauges
-    only: the exporter's counters are compared by identity (`rose_since`)."""
-    return f"{how} without ({POD_LABEL}) ({expr})"
 
 
 def _num(x: float) -> str:

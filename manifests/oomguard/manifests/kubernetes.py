@@ -119,7 +119,7 @@ def exporter(t: AlertThresholds) -> list[dict[str, Any]]:
                 "selector": {"matchLabels": labels},
                 # surge: the new pod serves a node before the old one stops (no hostPort, no
                 # hostNetwork, so both fit), and the rules take an engine's level across the
-                # pods that serve it (alerts.rules.across_pods): an exporter rollout during an
+                # pods that serve it (oomguard.actions.across_pods): an exporter rollout during an
                 # incident neither blinds the node nor starts an action alert's `for` again
                 "updateStrategy": {
                     "type": "RollingUpdate",
