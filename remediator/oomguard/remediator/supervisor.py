@@ -358,6 +358,11 @@ class Supervisor:
         self._oom_kills_at_start: int | None = None
         self._lock = threading.RLock()
         self._stopping = False
+        # One client for vLLM's /health, read at every /v1/status: building a client (its SSL
+        # context) costs ~20 ms of CPU, and the remediator, `oomguard status` or a dashboard may
+        # read the status several times a second. vLLM is this process's own child on its own
+        # host: no proxy from the environment applies.
+        self._http = httpx.Client(timeout=2, trust_env=False)
 
     # -- the child -----------------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -609,14 +614,16 @@ class Supervisor:
                 self._stop_child()
             except ChildStuck as exc:  # shutting down all the same: say what is left behind
                 log.error("%s", exc)
+            finally:
+                self._http.close()
 
     def ready(self) -> bool:
         child = self.child
         if child is None or child.poll() is not None:
             return False
         try:
-            r = httpx.get(f"http://{self.host}:{self.port}/health", timeout=2)
-        except httpx.HTTPError:
+            r = self._http.get(f"http://{self.host}:{self.port}/health")
+        except (httpx.HTTPError, RuntimeError):  # RuntimeError: the client closed at stop()
             return False
         return r.status_code == 200
 
@@ -705,7 +712,9 @@ def create_app(sup: Supervisor, auth: AuthConfig) -> Starlette:
     async def status(request: Request) -> Response:
         if not allowed(request):
             return denied()
-        return JSONResponse(sup.status())
+        # in a thread: its health check waits up to 2 s on a busy vLLM, and meanwhile the
+        # event loop must answer /healthz and a restart
+        return JSONResponse(await run_in_threadpool(sup.status))
 
     async def restart(request: Request) -> Response:
         if not allowed(request):  # before the body: strangers learn nothing of its schema
