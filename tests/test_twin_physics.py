@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from oomguard.sizing.model import ModelShape
 from oomguard.twin.gpu import MIB
 from oomguard.twin.physics import Physics, Step, TwinOutOfMemory
 from oomguard.twin.traces import TRACES, Fragments, Trace, names, requests
@@ -330,3 +331,24 @@ def test_an_idle_moment_while_the_curve_rises_gives_nothing_back():
     assert f.at(66) == burst.gpu_at(66)[1]  # busy at the top: all of it
     assert f.at(80, idle=True) == 0  # idle on the plateau: gone
     assert f.at(100) == 0
+
+
+def test_the_engines_fixed_sizes_are_computed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the twin and the step guard ask for them at every step: a model's parameter count walks
+    # its layers, and per step that was ~3 % of a twin engine core's CPU (not spent on a GPU)
+    p = Physics.for_model("llama-3-8b")
+    expected = (p.resident, p.kv_blocks, p.step_seconds(Step(64, 6400, 6400)))
+    again = Physics.for_model("llama-3-8b")
+    calls: list[int] = []
+    count = ModelShape.parameter_count
+
+    def counted(shape: ModelShape) -> int:
+        calls.append(1)
+        return count(shape)
+
+    monkeypatch.setattr(ModelShape, "parameter_count", counted)
+    for _ in range(100):
+        again.peak(Step(128), fragmentation=1, neighbour=2)
+        again.step_seconds(Step(64, 6400, 6400))
+    assert (again.resident, again.kv_blocks, again.step_seconds(Step(64, 6400, 6400))) == expected
+    assert len(calls) == 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +86,19 @@ class Physics:
         """The CUDA runtime's total, which vLLM plans against: NVML's total less reserved."""
         return self.total - self.driver_reserved
 
-    @property
-    def weights(self) -> int:
-        return int(self.shape.parameter_count() * self.shape.dtype_bytes)
+    # The engine's fixed sizes are computed once per Physics (frozen: they never change). The
+    # twin asks for them at every step, and the step guard before every step (step_room): the
+    # model's parameter count walked its layers each time, ~3 % of a twin engine core's CPU,
+    # which a GPU's engine does not spend.
+    @cached_property
+    def parameters(self) -> int:
+        return self.shape.parameter_count()
 
-    @property
+    @cached_property
+    def weights(self) -> int:
+        return int(self.parameters * self.shape.dtype_bytes)
+
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         return self.shape.kv_bytes_per_token()
 
@@ -105,7 +114,7 @@ class Physics:
         shape = LogitsShape(self.shape.vocab_size, int(self.shape.dtype_bytes))
         return shape.prompt_logprobs_peak(tokens)
 
-    @property
+    @cached_property
     def kv_pool(self) -> int:
         """The pool vLLM allocates at start, after its profiling run: gmu x the CUDA runtime's
         total (vllm/v1/worker/utils.py request_memory) minus weights, the profiled activation
@@ -125,11 +134,11 @@ class Physics:
             )
         return pool
 
-    @property
+    @cached_property
     def kv_blocks(self) -> int:
         return self.kv_pool // (self.block_size * self.kv_bytes_per_token)
 
-    @property
+    @cached_property
     def resident(self) -> int:
         """Held for the engine's life: weights, KV pool, CUDA graphs, non-torch memory."""
         return self.weights + self.kv_pool + self.graph_pool_bytes + self.non_torch_bytes
@@ -154,7 +163,7 @@ class Physics:
             return 0.0
         flops_peak, bandwidth = GPU_MODELS[self.gpu].flops, GPU_MODELS[self.gpu].bandwidth
         width = self.shape.attention_heads * self.shape.head_dim
-        flops = 2 * self.shape.parameter_count() * step.tokens
+        flops = 2 * self.parameters * step.tokens
         flops += 4 * self.shape.layers * width * step.attention
         traffic = self.weights + self.kv_bytes_per_token * step.context
         return max(flops / (flops_peak * self.mfu), traffic / (bandwidth * self.mbu))
