@@ -22,7 +22,8 @@ import httpx
 import pytest
 import uvicorn
 
-from oomguard.remediator.config import AuthConfig
+from oomguard.remediator.config import AuthConfig, RemediatorConfig
+from oomguard.remediator.main import restart_backends
 from oomguard.remediator.restart import SupervisorBackend
 from oomguard.remediator.supervisor import Supervisor, create_app
 from tests.conftest import free_port
@@ -145,3 +146,42 @@ def test_the_remediators_reads_of_a_supervisor_share_one_client(
         view = backend.flags()
         assert view.current.max_num_seqs == 16
     assert built == []  # the backend's own client, built before; none per read
+
+
+def test_every_supervisor_backend_of_a_remediator_shares_one_client(tmp_path: Path) -> None:
+    """Each supervisor target gets its backend; they share one HTTP client (building one costs
+    ~20 ms of CPU, at start and in `oomguard explain`), the one given or one made for them."""
+    token = tmp_path / "stoken"
+    token.write_text(TOKEN)
+    config = RemediatorConfig.model_validate(
+        {
+            "targets": [
+                {
+                    "name": f"engine-{i}",
+                    "url": f"http://127.0.0.1:{9000 + i}",
+                    "restart": {
+                        "supervisor": {
+                            "url": f"http://127.0.0.1:{9100 + i}",
+                            "token_file": str(token),
+                        }
+                    },
+                }
+                for i in range(4)
+            ]
+            + [{"name": "no-restart", "url": "http://127.0.0.1:9200"}],
+            "auth": {"bearer_token_file": str(token)},
+            "audit_log": str(tmp_path / "audit.jsonl"),
+        }
+    )
+    backends = restart_backends(config)
+    assert sorted(backends) == [f"engine-{i}" for i in range(4)]
+    clients = {id(b.client) for b in backends.values() if isinstance(b, SupervisorBackend)}
+    assert len(clients) == 1
+    given = httpx.Client()
+    try:
+        backends = restart_backends(config, client=given)
+        assert all(
+            isinstance(b, SupervisorBackend) and b.client is given for b in backends.values()
+        )
+    finally:
+        given.close()
