@@ -35,7 +35,10 @@ twin's compressed step at any compression that fits a 10-minute run, so the engi
 their clock and their queues grow without bound (250 per engine at x4), or, on a busy machine,
 the gateway falls behind and sends less. How far the engines fell behind is measured and
 recorded (`inflight_decode_slowdown`: the in-flight requests' decode time against the twin's
-roofline at that batch; 1.0 is keeping up).
+roofline at that batch; 1.0 is keeping up). So is the CPU each part of the run used over the
+replay (`cpu`, bench/census.py: percent of one core for the engine cores, the API servers, the
+runner with its gateway and exporter, the supervisors, the remediator): with the engines
+CPU-bound, a configuration's goodput moves with the CPU its engine cores got.
 
 `--router vllm-router|nginx` puts a real router in front of the engines instead of the twin's
 gateway (oomguard.lab.routers, configured as docs/vllm-plugin.md says; the remediator takes a
@@ -71,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import record
+from bench.census import Census
 from oomguard.handoff import AllocatorReport, InvalidReport
 from oomguard.lab.matrix import STEP_TRACES  # (the same traces, simulated)
 from oomguard.lab.routers import ROUTERS
@@ -427,7 +431,8 @@ def run(
     )
     try:
         fleet.start()
-        fleet.replay()
+        with Census() as census:  # the replay's CPU by role (bench/census.py)
+            fleet.replay()
         ooms = oom_records(fleet)
         if ooms and len(ooms) >= len(fleet.crash_times):
             # the OOMs as they happened (the supervisor's exit times come late)
@@ -439,6 +444,7 @@ def run(
             "step_guard_mode": step_mode or "off",
             "step_guard_shrinks": step_shrinks(fleet),
             **engine0(fleet, trace, o, first),
+            "cpu": census.result(),
         }
     finally:
         fleet.stop()
@@ -525,6 +531,7 @@ REPEAT_FIELDS = (
     "good_tokens",
     "goodput_tokens_per_s",
     "inflight_decode_slowdown",
+    "cpu",
     "actions",
     "retriggered",
 )
@@ -799,6 +806,7 @@ HORIZON = (
 
 def summary(o: Outcome, x: dict[str, Any]) -> str:
     """One line per configuration: what the crash cost and how long recovery took."""
+    cores = (x.get("cpu") or {}).get("percent_of_one_core", {}).get("engine_core")
     return (
         f"{o.config:9s} crashes {o.crashes}  lost {o.lost}/{o.requests}  goodput "
         f"{o.goodput_tokens_per_s:8.1f} tok/s  p99 TTFT {o.ttft_p99_s}  preemptions "
@@ -806,6 +814,7 @@ def summary(o: Outcome, x: dict[str, Any]) -> str:
         f"(engine 0 peak {x.get('inflight_peak')})  slowdown {x.get('inflight_decode_slowdown')}"
         f"  recovery {o.recovery_s}  actions {len(o.actions)}"
         f"  step guard {x.get('step_guard_shrinks') or '-'}"
+        f"  engine cores' CPU {cores} %"
         + (f"  restart chain {x['restart_chain']}" if x.get("restart_chain") else "")
     )
 

@@ -123,7 +123,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "twin/oomguard/twin/gpu.py",
     ),
     # the whole loop on real vLLM twins: every part of the product can move its figures
-    "outcome": ("bench/outcome.py", *PACKAGE),
+    "outcome": ("bench/outcome.py", "bench/census.py", *PACKAGE),
     "matrix": (
         "bench/matrix.py",
         "twin/oomguard/twin",

@@ -65,3 +65,7 @@ def test_quick_outcome_benchmark_on_the_neighbour_trace(repo_root, tmp_path):
     assert "engine-0:drain" in outcomes["oomguard"]["actions"]
     assert "engine-0:resume" in outcomes["oomguard"]["actions"]
     assert result["targets"]["oomguard_zero_crashes"] is True
+    # the replay's CPU by role (bench/census.py): the run's own processes found and measured
+    cpu = outcomes["oomguard"]["cpu"]["percent_of_one_core"]
+    assert cpu["engine_core"] > 10 and cpu["api_server"] > 1 and cpu["runner"] > 1, cpu
+    assert {"supervisor", "remediator"} <= set(cpu), cpu
