@@ -7,8 +7,9 @@ goodput gap between two configurations can be read against the CPU each one's en
 
 A process is sampled every `every` seconds while the census runs (psutil, as vLLM itself uses):
 its CPU time is kept from the last sample before it exits (a crashed engine's CPU counts up to
-then), and a process started during the window counts from zero. Figures are percent of one core
-over the window (200 is both CPUs of the 2-CPU machine).
+then), a process started during the window counts from zero, and its role is the one it had at
+its last sample (a restarted engine core is a multiprocessing child until it renames itself).
+Figures are percent of one core over the window (200 is both CPUs of the 2-CPU machine).
 """
 
 from __future__ import annotations
@@ -71,11 +72,11 @@ class Census:
                 with p.oneshot():
                     t = p.cpu_times()
                     cpu = t.user + t.system
+                    # named again at every sample: vLLM's engine core starts as a
+                    # multiprocessing child and renames itself once it runs
+                    who = role(p.name(), p.cmdline(), p.pid == self.root.pid)
                     if p.pid not in self._last:
-                        who = role(p.name(), p.cmdline(), p.pid == self.root.pid)
                         self._first[p.pid] = cpu if initial else 0.0
-                    else:
-                        who = self._last[p.pid][0]
             except psutil.Error:  # gone between listing and reading: its last sample stands
                 continue
             self._last[p.pid] = (who, cpu)

@@ -62,8 +62,9 @@ def test_a_process_that_exits_keeps_its_cpu_and_what_came_before_does_not_count(
     try:
         assert before.stdout is not None and before.stdout.readline().strip() == "burnt"
         with Census(every=0.1) as census:
-            # in the window: a process that spends 0.5 s of CPU and exits before the window ends
-            during = subprocess.Popen([sys.executable, "-c", BURN, "0.5", "0"])
+            # in the window: a process that spends 0.5 s of CPU, idles 0.5 s (sampled in
+            # between) and exits before the window ends
+            during = subprocess.Popen([sys.executable, "-c", BURN, "0.5", "0.5"])
             during.wait(timeout=60)
             time.sleep(0.3)
         result = census.result()
@@ -74,9 +75,39 @@ def test_a_process_that_exits_keeps_its_cpu_and_what_came_before_does_not_count(
             during.kill()
     window = result["window_s"]
     cpu_s = {k: v / 100 * window for k, v in result["percent_of_one_core"].items()}
-    assert cpu_s.get("other", 0.0) >= 0.4, result  # counted up to its last sample before exit
+    assert cpu_s.get("other", 0.0) >= 0.45, result  # counted up to its last sample before exit
     assert cpu_s.get("api_server", 0.0) < 0.1, result  # its 0.4 s came before the window
     assert result["run_total_percent"] >= result["percent_of_one_core"]["other"]
     assert result["cpus"] >= 1
     busy = result["machine_busy_percent_of_all_cpus"]
     assert busy is not None and 0 < busy <= 100
+
+
+RENAMED = """
+import time, setproctitle
+while time.process_time() < 0.3:
+    pass
+setproctitle.setproctitle("VLLM::EngineCore")
+while time.process_time() < 0.6:
+    pass
+print("renamed", flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_process_that_renames_itself_counts_under_its_last_name() -> None:
+    # vLLM's engine core starts as `python -c "from multiprocessing.spawn ..."` and renames
+    # itself: a restarted engine's core was counted as "other" when named only once
+    child: subprocess.Popen[str] | None = None
+    with Census(every=0.05) as census:
+        child = subprocess.Popen([sys.executable, "-c", RENAMED], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "renamed"
+            time.sleep(0.2)
+        finally:
+            child.kill()
+            child.wait()
+    result = census.result()
+    cpu_s = {k: v / 100 * result["window_s"] for k, v in result["percent_of_one_core"].items()}
+    assert cpu_s.get("engine_core", 0.0) >= 0.5, result
+    assert cpu_s.get("other", 0.0) < 0.1, result
