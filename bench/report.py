@@ -581,7 +581,7 @@ def _outcome_table(trace: dict[str, Any]) -> str:
     for config in ("default", "static", *without, "oomguard"):
         o = trace["outcomes"].get(config)
         if o is None:
-            rows.append([config, "not run", *[""] * (7 if step else 6)])
+            rows.append([config, "not run", *[""] * (8 if step else 7)])
             continue
         held = o.get("inflight_at_incident_per_engine")
         rows.append(
@@ -596,6 +596,7 @@ def _outcome_table(trace: dict[str, Any]) -> str:
                 if o.get("inflight_decode_slowdown")
                 else "–",
                 _recovery(o) if config == "oomguard" else "–",
+                _engine_cpu(o),
             ]
             # what the step guard did (only `oomguard` runs it)
             + ([_shrinks(o) if config == "oomguard" else "–"] if step else [])
@@ -610,10 +611,16 @@ def _outcome_table(trace: dict[str, Any]) -> str:
             "in flight at the incident, engines 0, 1",
             "decode slowdown",
             "recovery",
+            "engine cores' CPU, % of a core",
             *(["step guard shrinks"] if step else []),
         ],
         rows,
     )
+
+
+def _engine_cpu(o: dict[str, Any]) -> str:
+    """Both engine cores' CPU over the replay (bench/census.py; runs recorded before: a dash)."""
+    return fmt((o.get("cpu") or {}).get("percent_of_one_core", {}).get("engine_core"), ".0f")
 
 
 def _shrinks(o: dict[str, Any]) -> str:
