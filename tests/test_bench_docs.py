@@ -131,13 +131,19 @@ def test_a_step_trace_s_table_shows_the_step_guard_s_shrinks() -> None:
         "outcomes": {
             "default": _row("default", crashes=1, step_guard_shrinks={}),
             "oomguard-no-step-guard": _row("x", step_guard_shrinks={}),
-            "oomguard": _row("oomguard", step_guard_shrinks={"wait/activations": 3}),
+            "oomguard": _row(
+                "oomguard",
+                step_guard_shrinks={"wait/activations": 3},
+                cpu={"percent_of_one_core": {"engine_core": 104.6, "remediator": 2.2}},
+            ),
         }
     }
     lines = report._outcome_table(trace).splitlines()
-    assert lines[0].endswith("| step guard shrinks |")
-    assert [len(line.split("|")) for line in lines] == [11] * len(lines)
-    assert lines[-1].endswith("| 3 wait/activations |")
+    assert lines[0].endswith("| engine cores' CPU, % of a core | step guard shrinks |")
+    assert [len(line.split("|")) for line in lines] == [12] * len(lines)
+    # the engine cores' CPU where the run's census recorded it (bench/census.py), else a dash
+    assert lines[-1].endswith("| 105 | 3 wait/activations |")
+    assert lines[2].endswith("| – | – |")
     assert "| static | not run |" in lines[3]
     before = {"outcomes": {"default": _row("default")}}
     assert "shrinks" not in report._outcome_table(before)
