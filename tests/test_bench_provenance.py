@@ -260,3 +260,16 @@ def test_every_recorded_result_carries_its_commit_and_measured_paths() -> None:
             assert isinstance(prov["commit"], str) and len(prov["commit"]) == 40, part.name
             assert prov["measures"] and prov["measured_digest"], part.name
             assert isinstance(prov["backfilled"], bool), part.name
+
+
+def test_outcome_repeat_summaries_agree_with_the_rows_they_summarize() -> None:
+    """`repeats.<trace>.oomguard_vs_default` is derived from the trace's row and the repeats made
+    as it was; docs/benchmarks.md prints it as the recorded run's spread. A row re-recorded
+    without recomputing it left the old row's ratios there (bench/outcome.py's main() writes a
+    new row without touching `repeats`: recompute the summary there when the row changes)."""
+    from bench.outcome import repeats_summary
+
+    recorded = json.loads((RESULTS / "outcome.json").read_text())
+    for key, repeats in recorded.get("repeats", {}).items():
+        row = recorded["traces"].get(key)
+        assert repeats["oomguard_vs_default"] == repeats_summary(row, repeats["runs"]), key
