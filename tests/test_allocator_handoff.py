@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -353,3 +354,74 @@ def test_reports_are_readable_by_an_exporter_running_as_another_user(tmp_path):
     report = AllocatorReport(1.0, 42, 0, "t", "0", 0, "GPU-a", 1, 2, 3, 4, 0, 0, 0)
     path = write_report(tmp_path, report)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def _ooms_on_disk(directory, pid: int) -> int:
+    return int(json.loads(report_path(directory, pid).read_text())["ooms"])
+
+
+def with_ooms(pid: int, ooms: int, ts: float = 1000.0) -> AllocatorReport:
+    return dataclasses.replace(report(pid=pid, ts=ts), ooms=ooms)
+
+
+def test_an_older_snapshot_written_after_an_oom_keeps_the_oom_counted(tmp_path):
+    """The periodic publisher read its stats (0 OOMs), the OOM observer wrote 1 OOM, then the
+    publisher's write landed: this process's report still says 1, and counts on from there."""
+    me = os.getpid()
+    stale = with_ooms(me, 0, ts=1000.0)
+    write_report(tmp_path, with_ooms(me, 1, ts=1000.1))  # the observer's
+    write_report(tmp_path, stale)  # the publisher's, read before the OOM
+    assert _ooms_on_disk(tmp_path, me) == 1
+    write_report(tmp_path, with_ooms(me, 3, ts=1001.0))
+    assert _ooms_on_disk(tmp_path, me) == 3
+    # another directory is another report: its count is its own
+    write_report(tmp_path / "other", with_ooms(me, 0, ts=1001.0))
+    assert _ooms_on_disk(tmp_path / "other", me) == 0
+
+
+def test_reports_written_for_other_processes_are_written_as_given(tmp_path):
+    write_report(tmp_path, with_ooms(4242, 5))
+    write_report(tmp_path, with_ooms(4242, 0))
+    assert _ooms_on_disk(tmp_path, 4242) == 0
+
+
+@pytest.mark.parametrize("first_lands", ["publisher", "observer"])
+def test_the_two_writers_in_two_threads_never_lose_the_oom(tmp_path, first_lands):
+    """The same race with real threads: the publisher holds a pre-OOM snapshot while the
+    observer writes, in either order of landing."""
+    me = os.getpid()
+    snapshot_taken, observer_done = threading.Event(), threading.Event()
+
+    def publisher() -> None:
+        stale = with_ooms(me, 0)
+        snapshot_taken.set()
+        if first_lands == "observer":
+            observer_done.wait(10)
+        write_report(tmp_path, stale)
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    assert snapshot_taken.wait(10)
+    if first_lands == "publisher":
+        thread.join(10)
+    write_report(tmp_path, with_ooms(me, 1))
+    observer_done.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert _ooms_on_disk(tmp_path, me) == 1
+
+
+def test_a_forked_child_writes_its_own_count_from_zero(tmp_path):
+    """The memory of what was written is per process: a child forked while the parent held
+    1 OOM has a report of its own, with its own count (and a lock no other thread holds)."""
+    write_report(tmp_path, with_ooms(os.getpid(), 1))
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            write_report(tmp_path, with_ooms(os.getpid(), 0))
+            code = 0 if _ooms_on_disk(tmp_path, os.getpid()) == 0 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

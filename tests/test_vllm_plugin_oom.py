@@ -24,7 +24,8 @@ pytestmark = pytest.mark.xdist_group(GROUP)
 
 def test_a_fatal_oom_is_on_disk_before_the_process_dies(twin_oom_dir):
     # the child ran the twin's 6,000-token prompt-logprobs step, which did not fit, and died
-    # with exit code 1 (tests/twin_oom.py, checked there)
+    # with exit code 1 (tests/twin_oom.py, checked there); its periodic report, read before the
+    # OOM, landed after the observer's: the count stays
     reports = [json.loads(p.read_text()) for p in twin_oom_dir.glob("pid-*.json")]
     assert len(reports) == 1 and reports[0]["ooms"] == 1, reports
     assert reports[0]["target"] == "llama" and reports[0]["schema"] == "oomguard.allocator.v1"

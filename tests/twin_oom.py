@@ -18,14 +18,29 @@ GROUP = "twin-oom-child"
 
 CHILD = textwrap.dedent(
     """
-    import os, sys
+    import os, sys, threading
     from types import SimpleNamespace
     import torch
+    from oomguard import handoff
     from oomguard.twin.executor import GpuTwin
     from oomguard.twin.physics import Step
     from oomguard.vllm_plugin import oom
 
     directory = sys.argv[1]
+    # the race a dying process must win: the twin's periodic publisher (a thread, as the
+    # plugin's is on a GPU) has read its stats before the OOM and writes them after the
+    # observer wrote the OOM; held here so that the order is certain, not likely
+    real_write, held, observed, landed = handoff.write_report, *(threading.Event() for _ in "abc")
+    def hold_the_periodic_report(path, report):
+        if threading.current_thread().name != "twin-gpu-process" or held.is_set():
+            return real_write(path, report)
+        held.set()
+        observed.wait(60)
+        try:
+            return real_write(path, report)
+        finally:
+            landed.set()
+    handoff.write_report = hold_the_periodic_report
     config = SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=64,
                                          enable_chunked_prefill=True),
@@ -33,7 +48,7 @@ CHILD = textwrap.dedent(
         model_config=SimpleNamespace(max_model_len=32768),
     )
     twin = GpuTwin(config, {"gpu": "H100", "allocator_dir": directory, "target": "llama"})
-    twin.publish(force=True)  # the last periodic report: no OOM in it
+    assert held.wait(60)  # the thread's periodic report, read before the OOM: no OOM in it
     twin.neighbour = 6 * 2**30  # another process holds 6 GiB of the H100
     # the step the engine was running: a 6,000-token prompt asking for prompt_logprobs
     new = SimpleNamespace(
@@ -51,6 +66,8 @@ CHILD = textwrap.dedent(
     try:
         twin.step(Step(tokens=6001, logits=6000))
     except torch.OutOfMemoryError:
+        observed.set()  # the observer wrote ooms 1; now the older report lands
+        landed.wait(60)
         os._exit(1)  # dies at once: no atexit, no publisher, no cleanup
     os._exit(0)
     """

@@ -51,8 +51,9 @@ import math
 import os
 import re
 import tempfile
+import threading
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -231,9 +232,41 @@ def report_path(directory: str | os.PathLike[str], pid: int) -> Path:
     return Path(directory) / f"pid-{pid}.json"
 
 
+# One process has two writers of its own report: the periodic publisher (a thread) and the OOM
+# observer (whichever thread hit the OOM). The publisher reads memory_stats(), then writes; an
+# OOM observed in between wrote `ooms` + 1, and the publisher's older snapshot would replace it
+# (in a process about to die, for good: the exporter never sees the OOM). So writes of this
+# process's report are serialised, and its OOM count never goes down.
+_write_lock = threading.RLock()  # re-entrant: an observer may fire in a thread mid-write
+_ooms_written: dict[str, int] = {}  # report path -> highest `ooms` this process wrote there
+
+
+def _after_fork_in_child() -> None:
+    global _write_lock
+    _write_lock = threading.RLock()  # another thread may have held it at the fork
+    _ooms_written.clear()  # the child has a pid, and a report, of its own
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def write_report(directory: str | os.PathLike[str], report: AllocatorReport) -> Path:
-    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    """Write atomically: a reader sees the old file or the new one, never half of one.
+
+    For this process's own report, `ooms` is at least what it last wrote there, whichever of
+    its writers' snapshots is older."""
     path = report_path(directory, report.pid)
+    if report.pid != os.getpid():
+        return _replace_file(path, report)  # a report written for another process (tests, bench)
+    with _write_lock:
+        key = str(path)
+        report = replace(report, ooms=max(report.ooms, _ooms_written.get(key, 0)))
+        _replace_file(path, report)
+        _ooms_written[key] = report.ooms
+        return path
+
+
+def _replace_file(path: Path, report: AllocatorReport) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".pid-", suffix=".tmp", dir=path.parent)
     try:
