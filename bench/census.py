@@ -22,6 +22,18 @@ from typing import Any
 import psutil
 
 
+def cpu_seconds(proc: psutil.Process) -> float:
+    """User plus system CPU seconds the process has used so far."""
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+def engine_cores(cpu: dict[str, Any] | None) -> float | None:
+    """The engine cores' share (percent of one core) in a census result; None where a run
+    recorded none (runs from before the census)."""
+    return (cpu or {}).get("percent_of_one_core", {}).get("engine_core")
+
+
 def _command(cmdline: list[str], program: str) -> str | None:
     """The subcommand after `program` (its path or module name) in a command line, if any."""
     for i, arg in enumerate(cmdline):
@@ -70,8 +82,7 @@ class Census:
         for p in procs:
             try:
                 with p.oneshot():
-                    t = p.cpu_times()
-                    cpu = t.user + t.system
+                    cpu = cpu_seconds(p)
                     # named again at every sample: vLLM's engine core starts as a
                     # multiprocessing child and renames itself once it runs
                     who = role(p.name(), p.cmdline(), p.pid == self.root.pid)

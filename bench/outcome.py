@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import record
-from bench.census import Census
+from bench.census import Census, engine_cores
 from oomguard.handoff import AllocatorReport, InvalidReport
 from oomguard.lab.matrix import STEP_TRACES  # (the same traces, simulated)
 from oomguard.lab.routers import ROUTERS
@@ -590,6 +590,13 @@ def repeats_summary(row: dict[str, Any] | None, runs: list[dict[str, Any]]) -> d
     }
 
 
+def resummarise(kept_keys: dict[str, Any], key: str, row: dict[str, Any]) -> None:
+    """A new row for a trace with repeats: their summary counts the new row, not the old one."""
+    mine = kept_keys.get("repeats", {}).get(key)
+    if mine is not None:
+        mine["oomguard_vs_default"] = repeats_summary(row, mine.get("runs", []))
+
+
 def add_repeats(recorded: dict[str, Any], key: str, entries: list[dict[str, Any]]) -> int:
     """Append `entries` (those not recorded yet) to `recorded`'s repeats of `key`, recompute
     their summary, and say how many were new."""
@@ -732,6 +739,7 @@ def main() -> int:
             if args.repeat:
                 continue  # recorded once all its configurations ran (below)
             traces[key] = row
+            resummarise(kept_keys, key, row)
             record.write(
                 args.out,
                 "outcome",
@@ -806,7 +814,7 @@ HORIZON = (
 
 def summary(o: Outcome, x: dict[str, Any]) -> str:
     """One line per configuration: what the crash cost and how long recovery took."""
-    cores = (x.get("cpu") or {}).get("percent_of_one_core", {}).get("engine_core")
+    cores = engine_cores(x.get("cpu"))
     return (
         f"{o.config:9s} crashes {o.crashes}  lost {o.lost}/{o.requests}  goodput "
         f"{o.goodput_tokens_per_s:8.1f} tok/s  p99 TTFT {o.ttft_p99_s}  preemptions "

@@ -30,6 +30,7 @@ import httpx
 import psutil
 
 from bench import record
+from bench.census import cpu_seconds
 from oomguard.vllm_plugin.engine import _wrap_schedule
 from tests.vllm_server import AUTH, VllmServer, complete
 
@@ -51,11 +52,6 @@ def engine_core(server: VllmServer) -> psutil.Process:
         if "EngineCore" in command or "spawn_main" in command:
             return child
     raise RuntimeError("no EngineCore process found")
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
 
 
 async def workload(server: VllmServer, n: int, offset: int) -> float:

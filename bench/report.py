@@ -619,7 +619,9 @@ def _outcome_table(trace: dict[str, Any]) -> str:
 
 
 def _engine_cpu(o: dict[str, Any]) -> str:
-    """Both engine cores' CPU over the replay (bench/census.py; runs recorded before: a dash)."""
+    """Both engine cores' CPU over the replay (bench/census.py; runs recorded before: a dash).
+    Read here, not with census.engine_cores: this file is loaded by path, importing nothing of
+    bench/ (core/oomguard/cli.py, benchmark_docs)."""
     return fmt((o.get("cpu") or {}).get("percent_of_one_core", {}).get("engine_core"), ".0f")
 
 

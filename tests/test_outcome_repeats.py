@@ -106,3 +106,17 @@ def test_a_run_without_vllm_alone_is_counted_apart_and_no_runs_give_dashes():
 
     assert fmt(empty["median"], ".3f") == "–"
     assert fmt([0.9441, 1.0], "list:.3f") == "0.944, 1.000"
+
+
+def test_a_new_row_recomputes_the_summary_of_the_repeats_beside_it():
+    """A normal run replacing a trace's row (bench.outcome main) re-sums its repeats: the page
+    never shows the old row's ratio beside the new row."""
+    recorded: dict[str, Any] = {"traces": {"creep": _row(100.0, 94.0, "d1")}}
+    outcome.add_repeats(recorded, "creep", [outcome.repeat_entry(_row(100.0, 96.0, "d1"))])
+    new_row = _row(100.0, 99.0, "d1")
+    recorded["traces"]["creep"] = new_row
+    outcome.resummarise(recorded, "creep", new_row)
+    summary = recorded["repeats"]["creep"]["oomguard_vs_default"]
+    assert summary["ratios"] == [0.99, 0.96] and summary["median"] == 0.975
+    outcome.resummarise(recorded, "spike", new_row)  # a trace without repeats: none made
+    assert set(recorded["repeats"]) == {"creep"}
