@@ -30,7 +30,8 @@ CHILD = textwrap.dedent(
     # the race a dying process must win: the twin's periodic publisher (a thread, as the
     # plugin's is on a GPU) has read its stats before the OOM and writes them after the
     # observer wrote the OOM; held here so that the order is certain, not likely
-    real_write, held, observed, landed = handoff.write_report, *(threading.Event() for _ in "abc")
+    real_write = handoff.write_report
+    held, observed, landed = threading.Event(), threading.Event(), threading.Event()
     def hold_the_periodic_report(path, report):
         if threading.current_thread().name != "twin-gpu-process" or held.is_set():
             return real_write(path, report)
