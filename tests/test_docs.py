@@ -254,6 +254,26 @@ def test_kubernetes_walkthrough(tmp_path):
     assert any(c.startswith("kubectl get crd") for c in calls)
 
 
+def test_kubernetes_priority_class_quota_admits_the_exporter():
+    """docs/kubernetes.md's ResourceQuota, for clusters that limit priority classes, names the
+    class the generated DaemonSet's pods use, in the DaemonSet's namespace: a renamed class or
+    namespace in the generator leaves that quota admitting nothing."""
+    (code,) = [c for _, c in blocks("docs/kubernetes.md") if "kind: ResourceQuota" in c]
+    quota = yaml.safe_load(code.split("<<'YAML'\n", 1)[1].split("\nYAML", 1)[0])
+    exporter = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/exporter.yaml").read_text()))
+    (daemonset,) = [o for o in exporter if o and o["kind"] == "DaemonSet"]
+    (priority,) = [o for o in exporter if o and o["kind"] == "PriorityClass"]
+    used = daemonset["spec"]["template"]["spec"]["priorityClassName"]
+    assert used == priority["metadata"]["name"]
+    assert quota["apiVersion"] == "v1" and quota["kind"] == "ResourceQuota"
+    assert quota["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    (match,) = quota["spec"]["scopeSelector"]["matchExpressions"]
+    assert match["scopeName"] == "PriorityClass" and match["operator"] == "In"
+    assert match["values"] == [used]
+    pods = quota["spec"]["hard"]["pods"]
+    assert isinstance(pods, str) and int(pods) > 0  # a quantity, quoted as the API takes it
+
+
 def test_kubernetes_manifests_leave_the_cluster_alertmanager_alone(tmp_path):
     need("kubectl")
     root, _ = sandbox(tmp_path, "docs/kubernetes.md")
